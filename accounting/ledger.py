@@ -1,0 +1,277 @@
+"""The ledger: accounts of buffers, updated O(1) per allocator event, snapshotted whole.
+
+An `Account` is one index space and the layer buffers that share it (the SWA
+pool of all layers, the C4 rows of all ratio-4 layers, ...). The allocator of
+that space reports events to its account; per-buffer figures are derived from
+the account's counters and the buffer's static sizes, and every rollup is a sum
+over buffers (bytes) or accounts (slots) taken inside one snapshot. No rollup is
+a counter of its own, so none can drift.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from accounting.buffers import BufferSpec, Owner
+from accounting.events import PoolEvent
+from accounting.snapshot import AccountRow, BufferRow, Snapshot
+
+# Upper bounds (seconds) of the map-latency histogram buckets for one page id.
+MAP_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+)
+
+
+class LedgerError(RuntimeError):
+    """A figure would go negative or past its bound: a bug in whoever reported it."""
+
+
+class Account:
+    """Counters of one index space. Implements `accounting.PoolObserver`."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        key: str,
+        family: str,
+        pool: str,
+        owner: Owner,
+        buffers: tuple[BufferSpec, ...],
+        page_bytes: int,
+        capacity_slots: int,
+    ) -> None:
+        self._ledger = ledger
+        self.key = key
+        self.family = family
+        self.pool = pool
+        self.owner = owner
+        self.buffers = buffers
+        self.page_bytes = page_bytes
+        self.capacity_slots = capacity_slots
+        self.handle_pages = 0
+        self.mapped_pages = 0
+        self.occupied_slots = 0
+        self.peak_occupied_slots = 0
+        self.peak_handle_pages = 0
+        self.pages_mapped_total = 0
+        self.pages_unmapped_total = 0
+        self.map_seconds_total = 0.0
+        self.unmap_seconds_total = 0.0
+        self.map_calls = 0
+        self.map_bucket_counts = [0] * (len(MAP_SECONDS_BUCKETS) + 1)
+
+    # -- PoolObserver ---------------------------------------------------------
+    def on_pool_event(self, event: PoolEvent, count: int, seconds: float = 0.0) -> None:
+        if count < 0:
+            raise LedgerError(f"account {self.key!r}: {event.value} count={count}, expected >= 0")
+        with self._ledger._lock:
+            if event is PoolEvent.SLOTS_OCCUPIED:
+                self._set_occupied(self.occupied_slots + count, event)
+            elif event is PoolEvent.SLOTS_FREED:
+                self._set_occupied(self.occupied_slots - count, event)
+            elif event is PoolEvent.HANDLES_CREATED:
+                self._require_vmm(event)
+                self.handle_pages += count
+                self.peak_handle_pages = max(self.peak_handle_pages, self.handle_pages)
+            elif event is PoolEvent.HANDLES_RELEASED:
+                self._require_vmm(event)
+                self._check_nonnegative(self.handle_pages - count, "handle_pages", event)
+                self.handle_pages -= count
+            elif event is PoolEvent.PAGES_MAPPED:
+                self._require_vmm(event)
+                self.mapped_pages += count
+                self.pages_mapped_total += count
+                self.map_seconds_total += seconds
+                self.map_calls += 1
+                per_page = seconds / count if count else 0.0
+                self.map_bucket_counts[bisect.bisect_left(MAP_SECONDS_BUCKETS, per_page)] += 1
+            elif event is PoolEvent.PAGES_UNMAPPED:
+                self._require_vmm(event)
+                self._check_nonnegative(self.mapped_pages - count, "mapped_pages", event)
+                self.mapped_pages -= count
+                self.pages_unmapped_total += count
+                self.unmap_seconds_total += seconds
+            else:  # pragma: no cover - exhaustive over PoolEvent
+                raise LedgerError(f"unknown event {event!r}")
+            self._ledger._epoch += 1
+
+    # -- runtime-owned occupancy ---------------------------------------------
+    def occupy(self, slots: int) -> None:
+        """Whoever allocates rows of a runtime-owned buffer reports them here."""
+        self.on_pool_event(PoolEvent.SLOTS_OCCUPIED, slots)
+
+    def release(self, slots: int) -> None:
+        self.on_pool_event(PoolEvent.SLOTS_FREED, slots)
+
+    # -- internals ------------------------------------------------------------
+    def _set_occupied(self, value: int, event: PoolEvent) -> None:
+        self._check_nonnegative(value, "occupied_slots", event)
+        if value > self.capacity_slots:
+            raise LedgerError(
+                f"account {self.key!r}: {event.value} makes occupied_slots={value}, "
+                f"expected <= capacity_slots={self.capacity_slots}"
+            )
+        self.occupied_slots = value
+        self.peak_occupied_slots = max(self.peak_occupied_slots, value)
+
+    def _check_nonnegative(self, value: int, name: str, event: PoolEvent) -> None:
+        if value < 0:
+            raise LedgerError(f"account {self.key!r}: {event.value} makes {name}={value}, expected >= 0")
+
+    def _require_vmm(self, event: PoolEvent) -> None:
+        if self.owner is not Owner.VMM:
+            raise LedgerError(
+                f"account {self.key!r}: {event.value} on a {self.owner.value}-owned account, "
+                "expected a vmm-owned one"
+            )
+
+    def _row(self) -> AccountRow:
+        return AccountRow(
+            key=self.key,
+            family=self.family,
+            pool=self.pool,
+            owner=self.owner,
+            page_bytes=self.page_bytes,
+            capacity_slots=self.capacity_slots,
+            occupied_slots=self.occupied_slots,
+            peak_occupied_slots=self.peak_occupied_slots,
+            handle_pages=self.handle_pages,
+            peak_handle_pages=self.peak_handle_pages,
+            mapped_pages=self.mapped_pages,
+            pages_mapped_total=self.pages_mapped_total,
+            pages_unmapped_total=self.pages_unmapped_total,
+            map_seconds_total=self.map_seconds_total,
+            unmap_seconds_total=self.unmap_seconds_total,
+            map_calls=self.map_calls,
+            map_bucket_counts=tuple(self.map_bucket_counts),
+        )
+
+    def _buffer_rows(self) -> list[BufferRow]:
+        rows = []
+        for spec in self.buffers:
+            if self.owner is Owner.VMM:
+                physical = self.handle_pages * self.page_bytes
+                mapped = self.mapped_pages * self.page_bytes
+            else:
+                physical = mapped = spec.reserved_bytes
+            rows.append(
+                BufferRow(
+                    spec=spec,
+                    account=self.key,
+                    physical_bytes=physical,
+                    mapped_bytes=mapped,
+                    occupied_slots=self.occupied_slots,
+                    page_bytes=self.page_bytes,
+                )
+            )
+        return rows
+
+
+TruthReader = Callable[[Snapshot], Mapping[str, Any]]
+
+
+class Ledger:
+    """All accounts of one process (one rank), labelled with the engine's labels."""
+
+    def __init__(self, labels: Mapping[str, str] | None = None) -> None:
+        self.labels: dict[str, str] = dict(labels or {})
+        self._lock = threading.RLock()
+        self._accounts: dict[str, Account] = {}
+        self._buffer_names: set[tuple[str, str]] = set()
+        self._epoch = 0
+        self._truth: list[TruthReader] = []
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def add_account(
+        self,
+        buffers: Iterable[BufferSpec],
+        *,
+        key: str | None = None,
+        page_bytes: int = 0,
+        capacity_slots: int | None = None,
+    ) -> Account:
+        """Register the buffers of one index space. All must share family, pool and owner.
+
+        VMM accounts need `page_bytes` (the size of one physical page of one buffer).
+        Runtime accounts hold their storage as physical bytes from the start.
+        """
+        specs = tuple(buffers)
+        if not specs:
+            raise ValueError("add_account: buffers is empty, expected at least one BufferSpec")
+        first = specs[0]
+        for s in specs[1:]:
+            if (s.family, s.pool, s.owner) != (first.family, first.pool, first.owner):
+                raise ValueError(
+                    f"add_account: buffer {s.name!r} is ({s.family}, {s.pool}, {s.owner.value}), "
+                    f"expected ({first.family}, {first.pool}, {first.owner.value}) like {first.name!r}"
+                )
+        if first.owner is Owner.VMM and page_bytes <= 0:
+            raise ValueError(f"add_account: page_bytes={page_bytes} for a vmm account, expected > 0")
+        capacity = first.capacity_slots if capacity_slots is None else capacity_slots
+        key = key or f"{first.pool}/{first.family}"
+        with self._lock:
+            if key in self._accounts:
+                raise ValueError(f"add_account: key {key!r} is already registered")
+            for s in specs:
+                if (s.pool, s.name) in self._buffer_names:
+                    raise ValueError(f"add_account: buffer {s.name!r} of pool {s.pool!r} is already registered")
+            account = Account(
+                self,
+                key=key,
+                family=first.family,
+                pool=first.pool,
+                owner=first.owner,
+                buffers=specs,
+                page_bytes=page_bytes,
+                capacity_slots=capacity,
+            )
+            self._accounts[key] = account
+            self._buffer_names.update((s.pool, s.name) for s in specs)
+            self._epoch += 1
+        return account
+
+    def remove_account(self, account: Account) -> None:
+        """Drop an account whose memory is gone. Refuses one that still holds memory or slots."""
+        with self._lock:
+            if self._accounts.get(account.key) is not account:
+                raise ValueError(f"remove_account: {account.key!r} is not registered here")
+            if account.handle_pages or account.mapped_pages or account.occupied_slots:
+                raise LedgerError(
+                    f"remove_account: {account.key!r} still holds handle_pages={account.handle_pages} "
+                    f"mapped_pages={account.mapped_pages} occupied_slots={account.occupied_slots}"
+                )
+            del self._accounts[account.key]
+            self._buffer_names.difference_update((s.pool, s.name) for s in account.buffers)
+            self._epoch += 1
+
+    def accounts(self) -> tuple[Account, ...]:
+        with self._lock:
+            return tuple(self._accounts.values())
+
+    def add_truth(self, reader: TruthReader) -> None:
+        """Add a reconciliation source, read once per snapshot (see accounting.reconcile)."""
+        self._truth.append(reader)
+
+    def snapshot(self, *, reconcile: bool = True) -> Snapshot:
+        with self._lock:
+            accounts = list(self._accounts.values())
+            snap = Snapshot.build(
+                epoch=self._epoch,
+                taken_at=time.time(),
+                labels=dict(self.labels),
+                accounts=[a._row() for a in accounts],
+                buffers=[row for a in accounts for row in a._buffer_rows()],
+            )
+            if reconcile and self._truth:
+                # Read under the lock so no allocator event lands between the figures
+                # and the truth they are held against.
+                snap = snap.with_reconciliation([dict(r(snap)) for r in self._truth])
+        return snap

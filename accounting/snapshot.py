@@ -1,0 +1,207 @@
+"""One consistent view of the ledger: buffer rows, account rows, rollups, relation checks.
+
+A snapshot is immutable, built at one moment under the ledger's lock and tagged
+with the ledger's epoch (the number of events it had applied). Rollups are
+computed from its rows; serialising and parsing it round-trips exactly, which is
+how it travels from an engine process to the exporter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from accounting.buffers import BufferSpec, Owner
+from accounting.figures import FIGURE_NAMES, FIGURES
+from accounting.relations import Violation, check_account, check_buffer
+
+SCHEMA_VERSION = 1
+ROLLUP_KEYS = ("family", "pool", "owner")
+
+
+@dataclass(frozen=True)
+class BufferRow:
+    spec: BufferSpec
+    account: str
+    physical_bytes: int
+    mapped_bytes: int
+    occupied_slots: int
+    page_bytes: int
+
+    @property
+    def occupied_bytes(self) -> int:
+        return self.occupied_slots * self.spec.slot_bytes
+
+    def figures(self) -> dict[str, int]:
+        return {
+            "tensor_bytes": self.spec.tensor_bytes,
+            "reserved_bytes": self.spec.reserved_bytes,
+            "physical_bytes": self.physical_bytes,
+            "mapped_bytes": self.mapped_bytes,
+            "occupied_bytes": self.occupied_bytes,
+            "occupied_slots": self.occupied_slots,
+            "capacity_slots": self.spec.capacity_slots,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.spec.to_dict(),
+            "account": self.account,
+            "page_bytes": self.page_bytes,
+            "physical_bytes": self.physical_bytes,
+            "mapped_bytes": self.mapped_bytes,
+            "occupied_slots": self.occupied_slots,
+            "occupied_bytes": self.occupied_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BufferRow:
+        return cls(
+            spec=BufferSpec.from_dict(d),
+            account=d["account"],
+            physical_bytes=d["physical_bytes"],
+            mapped_bytes=d["mapped_bytes"],
+            occupied_slots=d["occupied_slots"],
+            page_bytes=d["page_bytes"],
+        )
+
+
+@dataclass(frozen=True)
+class AccountRow:
+    key: str
+    family: str
+    pool: str
+    owner: Owner
+    page_bytes: int
+    capacity_slots: int
+    occupied_slots: int
+    peak_occupied_slots: int
+    handle_pages: int
+    peak_handle_pages: int
+    mapped_pages: int
+    pages_mapped_total: int
+    pages_unmapped_total: int
+    map_seconds_total: float
+    unmap_seconds_total: float
+    map_calls: int
+    map_bucket_counts: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["owner"] = self.owner.value
+        d["map_bucket_counts"] = list(self.map_bucket_counts)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AccountRow:
+        return cls(**{**d, "owner": Owner(d["owner"]), "map_bucket_counts": tuple(d["map_bucket_counts"])})
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    epoch: int
+    taken_at: float
+    labels: dict[str, str]
+    accounts: tuple[AccountRow, ...]
+    buffers: tuple[BufferRow, ...]
+    violations: tuple[Violation, ...]
+    reconciliation: tuple[dict[str, Any], ...] = ()
+    _rollups: dict[tuple[str, ...], dict[tuple[str, ...], dict[str, int]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        epoch: int,
+        taken_at: float,
+        labels: dict[str, str],
+        accounts: Sequence[AccountRow],
+        buffers: Sequence[BufferRow],
+    ) -> Snapshot:
+        violations = [v for b in buffers for v in check_buffer(b)]
+        violations += [v for a in accounts for v in check_account(a)]
+        return cls(
+            epoch=epoch,
+            taken_at=taken_at,
+            labels=labels,
+            accounts=tuple(accounts),
+            buffers=tuple(buffers),
+            violations=tuple(violations),
+        )
+
+    def with_reconciliation(self, results: Iterable[dict[str, Any]]) -> Snapshot:
+        return dataclasses.replace(self, reconciliation=tuple(results), _rollups={})
+
+    # -- rollups: views over rows, never counters of their own ------------------
+    def rollup(self, *by: str) -> dict[tuple[str, ...], dict[str, int]]:
+        """Figures summed per key: bytes over buffers, slots over accounts.
+
+        `by` names any of "family", "pool", "owner"; no names gives the total under key ().
+        """
+        for name in by:
+            if name not in ROLLUP_KEYS:
+                raise ValueError(f"rollup: unknown key {name!r}, expected one of {ROLLUP_KEYS}")
+        cached = self._rollups.get(by)
+        if cached is not None:
+            return cached
+        out: dict[tuple[str, ...], dict[str, int]] = {}
+        slot_figures = [f.name for f in FIGURES if f.per_account]
+        byte_figures = [f.name for f in FIGURES if not f.per_account]
+        for row in self.buffers:
+            key = tuple(_key_value(row.spec, n) for n in by)
+            sums = out.setdefault(key, dict.fromkeys(FIGURE_NAMES, 0))
+            figs = row.figures()
+            for name in byte_figures:
+                sums[name] += figs[name]
+        for acc in self.accounts:
+            key = tuple(_key_value(acc, n) for n in by)
+            sums = out.setdefault(key, dict.fromkeys(FIGURE_NAMES, 0))
+            sums["occupied_slots"] += acc.occupied_slots
+            sums["capacity_slots"] += acc.capacity_slots
+        assert set(slot_figures) == {"occupied_slots", "capacity_slots"}
+        self._rollups[by] = out
+        return out
+
+    def total(self, figure_name: str) -> int:
+        return self.rollup().get((), dict.fromkeys(FIGURE_NAMES, 0))[figure_name]
+
+    # -- serialisation ------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "epoch": self.epoch,
+            "taken_at": self.taken_at,
+            "labels": dict(self.labels),
+            "totals": self.rollup().get((), dict.fromkeys(FIGURE_NAMES, 0)),
+            "families": [
+                {"family": fam, "owner": own, **figs}
+                for (fam, own), figs in sorted(self.rollup("family", "owner").items())
+            ],
+            "accounts": [a.to_dict() for a in self.accounts],
+            "buffers": [b.to_dict() for b in self.buffers],
+            "violations": [v.to_dict() for v in self.violations],
+            "reconciliation": [dict(r) for r in self.reconciliation],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Snapshot:
+        if d.get("schema") != SCHEMA_VERSION:
+            raise ValueError(f"snapshot schema={d.get('schema')!r}, expected {SCHEMA_VERSION}")
+        return cls(
+            epoch=d["epoch"],
+            taken_at=d["taken_at"],
+            labels=dict(d["labels"]),
+            accounts=tuple(AccountRow.from_dict(a) for a in d["accounts"]),
+            buffers=tuple(BufferRow.from_dict(b) for b in d["buffers"]),
+            violations=tuple(Violation.from_dict(v) for v in d["violations"]),
+            reconciliation=tuple(d.get("reconciliation", ())),
+        )
+
+
+def _key_value(obj: Any, name: str) -> str:
+    value = getattr(obj, name)
+    return value.value if isinstance(value, Owner) else str(value)

@@ -1,0 +1,42 @@
+"""The one interface every VMM backend implements (CUDA driver, host memfd).
+
+Semantics, mirrored by both backends:
+- `reserve(size)` takes virtual address space only; touching it faults.
+- `create(size)` commits physical memory at once and returns a handle;
+  `release(handle)` gives it back (deferred until its last mapping goes).
+- `map(address, size, handle)` places a handle at an address inside a
+  reservation; the range stays inaccessible until `set_access`.
+- `unmap(address, size)` returns the range to reserved-but-inaccessible.
+All sizes and addresses are multiples of `granularity`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Backend(Protocol):
+    name: str
+    granularity: int
+
+    def reserve(self, size: int) -> int: ...
+    def free_reservation(self, address: int, size: int) -> None: ...
+    def create(self, size: int) -> int: ...
+    def release(self, handle: int) -> None: ...
+    def map(self, address: int, size: int, handle: int) -> None: ...
+    def unmap(self, address: int, size: int) -> None: ...
+    def set_access(self, address: int, size: int) -> None: ...
+    def byte_tensor(self, address: int, size: int) -> Any:
+        """A 1-D uint8 torch tensor over [address, address + size), on this backend's device."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def check_aligned(op: str, granularity: int, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 0 or value % granularity:
+            raise ValueError(
+                f"{op}: {name}={value!r}, expected a non-negative multiple of the "
+                f"granularity {granularity}"
+            )

@@ -22,7 +22,16 @@ from accounting.snapshot import AccountRow, BufferRow, Snapshot
 
 # Upper bounds (seconds) of the map-latency histogram buckets for one page id.
 MAP_SECONDS_BUCKETS: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
 )
 
 
@@ -121,7 +130,9 @@ class Account:
 
     def _check_nonnegative(self, value: int, name: str, event: PoolEvent) -> None:
         if value < 0:
-            raise LedgerError(f"account {self.key!r}: {event.value} makes {name}={value}, expected >= 0")
+            raise LedgerError(
+                f"account {self.key!r}: {event.value} makes {name}={value}, expected >= 0"
+            )
 
     def _require_vmm(self, event: PoolEvent) -> None:
         if self.owner is not Owner.VMM:
@@ -214,7 +225,9 @@ class Ledger:
                     f"expected ({first.family}, {first.pool}, {first.owner.value}) like {first.name!r}"
                 )
         if first.owner is Owner.VMM and page_bytes <= 0:
-            raise ValueError(f"add_account: page_bytes={page_bytes} for a vmm account, expected > 0")
+            raise ValueError(
+                f"add_account: page_bytes={page_bytes} for a vmm account, expected > 0"
+            )
         capacity = first.capacity_slots if capacity_slots is None else capacity_slots
         key = key or f"{first.pool}/{first.family}"
         with self._lock:
@@ -222,7 +235,9 @@ class Ledger:
                 raise ValueError(f"add_account: key {key!r} is already registered")
             for s in specs:
                 if (s.pool, s.name) in self._buffer_names:
-                    raise ValueError(f"add_account: buffer {s.name!r} of pool {s.pool!r} is already registered")
+                    raise ValueError(
+                        f"add_account: buffer {s.name!r} of pool {s.pool!r} is already registered"
+                    )
             account = Account(
                 self,
                 key=key,

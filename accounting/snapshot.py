@@ -96,7 +96,9 @@ class AccountRow:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AccountRow:
-        return cls(**{**d, "owner": Owner(d["owner"]), "map_bucket_counts": tuple(d["map_bucket_counts"])})
+        return cls(
+            **{**d, "owner": Owner(d["owner"]), "map_bucket_counts": tuple(d["map_bucket_counts"])}
+        )
 
 
 @dataclass(frozen=True)

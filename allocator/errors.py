@@ -1,11 +1,11 @@
 """kvledger's allocator exceptions.
 
-    KvAllocatorError
-     ├── DriverError          a backend call failed: operation, address, driver error name
-     ├── CapacityError        an allocation cannot be met (slots or physical budget); nothing changed
-     ├── SlotError            double free, foreign or out-of-range slot ids; nothing changed
-     ├── IncompatibleError    a pool shape the VMM path cannot serve (see allocator.activation)
-     └── ClosedError          the pool or backend was used after close()
+KvAllocatorError
+ ├── DriverError          a backend call failed: operation, address, driver error name
+ ├── CapacityError        an allocation cannot be met (slots or physical budget); nothing changed
+ ├── SlotError            double free, foreign or out-of-range slot ids; nothing changed
+ ├── IncompatibleError    a pool shape the VMM path cannot serve (see allocator.activation)
+ └── ClosedError          the pool or backend was used after close()
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ class KvAllocatorError(RuntimeError):
 
 
 class DriverError(KvAllocatorError):
-    def __init__(self, op: str, error_name: str, detail: str = "", address: int | None = None) -> None:
+    def __init__(
+        self, op: str, error_name: str, detail: str = "", address: int | None = None
+    ) -> None:
         self.op = op
         self.error_name = error_name
         self.address = address

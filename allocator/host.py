@@ -39,7 +39,14 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
@@ -49,7 +56,9 @@ DEFAULT_GRANULARITY = 2 << 20  # the CUDA VMM granularity measured on an H200
 
 def _errno_error(op: str, address: int | None, detail: str = "") -> DriverError:
     err = ctypes.get_errno()
-    return DriverError(op, errno.errorcode.get(err, f"errno {err}"), detail or os.strerror(err), address)
+    return DriverError(
+        op, errno.errorcode.get(err, f"errno {err}"), detail or os.strerror(err), address
+    )
 
 
 @dataclass
@@ -106,9 +115,13 @@ class HostBackend:
         with self._lock:
             self._check_open("free_reservation")
             if self._reservations.get(address) != size:
-                raise DriverError("free_reservation", "EINVAL", f"no reservation of size {size} here", address)
+                raise DriverError(
+                    "free_reservation", "EINVAL", f"no reservation of size {size} here", address
+                )
             if any(address <= m < address + size for m in self._mappings):
-                raise DriverError("free_reservation", "EBUSY", "the range still has mappings", address)
+                raise DriverError(
+                    "free_reservation", "EBUSY", "the range still has mappings", address
+                )
             if _libc.munmap(address, size) != 0:
                 raise _errno_error("free_reservation", address)
             del self._reservations[address]
@@ -192,8 +205,13 @@ class HostBackend:
     def _unmap_locked(self, address: int, size: int) -> None:
         starts = [m for m in self._mappings if address <= m < address + size]
         if not starts or any(m + self._mappings[m][0] > address + size for m in starts):
-            raise DriverError("unmap", "EINVAL", f"range of {size} bytes does not cover whole mappings", address)
-        if any(self._granule_owner.get(g) is None for g in range(address, address + size, self.granularity)):
+            raise DriverError(
+                "unmap", "EINVAL", f"range of {size} bytes does not cover whole mappings", address
+            )
+        if any(
+            self._granule_owner.get(g) is None
+            for g in range(address, address + size, self.granularity)
+        ):
             raise DriverError("unmap", "EINVAL", "range has unmapped holes", address)
         flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
         if _libc.mmap(address, size, _PROT_NONE, flags, -1, 0) in (None, _MAP_FAILED):
@@ -208,7 +226,9 @@ class HostBackend:
                 self._punch(handle, h)
 
     def _in_reservation(self, address: int, size: int) -> bool:
-        return any(r <= address and address + size <= r + rs for r, rs in self._reservations.items())
+        return any(
+            r <= address and address + size <= r + rs for r, rs in self._reservations.items()
+        )
 
     # -- tensors and truth --------------------------------------------------------------
     def byte_tensor(self, address: int, size: int) -> Any:

@@ -18,7 +18,9 @@ log = logging.getLogger(__name__)
 
 
 class BackgroundMapper:
-    def __init__(self, pool: SwaPool, *, idle_seconds: float = 0.05, error_backoff: float = 1.0) -> None:
+    def __init__(
+        self, pool: SwaPool, *, idle_seconds: float = 0.05, error_backoff: float = 1.0
+    ) -> None:
         if pool._mapper is not None:
             raise ValueError(f"pool {pool.name!r} already has a background mapper")
         self.pool = pool
@@ -27,7 +29,9 @@ class BackgroundMapper:
         self.errors = 0
         self._stop = threading.Event()
         pool._mapper = self
-        self._thread = threading.Thread(target=self._run, name=f"kvledger-mapper-{pool.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvledger-mapper-{pool.name}", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
@@ -50,12 +54,17 @@ class BackgroundMapper:
         pool = self.pool
         with pool._cond:
             return pool._cond.wait_for(
-                lambda: pool.closed
-                or (
-                    pool._busy == 0
-                    and len(pool._empty) <= pool.max_spare_pages
-                    and (len(pool._empty) >= pool.min_spare_pages or not pool._unmapped
-                         or not pool._budget_allows_one())
+                lambda: (
+                    pool.closed
+                    or (
+                        pool._busy == 0
+                        and len(pool._empty) <= pool.max_spare_pages
+                        and (
+                            len(pool._empty) >= pool.min_spare_pages
+                            or not pool._unmapped
+                            or not pool._budget_allows_one()
+                        )
+                    )
                 ),
                 timeout=timeout,
             )

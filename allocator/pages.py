@@ -8,6 +8,7 @@ layers it did and re-raises, so a failure half way leaves nothing held.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,14 +17,18 @@ from allocator.errors import DriverError
 
 
 class LayerSet:
-    def __init__(self, backend: Backend, *, layers: int, reserved_bytes: int, page_bytes: int) -> None:
+    def __init__(
+        self, backend: Backend, *, layers: int, reserved_bytes: int, page_bytes: int
+    ) -> None:
         if not isinstance(layers, int) or layers <= 0:
             raise ValueError(f"layers={layers!r}, expected a positive int")
         check_aligned("LayerSet", backend.granularity, page_bytes=page_bytes)
         if page_bytes == 0:
             raise ValueError("page_bytes=0, expected a positive multiple of the granularity")
         if reserved_bytes % page_bytes:
-            raise ValueError(f"reserved_bytes={reserved_bytes}, expected a multiple of page_bytes={page_bytes}")
+            raise ValueError(
+                f"reserved_bytes={reserved_bytes}, expected a multiple of page_bytes={page_bytes}"
+            )
         self.backend = backend
         self.layers = layers
         self.page_bytes = page_bytes
@@ -63,7 +68,9 @@ class LayerSet:
     def map_page(self, page: int, handles: Sequence[int]) -> None:
         """Map `page` in every layer with `handles[layer]` and grant access; all or nothing."""
         if len(handles) != self.layers:
-            raise ValueError(f"map_page: {len(handles)} handles, expected one per layer ({self.layers})")
+            raise ValueError(
+                f"map_page: {len(handles)} handles, expected one per layer ({self.layers})"
+            )
         done: list[int] = []
         try:
             for layer, handle in enumerate(handles):
@@ -73,10 +80,9 @@ class LayerSet:
                 self.backend.set_access(addr, self.page_bytes)
         except BaseException:
             for addr in reversed(done):
-                try:
+                # the original error is the one worth raising
+                with contextlib.suppress(DriverError):
                     self.backend.unmap(addr, self.page_bytes)
-                except DriverError:
-                    pass  # the original error is the one worth raising
             raise
 
     def unmap_page(self, page: int) -> None:

@@ -97,7 +97,10 @@ class SwaPool:
         self._build_page_index()
 
         self._pages = LayerSet(
-            backend, layers=layers, reserved_bytes=layout.reserved_bytes, page_bytes=layout.page_bytes
+            backend,
+            layers=layers,
+            reserved_bytes=layout.reserved_bytes,
+            page_bytes=layout.page_bytes,
         )
         self.tensors = [self._pages.byte_tensor(i, layout.buffer_bytes) for i in range(layers)]
         self._mapper: Any = None  # set by allocator.mapper.BackgroundMapper
@@ -216,7 +219,9 @@ class SwaPool:
             self._gather(n, taken)
             if len(taken) != n:  # pragma: no cover - the plan guarantees enough slots
                 self._return_gathered(taken)
-                raise AssertionError(f"alloc: planned pages {plan} yielded {len(taken)} of {n} slots")
+                raise AssertionError(
+                    f"alloc: planned pages {plan} yielded {len(taken)} of {n} slots"
+                )
             break
         self._commit(taken)
         return taken
@@ -302,7 +307,10 @@ class SwaPool:
             )
 
     def _budget_allows_one(self) -> bool:
-        return self.physical_budget is None or (self._live_sets + 1) * self.set_bytes <= self.physical_budget
+        return (
+            self.physical_budget is None
+            or (self._live_sets + 1) * self.set_bytes <= self.physical_budget
+        )
 
     def _map_pages_locked(self, plan: list[int]) -> None:
         """Map every page of `plan` (sync, under the lock). All or nothing."""
@@ -378,8 +386,14 @@ class SwaPool:
     def _occupy_locked_entry(self, slots: list[int], *, count: bool) -> None:
         self._validate(slots, "occupy", want_occupied=False)
         while True:
-            missing = sorted({p for i in slots for p in set(self.layout.slot_pages(i))
-                              if self._state[p] != MAPPED})
+            missing = sorted(
+                {
+                    p
+                    for i in slots
+                    for p in set(self.layout.slot_pages(i))
+                    if self._state[p] != MAPPED
+                }
+            )
             if any(self._state[p] == BUSY for p in missing):
                 self._cond.wait(timeout=1.0)
                 self._check_open("occupy")
@@ -417,7 +431,9 @@ class SwaPool:
         seen: set[int] = set()
         for i in slots:
             if not 0 <= i < cap:
-                raise SlotError(f"{self.name}.{op}: slot id {i} is out of range, expected 0 <= id < {cap}")
+                raise SlotError(
+                    f"{self.name}.{op}: slot id {i} is out of range, expected 0 <= id < {cap}"
+                )
             if i == self.null_slot and self._occupied[i]:
                 raise SlotError(f"{self.name}.{op}: slot id {i} is the reserved null slot")
             if i in seen:

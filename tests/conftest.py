@@ -1,0 +1,38 @@
+"""Shared fixtures. GPU tests (marker `gpu`) skip unless a CUDA device and cuda-python are present;
+SGLang tests (marker `sglang`) skip unless SGLang imports (scripts/test-sglang runs them)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import pytest
+
+
+@functools.cache
+def cuda_available() -> bool:
+    if importlib.util.find_spec("cuda") is None:
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+@functools.cache
+def sglang_available() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU and cuda-python (marker gpu)")
+    skip_sglang = pytest.mark.skip(
+        reason="needs SGLang 0.5.23: run scripts/test-sglang (marker sglang)"
+    )
+    for item in items:
+        if "gpu" in item.keywords and not cuda_available():
+            item.add_marker(skip_gpu)
+        if "sglang" in item.keywords and not sglang_available():
+            item.add_marker(skip_sglang)

@@ -205,7 +205,11 @@ class SwaPool:
             if len(taken) == n:
                 break
             need = n - len(taken)
-            plan = self._plan_pages(need)
+            try:
+                plan = self._plan_pages(need)
+            except BaseException:  # CapacityError: give back what was gathered
+                self._return_gathered(taken)
+                raise
             if plan is None:  # the mapper holds pages we would need: wait for it, then retry
                 self._return_gathered(taken)
                 self._cond.wait(timeout=1.0)
@@ -689,13 +693,14 @@ class SwaPool:
 def _as_list(ids: Any) -> list[int]:
     if hasattr(ids, "tolist"):
         out = ids.tolist()
-        return out if isinstance(out, list) else [out]
-    if isinstance(ids, int):
-        return [ids]
-    if isinstance(ids, Iterable):
+        out = out if isinstance(out, list) else [out]
+    elif isinstance(ids, int):
+        out = [ids]
+    elif isinstance(ids, Iterable):
         out = list(ids)
-        for i in out:
-            if not isinstance(i, int) or isinstance(i, bool):
-                raise SlotError(f"slot id {i!r} is not an int")
-        return out
-    raise SlotError(f"ids={ids!r}, expected a tensor, a sequence of ints or an int")
+    else:
+        raise SlotError(f"ids={ids!r}, expected a tensor, a sequence of ints or an int")
+    for i in out:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise SlotError(f"slot id {i!r} is not an int")
+    return out

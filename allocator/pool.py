@@ -173,6 +173,7 @@ class SwaPool:
 
     def buffer(self, layer: int, dtype: Any = None, shape: tuple[int, ...] | None = None) -> Any:
         """Layer `layer`'s buffer viewed as `dtype` in `shape` (default: rows x row bytes)."""
+        self._check_open("buffer")
         t = self.tensors[layer]
         if dtype is not None:
             t = t.view(dtype)
@@ -640,8 +641,12 @@ class SwaPool:
     def close(self) -> None:
         """Free every slot, unmap every page, release every handle and reservation. Idempotent.
 
-        Tensors handed out by this pool must not be used afterwards.
+        Tensors handed out by this pool must not be used afterwards. A background mapper still
+        attached is stopped first (outside the lock: its thread may be waiting for it).
         """
+        mapper = self._mapper
+        if mapper is not None:
+            mapper.close()
         with self._lock:
             if self._closed:
                 return

@@ -232,12 +232,22 @@ class SwaPool:
         return taken
 
     def _gather(self, n: int, taken: list[int]) -> None:
+        """Take up to `n` free slots off mapped pages, partly occupied pages first.
+
+        A page leaves its tier only when slots were taken from it (the commit or the undo
+        re-tiers it). A spare page with no usable slot (only a straddling slot whose next
+        page is unmapped) stays a spare: dropping it would hide it from trimming."""
         for tier in (self._partial, self._empty):
-            while len(taken) < n and tier:
-                p = next(iter(tier))
+            drop: list[int] = []
+            for p in tier:
+                if len(taken) >= n:
+                    break
+                before = len(taken)
                 self._take_from_page(p, n - len(taken), taken)
-                if not self._has_usable(p):
-                    del tier[p]
+                if not self._has_usable(p) and (tier is self._partial or len(taken) > before):
+                    drop.append(p)
+            for p in drop:
+                del tier[p]
 
     def _take_from_page(self, p: int, k: int, taken: list[int]) -> None:
         s = self._free_inner[p]

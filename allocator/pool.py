@@ -499,11 +499,13 @@ class SwaPool:
             self._begin_unmap(p)
             t0 = time.perf_counter()
             try:
-                self._pages.unmap_page(p)
-            except BaseException:
+                self._pages.unmap_page(p, self._handles[p])
+            except BaseException:  # unmap_page put the page back whole
                 self._state[p] = MAPPED
                 self._busy -= 1
                 self._retier(p)
+                if p > 0:
+                    self._retier(p - 1)
                 raise
             handles = self._finish_unmap(p, time.perf_counter() - t0)
             if handles is not None:
@@ -573,12 +575,14 @@ class SwaPool:
     def _background_unmap(self, p: int) -> None:
         t0 = time.perf_counter()
         try:
-            self._pages.unmap_page(p)
-        except BaseException:
+            self._pages.unmap_page(p, self._handles[p])
+        except BaseException:  # unmap_page put the page back whole
             with self._lock:
                 self._state[p] = MAPPED
                 self._busy -= 1
                 self._retier(p)
+                if p > 0:
+                    self._retier(p - 1)
                 self._cond.notify_all()
             raise
         seconds = time.perf_counter() - t0

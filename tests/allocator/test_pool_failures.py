@@ -102,3 +102,47 @@ def test_background_map_failing_leaves_nothing_and_the_mapper_recovers(
     assert host.stats()["handles"] == rig.pool.stats()["live_handle_sets"] * LAYERS
     rig.close()
     assert host.physical_bytes() == 0 and host.stats()["handles"] == 0
+
+
+def _every_layer_mapped(host: HostBackend, rig: Rig, page: int) -> list[bool]:
+    return [host.is_mapped(rig.pool._pages.address(layer, page)) for layer in range(LAYERS)]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_unmap_failing_at_any_layer_keeps_the_page_whole(
+    host: HostBackend, background: bool
+) -> None:
+    """A page id is either mapped in every layer or in none: a trim whose unmap fails half way
+    puts the layers it did back, so the pool never hands out a slot over an unmapped layer."""
+    for k in range(LAYERS):
+        fb, rig = _rig(host, max_spare_pages=0, handle_pool_pages=0)
+        pool = rig.pool
+        ids = pool.alloc(3 + SLOTS_PER_PAGE)  # page 0's rest and page 1
+        fb.arm("unmap", k)
+        if background:
+            with BackgroundMapper(pool, idle_seconds=0.01, error_backoff=0.01) as mapper:
+                pool.free(ids)
+                assert mapper.wait_idle()
+                assert mapper.errors == 1  # the first try failed, the retry unmapped it
+            assert not pool.is_page_mapped(1)
+            assert _every_layer_mapped(host, rig, 1) == [False] * LAYERS
+        else:
+            with pytest.raises(DriverError, match="INJECTED"):
+                pool.free(ids)
+            assert pool.occupied_ids() == []  # the free itself happened
+            assert pool.is_page_mapped(1)
+            assert _every_layer_mapped(host, rig, 1) == [True] * LAYERS, f"unmap failed at {k}"
+            snap = rig.ledger.snapshot()
+            assert snap.total("mapped_bytes") == 2 * LAYERS * SMALL_GRANULARITY
+            assert snap.total("physical_bytes") == host.physical_bytes()
+            fb.arm(None, None)
+            again = pool.alloc(3 + SLOTS_PER_PAGE)  # the page is whole: its slots are usable
+            for i in again.tolist():
+                for layer in range(LAYERS):
+                    pool.buffer(layer).view(-1)[pool.layout.slot_offset(i)] = 1
+            pool.free(again)
+            assert not pool.is_page_mapped(1)
+        assert rig.ledger.snapshot().violations == ()
+        assert host.physical_bytes() == rig.ledger.snapshot().total("physical_bytes")
+        rig.close()
+        assert host.physical_bytes() == 0 and host.stats()["mappings"] == 0

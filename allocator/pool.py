@@ -399,8 +399,9 @@ class SwaPool:
 
     # -- follow mode ------------------------------------------------------------------------
     def _occupy_locked_entry(self, slots: list[int], *, count: bool) -> None:
-        self._validate(slots, "occupy", want_occupied=False)
         while True:
+            # (re)checked after every wait: another thread may have taken an id meanwhile
+            self._validate(slots, "occupy", want_occupied=False)
             missing = sorted(
                 {
                     p

@@ -3,11 +3,16 @@ allocation path, with the accounting still exact."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from allocator.errors import CapacityError
+from allocator.errors import CapacityError, SlotError
+from allocator.host import HostBackend
+from allocator.layout import SlotLayout
 from allocator.mapper import BackgroundMapper
 from tests.allocator.rigs import SMALL_GRANULARITY, Rig
 from tests.allocator.test_pool import _mapped_pages, _physical
@@ -104,3 +109,60 @@ def test_wait_idle_and_close_are_safe_to_repeat(rig_factory: MakeRig) -> None:
     mapper.close()
     assert rig.pool._mapper is None
     assert not mapper._thread.is_alive()
+
+
+class _GatedBackend:
+    """Delegates to a host backend; `map` calls at `gate_address` wait for `release_gate`."""
+
+    def __init__(self, inner: Any, gate_address: int) -> None:
+        self.inner = inner
+        self.name = "gated"
+        self.granularity = inner.granularity
+        self.gate_address = gate_address
+        self.entered = threading.Event()
+        self.release_gate = threading.Event()
+
+    def map(self, address: int, size: int, handle: int) -> None:
+        if address == self.gate_address:
+            self.entered.set()
+            assert self.release_gate.wait(10)
+        self.inner.map(address, size, handle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_occupy_waiting_on_a_busy_page_rechecks_its_ids(host: HostBackend) -> None:
+    """occupy() waits while the mapper holds a page it needs; an id taken by alloc() in the
+    meantime must then be refused, not handed out twice."""
+    layout = SlotLayout(capacity_slots=64, slot_bytes=16 * 1024, page_bytes=PAGE)
+    gated = _GatedBackend(host, gate_address=-1)
+    rig = Rig(gated, layers=2, layout=layout, min_spare_pages=1, max_spare_pages=1)
+    gated.gate_address = rig.pool._pages.address(0, 1)  # the mapper maps page 1 first
+    errors: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            rig.pool.occupy([1, 4])  # slot 4 lies on page 1, which the mapper is mapping
+        except BaseException as e:
+            errors.append(e)
+
+    with BackgroundMapper(rig.pool, idle_seconds=0.01):
+        assert gated.entered.wait(10)
+        t = threading.Thread(target=follow)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not errors and t.is_alive() and time.monotonic() < deadline:
+            with rig.pool._lock:
+                waiting = len(rig.pool._cond._waiters) > 0  # type: ignore[attr-defined]
+            if waiting:
+                break
+            time.sleep(0.001)
+        taken = rig.pool.alloc(3).tolist()  # slots 1-3, beside the null slot, no page needed
+        assert sorted(taken) == [1, 2, 3]
+        gated.release_gate.set()
+        t.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], SlotError), errors
+    assert sorted(rig.pool.occupied_ids()) == [1, 2, 3]
+    assert rig.ledger.snapshot().total("occupied_slots") == 3
+    rig.close()

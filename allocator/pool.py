@@ -102,7 +102,11 @@ class SwaPool:
             reserved_bytes=layout.reserved_bytes,
             page_bytes=layout.page_bytes,
         )
-        self.tensors = [self._pages.byte_tensor(i, layout.buffer_bytes) for i in range(layers)]
+        try:
+            self.tensors = [self._pages.byte_tensor(i, layout.buffer_bytes) for i in range(layers)]
+        except BaseException:
+            self._pages.free_reservations()
+            raise
         self._mapper: Any = None  # set by allocator.mapper.BackgroundMapper
         self.null_slot = 0 if null_slot else None
         if null_slot:

@@ -450,3 +450,16 @@ def test_construction_failure_leaves_nothing(host: HostBackend) -> None:
         SwaPool(fb, layers=2, layout=lay)
     assert host.stats() == {"reservations": 0, "reserved_bytes": 0, "handles": 0, "mappings": 0}
     assert host.physical_bytes() == 0
+
+
+def test_construction_failing_after_reserving_frees_the_reservations(host: HostBackend) -> None:
+    """byte_tensor can fail (on CUDA: numpy missing); the reservations must not leak."""
+
+    class NoTensors(FailingBackend):
+        def byte_tensor(self, address: int, size: int) -> Any:
+            raise RuntimeError("no tensors here")
+
+    lay = SlotLayout(capacity_slots=16, slot_bytes=16 * KIB, page_bytes=PAGE)
+    with pytest.raises(RuntimeError, match="no tensors"):
+        SwaPool(NoTensors(host), layers=3, layout=lay)
+    assert host.stats()["reservations"] == 0

@@ -243,6 +243,12 @@ class HostBackend:
             fd = self._check_open("physical_bytes")
             return os.fstat(fd).st_blocks * 512
 
+    def is_mapped(self, address: int) -> bool:
+        """Whether the granule holding `address` is mapped (read-only query for tests)."""
+        granule = address - address % self.granularity
+        with self._lock:
+            return granule in self._granule_owner
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {

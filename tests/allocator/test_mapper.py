@@ -166,3 +166,19 @@ def test_occupy_waiting_on_a_busy_page_rechecks_its_ids(host: HostBackend) -> No
     assert sorted(rig.pool.occupied_ids()) == [1, 2, 3]
     assert rig.ledger.snapshot().total("occupied_slots") == 3
     rig.close()
+
+
+def test_wait_idle_waits_for_maps_with_kept_handle_sets_when_the_budget_is_spent(
+    rig_factory: MakeRig,
+) -> None:
+    rig = rig_factory(max_spare_pages=0, handle_pool_pages=2, physical_budget=3 * 3 * PAGE)
+    pool = rig.pool
+    pool.free(pool.alloc(3 + 2 * SLOTS_PER_PAGE))  # two page ids unmapped, their sets kept
+    assert pool.stats()["kept_handle_sets"] == 2 and pool.stats()["physical_bytes"] == 9 * PAGE
+    pool.min_spare_pages = pool.max_spare_pages = 2
+    with BackgroundMapper(pool, idle_seconds=0.01) as mapper:
+        assert mapper.wait_idle()
+        # the budget allows no fresh set, but the kept ones are mapped ahead
+        assert pool.stats()["spare_pages"] == 2
+        assert pool.stats()["kept_handle_sets"] == 0
+    assert _physical(rig) == (9 * PAGE,) * 3

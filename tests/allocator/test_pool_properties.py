@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from accounting.buffers import runtime_buffer
-from allocator.errors import CapacityError, SlotError
+from allocator.errors import CapacityError, DriverError, SlotError
 from allocator.host import HostBackend
 from allocator.layout import SlotLayout
 from allocator.mapper import BackgroundMapper
@@ -30,6 +30,7 @@ from tests.allocator.rigs import (
     DSV4_SLOTS_PER_ROW,
     KIB,
     SMALL_GRANULARITY,
+    FailingBackend,
     Rig,
 )
 
@@ -67,6 +68,8 @@ def _memfds() -> int:
 
 
 class PoolMachine(RuleBasedStateMachine):
+    faulty = False
+
     def __init__(self) -> None:
         super().__init__()
         self.rig: Rig | None = None
@@ -99,9 +102,10 @@ class PoolMachine(RuleBasedStateMachine):
     ) -> None:
         lay = LAYOUTS[layout]
         self.backend = HostBackend(G)
+        self.faults = FailingBackend(self.backend)  # armed only by FaultyPoolMachine.inject
         budget = None if budget_sets is None else budget_sets * layers * lay.page_bytes
         self.rig = Rig(
-            self.backend,
+            self.faults,
             layers=layers,
             layout=lay,
             null_slot=null_slot,
@@ -136,7 +140,8 @@ class PoolMachine(RuleBasedStateMachine):
         before = self._quiet_state()
         try:
             ids = self.pool.alloc(n).tolist()
-        except CapacityError:
+        except (CapacityError, DriverError) as e:
+            assert self.faulty or not isinstance(e, DriverError), e
             assert self._quiet_state() == before or self.mapper is not None
             assert set(self.pool.occupied_ids()) == self.held
             return
@@ -154,8 +159,12 @@ class PoolMachine(RuleBasedStateMachine):
             return
         held = sorted(self.held)
         ids = sorted({held[k % len(held)] for k in picks})
-        self.pool.free(torch.tensor(ids))
+        try:
+            self.pool.free(torch.tensor(ids))
+        except DriverError:  # a trim after the free failed; the free itself happened
+            assert self.faulty
         self.held.difference_update(ids)
+        assert set(self.pool.occupied_ids()) == self.held
 
     @rule(data=st.data())
     def occupy(self, data: st.DataObject) -> None:
@@ -168,7 +177,8 @@ class PoolMachine(RuleBasedStateMachine):
         before = self._quiet_state()
         try:
             self.pool.occupy(ids)
-        except CapacityError:
+        except (CapacityError, DriverError) as e:
+            assert self.faulty or not isinstance(e, DriverError), e
             assert self._quiet_state() == before or self.mapper is not None
             return
         self.held.update(ids)
@@ -232,7 +242,7 @@ class PoolMachine(RuleBasedStateMachine):
             for p in range(lay.num_pages):
                 for layer in range(pool.layers):
                     assert be.is_mapped(pool._pages.address(layer, p)) == (p in mapped)
-            if self.mapper is None:
+            if self.mapper is None and not self.faulty:  # a failed trim may leave extra spares
                 assert len(pool._empty) <= pool.max_spare_pages
             # physical: memfd blocks == pool's live handle sets == ledger (kept sets included)
             set_bytes = pool.layers * lay.page_bytes
@@ -279,6 +289,7 @@ class PoolMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.rig is None:
             return
+        self.faults.arm(None, None)
         self.rig.close()
         assert self.mapper is None or not self.mapper._thread.is_alive()
         snap = self.rig.ledger.snapshot()
@@ -302,3 +313,24 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPoolProperties = PoolMachine.TestCase
+
+
+class FaultyPoolMachine(PoolMachine):
+    """The same traffic with backend calls failing now and then (on the allocation path or the
+    mapper's thread): every invariant above still holds after each failure."""
+
+    faulty = True
+
+    @rule(op=st.sampled_from(["create", "map", "set_access", "unmap"]), k=st.integers(0, 6))
+    def inject(self, op: str, k: int) -> None:
+        if self.rig is not None:
+            self.faults.arm(op, k)
+
+
+FaultyPoolMachine.TestCase.settings = settings(
+    max_examples=30,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestFaultyPoolProperties = FaultyPoolMachine.TestCase

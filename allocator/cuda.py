@@ -32,6 +32,8 @@ from cuda.bindings import driver as drv
 from allocator.backend import check_aligned
 from allocator.errors import ClosedError, DriverError
 
+_SUCCESS = drv.CUresult.CUDA_SUCCESS
+
 
 def _error_name(err: Any) -> str:
     res, name = drv.cuGetErrorName(err)
@@ -130,7 +132,8 @@ class CudaBackend:
     def _enter(self, op: str) -> None:
         if self._closed:
             raise ClosedError(f"{op}: the CUDA backend is closed")
-        self._make_current()
+        if not getattr(self._local, "ctx_set", False):
+            self._make_current()
 
     # -- reservations -----------------------------------------------------------
     def reserve(self, size: int) -> int:
@@ -195,36 +198,47 @@ class CudaBackend:
             raise
 
     # -- mappings ---------------------------------------------------------------------
+    # The three calls below run once per layer per page id on the map/unmap path, so they keep
+    # their Python work to a dict lookup and one comparison before the driver call.
     def map(self, address: int, size: int, handle: int) -> None:
-        check_aligned("map", self.granularity, address=address, size=size)
+        g = self.granularity
+        if address % g or size % g or size <= 0:
+            check_aligned("map", g, address=address, size=size)
         self._enter("map")
-        with self._lock:
-            entry = self._handles.get(handle)
+        entry = self._handles.get(handle)
         if entry is None:
             raise DriverError(
                 "cuMemMap", "CUDA_ERROR_INVALID_VALUE", f"unknown handle {handle!r}", address
             )
-        _check(drv.cuMemMap(address, size, 0, entry[0], 0), "cuMemMap", address, f"size={size}")
-        with self._lock:
-            self._mappings[address] = (size, handle)
+        (err,) = drv.cuMemMap(address, size, 0, entry[0], 0)
+        if err != _SUCCESS:
+            _check((err,), "cuMemMap", address, f"size={size}")
+        self._mappings[address] = (size, handle)
 
     def set_access(self, address: int, size: int) -> None:
-        check_aligned("set_access", self.granularity, address=address, size=size)
+        g = self.granularity
+        if address % g or size % g or size <= 0:
+            check_aligned("set_access", g, address=address, size=size)
         self._enter("set_access")
-        _check(
-            drv.cuMemSetAccess(address, size, self._access, 1),
-            "cuMemSetAccess",
-            address,
-            f"size={size}",
-        )
+        (err,) = drv.cuMemSetAccess(address, size, self._access, 1)
+        if err != _SUCCESS:
+            _check((err,), "cuMemSetAccess", address, f"size={size}")
 
     def unmap(self, address: int, size: int) -> None:
-        check_aligned("unmap", self.granularity, address=address, size=size)
+        g = self.granularity
+        if address % g or size % g or size <= 0:
+            check_aligned("unmap", g, address=address, size=size)
         self._enter("unmap")
-        _check(drv.cuMemUnmap(address, size), "cuMemUnmap", address, f"size={size}")
-        with self._lock:
-            for m in [m for m in self._mappings if address <= m < address + size]:
-                del self._mappings[m]
+        (err,) = drv.cuMemUnmap(address, size)
+        if err != _SUCCESS:
+            _check((err,), "cuMemUnmap", address, f"size={size}")
+        mapped = self._mappings.get(address)
+        if mapped is not None and mapped[0] == size:
+            del self._mappings[address]
+        else:
+            with self._lock:
+                for m in [m for m in self._mappings if address <= m < address + size]:
+                    del self._mappings[m]
 
     # -- tensors and truth ------------------------------------------------------------
     def byte_tensor(self, address: int, size: int) -> Any:

@@ -271,6 +271,7 @@ def growth_latency(
         "allocs": len(lat),
         "p50_s": _pct(lat, 0.50),
         "p99_s": _pct(lat, 0.99),
+        "p999_s": _pct(lat, 0.999),
         "max_s": max(lat),
         "allocs_calling_driver": with_calls,
     }
@@ -316,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
             g = growth_latency(backend, args.layers, args.capacity, args.steps, mapper=mapper)
             results[f"growth_mapper_{'on' if mapper else 'off'}"] = g
             print(
-                f"  mapper {'on ' if mapper else 'off'}: p50 {_us(g['p50_s'])}  p99 {_us(g['p99_s'])}  max {_us(g['max_s'])}  "
+                f"  mapper {'on ' if mapper else 'off'}: p50 {_us(g['p50_s'])}  p99 {_us(g['p99_s'])}  p99.9 {_us(g['p999_s'])}  max {_us(g['max_s'])}  "
                 f"allocs calling the driver {g['allocs_calling_driver']} of {g['allocs']}"
             )
     finally:

@@ -16,6 +16,7 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from accounting import Ledger
@@ -156,9 +157,16 @@ def hot_path(backend: Backend, layers: int, capacity: int, steps: int) -> dict[s
 
 
 def page_map(backend: Backend, layers: int, repeats: int) -> dict[str, float]:
-    """Median seconds to map one page id in all layers: the pool vs the floor, pooled handles."""
+    """Median seconds to map one page id in all layers: the pool vs the floor, pooled handles.
+
+    The three are interleaved round by round, so drift in the machine hits them alike.
+    """
     page = backend.granularity
     layout = _layout(repeats * (page // SWA_SLOT_BYTES), page)
+    floor = _floor_fn(backend)
+    kv: list[float] = []
+    pooled: list[float] = []
+    naive: list[float] = []
     with SwaPool(
         backend,
         layers=layers,
@@ -171,35 +179,33 @@ def page_map(backend: Backend, layers: int, repeats: int) -> dict[str, float]:
         first_slots = [pool._first_slot_at(p * page) for p in range(layout.num_pages)]
         pool.occupy(first_slots)
         pool.free(first_slots)
-        kv: list[float] = []
         for s in first_slots[:repeats]:
             t0 = time.perf_counter()
             pool.occupy([s])
             kv.append(time.perf_counter() - t0)
             pool.free([s])
-    out = {"kvledger_pooled_s": statistics.median(kv)}
-    if backend.name == "cuda":
-        from allocator.cuda import driver_floor_seconds
-
-        out["floor_pooled_s"] = statistics.median(
-            driver_floor_seconds(
-                backend, layers=layers, page_bytes=page, repeats=repeats, naive=False
-            )
-        )  # type: ignore[arg-type]
-        out["floor_naive_s"] = statistics.median(
-            driver_floor_seconds(
-                backend, layers=layers, page_bytes=page, repeats=repeats, naive=True
-            )
-        )  # type: ignore[arg-type]
-    else:
-        out["floor_pooled_s"] = statistics.median(
-            _backend_floor(backend, layers, repeats, naive=False)
-        )
-        out["floor_naive_s"] = statistics.median(
-            _backend_floor(backend, layers, repeats, naive=True)
-        )
+            pooled += floor(layers, 1, False)
+            naive += floor(layers, 1, True)
+    out = {
+        "kvledger_pooled_s": statistics.median(kv),
+        "floor_pooled_s": statistics.median(pooled),
+        "floor_naive_s": statistics.median(naive),
+    }
     out["ratio_vs_pooled_floor"] = out["kvledger_pooled_s"] / out["floor_pooled_s"]
     return out
+
+
+def _floor_fn(backend: Backend) -> Callable[[int, int, bool], list[float]]:
+    """The bare floor: raw driver calls on CUDA; the backend's own calls on the host."""
+    if backend.name == "cuda":
+        from allocator.cuda import CudaBackend, driver_floor_seconds
+
+        assert isinstance(backend, CudaBackend)
+        page = backend.granularity
+        return lambda layers, repeats, naive: driver_floor_seconds(
+            backend, layers=layers, page_bytes=page, repeats=repeats, naive=naive
+        )
+    return lambda layers, repeats, naive: _backend_floor(backend, layers, repeats, naive=naive)
 
 
 def _backend_floor(backend: Backend, layers: int, repeats: int, *, naive: bool) -> list[float]:
@@ -243,7 +249,7 @@ def growth_latency(
     calls_before: list[int] = []
     with SwaPool(
         counting, layers=layers, layout=layout, observer=_ledger_account(layout, layers), **opts
-    ) as pool:  # type: ignore[arg-type]
+    ) as pool:
         bg = BackgroundMapper(pool) if mapper else None
         try:
             if bg:

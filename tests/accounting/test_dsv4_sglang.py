@@ -17,39 +17,13 @@ from typing import Any
 
 import pytest
 
-from accounting.dsv4 import Dsv4Shape, Knobs, load_config, plan
+from accounting.dsv4 import Dsv4Shape, Knobs, plan
+from tests.accounting.dsv4_fixtures import flash
 
 pytestmark = pytest.mark.sglang
 
 ROOT = Path(__file__).resolve().parents[2]
-FLASH = (
-    Path(os.environ.get("KVLEDGER_SHARED", ROOT.parent / "shared"))
-    / "context"
-    / ("deepseek-v4-flash-shape.config.json")
-)
 STATE_ENV = {"fp32": "float32", "bf16": "bfloat16"}
-
-
-def flash() -> Dsv4Shape:
-    if FLASH.exists():
-        return load_config(FLASH)
-    # The Flash shape, written out, for a checkout without shared/ beside it.
-    from accounting.dsv4 import from_dict
-
-    ratios = [0, 0] + [4, 128] * 20 + [4, 0]
-    return from_dict(
-        {
-            "architectures": ["DeepseekV4ForCausalLM"],
-            "num_hidden_layers": 43,
-            "compress_ratios": ratios,
-            "head_dim": 512,
-            "qk_rope_head_dim": 64,
-            "index_head_dim": 128,
-            "sliding_window": 128,
-            "max_position_embeddings": 8192,
-        },
-        source="flash (inline)",
-    )
 
 
 # (id, layer ratios or None for Flash, knobs, size)

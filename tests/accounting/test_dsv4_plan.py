@@ -232,5 +232,5 @@ def test_specs_register_into_ledger() -> None:
     # Runtime families hold their storage; the VMM family holds nothing until pages map.
     assert rollup[("swa_kv",)]["physical_bytes"] == 0
     assert rollup[("c4_kv",)]["physical_bytes"] == bm.allocated_bytes("c4_kv")
-    with pytest.raises(ValueError, match="expected an accounting.buffers.Owner"):
+    with pytest.raises(ValueError, match=r"expected an accounting\.buffers\.Owner"):
         bm.specs(owner_of=lambda f: "vmm")  # type: ignore[arg-type,return-value]

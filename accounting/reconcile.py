@@ -1,23 +1,19 @@
-"""Reconciliation: the ledger's figures held against what the device itself reports.
+"""Reconciliation: the ledger's physical figures held against device truth.
 
-A truth reader is a callable `reader(snapshot) -> dict` given to
-`Ledger.add_truth`; the ledger calls it under its lock while taking a snapshot, so
-no allocator event lands between the figures and the truth. Every reader returns
-a dict made by `result()`:
+A truth reader is a callable `(snapshot) -> dict` registered with
+`Ledger.add_truth`; it is read once per snapshot. Every reader returns the same
+keys, so the exporter and the debug endpoint treat them alike:
 
-    {"truth": str,              # which truth: "host_memfd", "nvml", ...
-     "scope": str,              # which ledger figure it is held against
-     "truth_bytes": int,        # what the device reports
-     "ledger_bytes": int,       # what the ledger counts for the same scope
-     "unattributed_bytes": int} # truth_bytes - ledger_bytes: memory no buffer accounts for
+    source              "host_memfd", "nvml", ...
+    available           False when the truth could not be read; `reason` says why
+    reason              "" or why the truth is unavailable
+    device_bytes        what the truth says is held (None when unavailable)
+    ledger_bytes        the ledger figure it is held against
+    unattributed_bytes  device_bytes - ledger_bytes (None when unavailable)
+    detail              source-specific figures (dict)
 
-plus any extra keys. The exporter turns each into `kvledger_truth_bytes` and
-`kvledger_unattributed_bytes{truth=...}`.
-
-`host_truth` reads the host backend (the memfd's allocated blocks) against the
-physical bytes of the VMM buffers. NVML / CUDA truth lives in `accounting.nvml`,
-which provides the same shape of reader. This module imports neither allocator
-nor a driver: the backend's reading is passed in as a callable.
+Host backend: the memfd's allocated blocks against the VMM physical total; exact
+to the page when no allocator call is in flight. CUDA: see accounting.nvml.
 """
 
 from __future__ import annotations
@@ -26,39 +22,47 @@ from collections.abc import Callable
 from typing import Any
 
 from accounting.buffers import Owner
-from accounting.snapshot import Snapshot
-
-TruthReader = Callable[[Snapshot], dict[str, Any]]
 
 
-def result(
-    truth: str, scope: str, truth_bytes: int, ledger_bytes: int, **extra: Any
-) -> dict[str, Any]:
-    for name, value in (("truth_bytes", truth_bytes), ("ledger_bytes", ledger_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"reconcile {truth!r}: {name}={value!r}, expected an int")
-    return {
-        "truth": truth,
-        "scope": scope,
-        "truth_bytes": truth_bytes,
-        "ledger_bytes": ledger_bytes,
-        "unattributed_bytes": truth_bytes - ledger_bytes,
-        **extra,
-    }
-
-
-def vmm_physical_bytes(snapshot: Snapshot) -> int:
-    """Physical bytes of the VMM-owned buffers in `snapshot` (what a VMM backend holds)."""
+def vmm_physical_bytes(snapshot: Any) -> int:
+    """Physical bytes of the snapshot's VMM-owned buffers."""
     return sum(b.physical_bytes for b in snapshot.buffers if b.spec.owner is Owner.VMM)
 
 
-def host_truth(physical_bytes: Callable[[], int], *, name: str = "host_memfd") -> TruthReader:
-    """A reader holding a host backend's `physical_bytes()` (kernel-allocated memfd blocks)
-    against the VMM physical bytes of the snapshot."""
+def result(
+    source: str,
+    *,
+    ledger_bytes: int,
+    device_bytes: int | None,
+    reason: str = "",
+    detail: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    available = device_bytes is not None
+    return {
+        "source": source,
+        "available": available,
+        "reason": reason,
+        "device_bytes": device_bytes,
+        "ledger_bytes": ledger_bytes,
+        "unattributed_bytes": device_bytes - ledger_bytes if device_bytes is not None else None,
+        "detail": detail or {},
+    }
 
-    def read(snapshot: Snapshot) -> dict[str, Any]:
-        return result(
-            name, "vmm physical_bytes", int(physical_bytes()), vmm_physical_bytes(snapshot)
-        )
+
+def host_memfd_truth(physical_bytes: Callable[[], int]) -> Callable[[Any], dict[str, Any]]:
+    """Truth reader for the host backend: `physical_bytes` is `HostBackend.physical_bytes`."""
+
+    def read(snapshot: Any) -> dict[str, Any]:
+        ledger = vmm_physical_bytes(snapshot)
+        try:
+            device = int(physical_bytes())
+        except Exception as e:  # a closed backend, a vanished fd
+            return result(
+                "host_memfd",
+                ledger_bytes=ledger,
+                device_bytes=None,
+                reason=f"{type(e).__name__}: {e}",
+            )
+        return result("host_memfd", ledger_bytes=ledger, device_bytes=device)
 
     return read

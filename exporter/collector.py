@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -113,13 +112,12 @@ def _add_engine_series(fam: _Families, v: SourceView) -> None:
             fam.add(m.figure_metric(f.name), labels, figures[f.name])
     fam.add("kvledger_relation_violations", eng, len(snap.violations))
     for r in snap.reconciliation:
-        truth = _truth_fields(r)
-        if truth is None:
-            continue
-        name, truth_bytes, unattributed = truth
-        labels = {**eng, "truth": name}
-        fam.add("kvledger_truth_bytes", labels, truth_bytes)
-        fam.add("kvledger_unattributed_bytes", labels, unattributed)
+        labels = {**eng, "truth": str(r.get("source", "unknown"))}
+        available = bool(r.get("available")) and r.get("device_bytes") is not None
+        fam.add("kvledger_truth_available", labels, 1 if available else 0)
+        if available:
+            fam.add("kvledger_truth_bytes", labels, float(r["device_bytes"]))
+            fam.add("kvledger_unattributed_bytes", labels, float(r["unattributed_bytes"]))
     for acc in snap.accounts:
         labels = {**eng, "family": acc.family, "pool": acc.pool}
         fam.add("kvledger_peak_occupied_slots", labels, acc.peak_occupied_slots)
@@ -150,14 +148,6 @@ def _add_histogram(
         le = floatToGoString(bound)
         fam.add(name, {**labels, "le": le}, running, sample=f"{name}_bucket")
     fam.add(name, labels, running, sample=f"{name}_count")
-
-
-def _truth_fields(r: dict[str, Any]) -> tuple[str, float, float] | None:
-    try:
-        return str(r["truth"]), float(r["truth_bytes"]), float(r["unattributed_bytes"])
-    except (KeyError, TypeError, ValueError):
-        log.warning("reconciliation result %r lacks truth/truth_bytes/unattributed_bytes", r)
-        return None
 
 
 def registry_for(sources: Sources) -> CollectorRegistry:

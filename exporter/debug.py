@@ -104,14 +104,16 @@ class ViolationModel(BaseModel):
 
 
 class ReconciliationModel(BaseModel):
-    """The ledger held against device truth (see accounting.reconcile)."""
+    """The ledger held against device truth (accounting.reconcile)."""
 
     model_config = ConfigDict(extra="allow")
-    truth: str = Field("unknown", description="which truth: host_memfd, nvml, ...")
-    scope: str = Field("", description="which ledger figure it is compared with")
-    truth_bytes: int | None = None
-    ledger_bytes: int | None = None
-    unattributed_bytes: int | None = Field(None, description="truth_bytes - ledger_bytes")
+    source: str = Field("unknown", description="which truth: host_memfd, nvml, ...")
+    available: bool = Field(False, description="False when the truth could not be read")
+    reason: str = Field("", description="why the truth is unavailable, or empty")
+    device_bytes: int | None = Field(None, description="what the truth says is held")
+    ledger_bytes: int | None = Field(None, description="the ledger figure it is held against")
+    unattributed_bytes: int | None = Field(None, description="device_bytes - ledger_bytes")
+    detail: dict[str, Any] = Field(default_factory=dict)
 
 
 class SourceModel(BaseModel):

@@ -137,6 +137,14 @@ METRICS: tuple[MetricSpec, ...] = (
         ("source",),
     ),
     MetricSpec(
+        "kvledger_truth_available",
+        "gauge",
+        "1 when the device truth (host memfd, NVML) could be read for the latest snapshot, 0 "
+        "when not (the debug endpoint's reconciliation says why); truth and unattributed bytes "
+        "are exported only when it is 1.",
+        ("truth",),
+    ),
+    MetricSpec(
         "kvledger_truth_bytes",
         "gauge",
         "Bytes the device truth reports for what the ledger accounts (e.g. the host backend's "

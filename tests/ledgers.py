@@ -11,7 +11,7 @@ import torch
 
 from accounting.buffers import BufferSpec, Owner, runtime_buffer
 from accounting.ledger import Account, Ledger
-from accounting.reconcile import host_truth
+from accounting.reconcile import host_memfd_truth
 from allocator import HostBackend, SlotLayout, SwaPool
 
 PAGE = 2 << 20
@@ -81,7 +81,7 @@ def small_ledger(
         for i in range(layers)
     ]
     swa = ledger.add_account(specs, page_bytes=PAGE, capacity_slots=slots - 1)
-    ledger.add_truth(host_truth(backend.physical_bytes))
+    ledger.add_truth(host_memfd_truth(backend.physical_bytes))
     pool = stack.enter_context(
         SwaPool(backend, layers=layers, layout=layout, observer=swa, max_spare_pages=1)
     )

@@ -99,7 +99,7 @@ def test_debug_kv_matches_the_snapshot_and_filters(small):
     assert s["totals"] == {f.name: snap.total(f.name) for f in FIGURES}
     assert [f["name"] for f in body["figures"]] == [f.name for f in FIGURES]
     assert {b["name"] for b in s["buffers"]} == {b.spec.name for b in snap.buffers}
-    assert s["reconciliation"][0]["truth"] == "host_memfd"
+    assert s["reconciliation"][0]["source"] == "host_memfd"
     assert s["reconciliation"][0]["unattributed_bytes"] == 0
     assert body["ranks"][0]["engine_labels"]["tp_rank"] == "0"
     fam = {f["family"]: f["figures"] for f in s["families"]}

@@ -1,4 +1,4 @@
-"""`python -m kvledger ...`, the same as the `kvledger` script."""
+"""`python -m kvledger ...` is the `kvledger` command."""
 
 import sys
 

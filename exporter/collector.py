@@ -94,7 +94,7 @@ def build_families(views: Sequence[SourceView], *, unreadable: int = 0) -> list[
         service = {**engine_labels(v.labels), "source": v.source}
         fam.add("kvledger_up", service, 1 if v.up else 0)
         fam.add("kvledger_snapshot_age_seconds", service, v.age_seconds)
-        fam.add("kvledger_snapshot_epoch", service, v.snapshot.epoch)
+        fam.add("kvledger_snapshot_epoch", service, v.published.epoch)
         fam.add("kvledger_publish_interval_seconds", service, v.published.interval)
     for v in live_by_engine(views):
         _add_engine_series(fam, v)
@@ -103,35 +103,36 @@ def build_families(views: Sequence[SourceView], *, unreadable: int = 0) -> list[
 
 
 def _add_engine_series(fam: _Families, v: SourceView) -> None:
-    snap = v.snapshot
+    """The engine series of one live source, from its snapshot summary (no buffer rows)."""
+    d = v.summary
     eng = engine_labels(v.labels)
-    fam.add(m.HEADLINE, eng, snap.total("physical_bytes") / GIB)
-    for (family, owner), figures in sorted(snap.rollup("family", "owner").items()):
-        labels = {**eng, "family": family, "owner": owner}
+    fam.add(m.HEADLINE, eng, d["totals"]["physical_bytes"] / GIB)
+    for row in sorted(d["families"], key=lambda r: (r["family"], r["owner"])):
+        labels = {**eng, "family": row["family"], "owner": row["owner"]}
         for f in FIGURES:
-            fam.add(m.figure_metric(f.name), labels, figures[f.name])
-    fam.add("kvledger_relation_violations", eng, len(snap.violations))
-    for r in snap.reconciliation:
+            fam.add(m.figure_metric(f.name), labels, row[f.name])
+    fam.add("kvledger_relation_violations", eng, len(d["violations"]))
+    for r in d["reconciliation"]:
         labels = {**eng, "truth": str(r.get("source", "unknown"))}
         available = bool(r.get("available")) and r.get("device_bytes") is not None
         fam.add("kvledger_truth_available", labels, 1 if available else 0)
         if available:
             fam.add("kvledger_truth_bytes", labels, float(r["device_bytes"]))
             fam.add("kvledger_unattributed_bytes", labels, float(r["unattributed_bytes"]))
-    for acc in snap.accounts:
-        labels = {**eng, "family": acc.family, "pool": acc.pool}
-        fam.add("kvledger_peak_occupied_slots", labels, acc.peak_occupied_slots)
-        if acc.owner is not Owner.VMM:
+    for acc in d["accounts"]:
+        labels = {**eng, "family": acc["family"], "pool": acc["pool"]}
+        fam.add("kvledger_peak_occupied_slots", labels, acc["peak_occupied_slots"])
+        if acc["owner"] != Owner.VMM.value:
             continue
-        fam.add("kvledger_pages_mapped_total", labels, acc.pages_mapped_total)
-        fam.add("kvledger_pages_unmapped_total", labels, acc.pages_unmapped_total)
-        fam.add("kvledger_map_calls_total", labels, acc.map_calls)
-        fam.add("kvledger_map_seconds_total", labels, acc.map_seconds_total)
-        fam.add("kvledger_unmap_seconds_total", labels, acc.unmap_seconds_total)
-        fam.add("kvledger_handle_pages", labels, acc.handle_pages)
-        fam.add("kvledger_mapped_pages", labels, acc.mapped_pages)
-        fam.add("kvledger_peak_handle_pages", labels, acc.peak_handle_pages)
-        _add_histogram(fam, "kvledger_map_page_seconds", labels, acc.map_bucket_counts)
+        fam.add("kvledger_pages_mapped_total", labels, acc["pages_mapped_total"])
+        fam.add("kvledger_pages_unmapped_total", labels, acc["pages_unmapped_total"])
+        fam.add("kvledger_map_calls_total", labels, acc["map_calls"])
+        fam.add("kvledger_map_seconds_total", labels, acc["map_seconds_total"])
+        fam.add("kvledger_unmap_seconds_total", labels, acc["unmap_seconds_total"])
+        fam.add("kvledger_handle_pages", labels, acc["handle_pages"])
+        fam.add("kvledger_mapped_pages", labels, acc["mapped_pages"])
+        fam.add("kvledger_peak_handle_pages", labels, acc["peak_handle_pages"])
+        _add_histogram(fam, "kvledger_map_page_seconds", labels, acc["map_bucket_counts"])
 
 
 def _add_histogram(
@@ -147,7 +148,8 @@ def _add_histogram(
         running += c
         le = floatToGoString(bound)
         fam.add(name, {**labels, "le": le}, running, sample=f"{name}_bucket")
-    fam.add(name, labels, running, sample=f"{name}_count")
+    # No _count (the +Inf bucket is the count) and no _sum (the ledger keeps no sum of the
+    # per-page observations): OpenMetrics allows neither without the other.
 
 
 def registry_for(sources: Sources) -> CollectorRegistry:

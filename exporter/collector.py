@@ -15,17 +15,19 @@ published last provides the engine series.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from accounting.buffers import Owner
 from accounting.figures import FIGURES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from exporter import metrics as m
-from exporter.sources import Sources, SourceView
+from exporter.sources import Published, Sources, SourceView
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -70,25 +72,58 @@ class _Families:
     def add(
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
-        spec = m.METRIC[name]
-        self._by_name[name].add_sample(sample or spec.name, labels, float(value))
+        self._by_name[name].samples.append(
+            Sample(sample or m.METRIC[name].name, labels, float(value), None, None)
+        )
+
+    def extend(self, series: dict[str, list[Sample]]) -> None:
+        for name, samples in series.items():
+            self._by_name[name].samples.extend(samples)
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._by_name.values())
 
 
+class _Series(_Families):
+    """Samples of one source's engine series, kept while its snapshot is unchanged."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, list[Sample]] = {}
+
+    def add(
+        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
+    ) -> None:
+        self.by_name.setdefault(name, []).append(
+            Sample(sample or m.METRIC[name].name, labels, float(value), None, None)
+        )
+
+
+EngineCache = dict[str, tuple[Published, dict[str, list[Sample]]]]
+
+
 class KvLedgerCollector(Collector):
     def __init__(self, sources: Sources) -> None:
         self.sources = sources
+        self._cache: EngineCache = {}
+        self._lock = threading.Lock()
 
     def describe(self) -> list[Metric]:
         return []  # built at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        return iter(build_families(self.sources.read(), unreadable=len(self.sources.unreadable)))
+        views = self.sources.read()
+        with self._lock:
+            families = build_families(
+                views, unreadable=len(self.sources.unreadable), cache=self._cache
+            )
+        return iter(families)
 
 
-def build_families(views: Sequence[SourceView], *, unreadable: int = 0) -> list[Metric]:
+def build_families(
+    views: Sequence[SourceView], *, unreadable: int = 0, cache: EngineCache | None = None
+) -> list[Metric]:
+    """Every metric family from `views`. With `cache`, a source's engine series are built
+    once per published snapshot and reused while it is unchanged."""
     fam = _Families()
     for v in views:
         service = {**engine_labels(v.labels), "source": v.source}
@@ -96,8 +131,21 @@ def build_families(views: Sequence[SourceView], *, unreadable: int = 0) -> list[
         fam.add("kvledger_snapshot_age_seconds", service, v.age_seconds)
         fam.add("kvledger_snapshot_epoch", service, v.published.epoch)
         fam.add("kvledger_publish_interval_seconds", service, v.published.interval)
-    for v in live_by_engine(views):
-        _add_engine_series(fam, v)
+    live = live_by_engine(views)
+    for v in live:
+        hit = cache.get(v.source) if cache is not None else None
+        if hit is not None and hit[0] is v.published:
+            series = hit[1]
+        else:
+            built = _Series()
+            _add_engine_series(built, v)
+            series = built.by_name
+            if cache is not None:
+                cache[v.source] = (v.published, series)
+        fam.extend(series)
+    if cache is not None:
+        for source in set(cache) - {v.source for v in live}:
+            del cache[source]
     fam.add("kvledger_sources_unreadable", {}, unreadable)
     return list(fam)
 

@@ -191,7 +191,6 @@ class Sources:
         """Every source's latest snapshot, sorted by source id."""
         with self._lock:
             published = self._scan() if self.directory is not None else []
-            now = self._clock()
             for name, ledger in self._ledgers.items():
                 snap = ledger.snapshot()
                 published.append(

@@ -95,6 +95,14 @@ class _ExporterProcess:
         import subprocess
         import sys
 
+        import kvledger
+
+        # The child imports the same kvledger as this process, installed or not.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(kvledger.__file__)))
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+        }
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -112,6 +120,7 @@ class _ExporterProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            env=env,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

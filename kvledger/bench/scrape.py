@@ -43,8 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--budget", default="80GiB", help="per-rank KV budget for the buffer maps")
     p.add_argument("--scrapes", type=int, default=300, help="scrapes per scrape measurement")
-    p.add_argument("--batch", type=int, default=256, help="slots per decode step (one per request)")
-    p.add_argument("--steps", type=int, default=2000, help="decode steps per round (~1 s)")
+    p.add_argument(
+        "--batch",
+        type=_batches,
+        default=(256, 16, 1),
+        help="slots per decode step (one per running request), comma-separated (default 256,16,1)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="decode steps per round (default: about 0.5 M slots per round, at least 2000)",
+    )
     p.add_argument("--rounds", type=int, default=10, help="rounds per pool, alternating")
     p.add_argument(
         "--publish-interval",
@@ -53,6 +63,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="publisher interval during the overhead run (default 1 s, the Publisher default)",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes like 256,16,1") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes >= 1")
+    return out
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -387,31 +407,31 @@ def run(args: argparse.Namespace) -> int:
         f"{'met' if worst['p99_ms'] <= 5 else 'NOT met'}; in-process cpu p99 "
         f"{scrape['in_process_republished']['cpu_p99_ms']:.3f} ms"
     )
-    over = bench_overhead(
-        batch=args.batch,
-        steps=args.steps,
-        rounds=args.rounds,
-        publish_interval=args.publish_interval,
-    )
-    print(
-        f"alloc path: {over['layers']} layers, decode steps of {over['batch']} slots "
-        f"(alloc + free), {over['rounds']} rounds x {over['steps_per_round']} steps "
-        f"(~{over['round_seconds']:.1f} s) per pool, publisher every "
-        f"{over['publish_interval_s']} s ({over['snapshots_published']} snapshots in the "
-        "accounted rounds)"
-    )
-    print(
-        f"  no observer {over['bare_step_us']:8.1f} us/step (median {over['bare_step_median_us']:.1f})"
-        f"   accounting + publishing {over['accounted_step_us']:8.1f} us/step (median "
-        f"{over['accounted_step_median_us']:.1f})   wall overhead {over['overhead_pct']:+.2f}%"
-    )
-    print(
-        f"  process cpu: no observer {over['bare_cpu_step_us']:8.1f} us/step   accounting + "
-        f"publishing {over['accounted_cpu_step_us']:8.1f} us/step   cpu overhead "
-        f"{over['cpu_overhead_pct']:+.2f}%   (target <= 2%: wall "
-        f"{'met' if over['overhead_pct'] <= 2 else 'NOT met'}, cpu "
-        f"{'met' if over['cpu_overhead_pct'] <= 2 else 'NOT met'})"
-    )
+    overheads = []
+    for batch in args.batch:
+        steps = args.steps or max(2000, 500_000 // batch)
+        over = bench_overhead(
+            batch=batch, steps=steps, rounds=args.rounds, publish_interval=args.publish_interval
+        )
+        overheads.append(over)
+        print(
+            f"alloc path: {over['layers']} layers, decode steps of {over['batch']} slots "
+            f"(alloc + free), {over['rounds']} rounds x {over['steps_per_round']} steps "
+            f"(~{over['round_seconds']:.1f} s) per pool, publisher every "
+            f"{over['publish_interval_s']} s ({over['snapshots_published']} snapshots in the "
+            "accounted rounds)"
+        )
+        print(
+            f"  wall: no observer {over['bare_step_us']:8.2f} us/step   accounting + publishing "
+            f"{over['accounted_step_us']:8.2f} us/step   overhead {over['overhead_pct']:+.2f}%"
+        )
+        print(
+            f"  cpu:  no observer {over['bare_cpu_step_us']:8.2f} us/step   accounting + publishing "
+            f"{over['accounted_cpu_step_us']:8.2f} us/step   overhead "
+            f"{over['cpu_overhead_pct']:+.2f}%   (target <= 2%: wall "
+            f"{'met' if over['overhead_pct'] <= 2 else 'NOT met'}, cpu "
+            f"{'met' if over['cpu_overhead_pct'] <= 2 else 'NOT met'})"
+        )
     if args.json:
-        print(json.dumps({"scrape": scrape, "overhead": over, "pid": os.getpid()}, indent=2))
+        print(json.dumps({"scrape": scrape, "overhead": overheads, "pid": os.getpid()}, indent=2))
     return 0

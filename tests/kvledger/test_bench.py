@@ -37,7 +37,8 @@ def test_bench_scrape_runs_and_reports_both_measurements(capsys):
     for key in ("in_process_cached", "in_process_republished", "http_cached", "http_republished"):
         assert data["scrape"][key]["n"] == 5
     assert data["scrape"]["files_parsed_per_republished_scrape"] == 2
-    assert data["overhead"]["rounds"] == 2 and data["overhead"]["snapshots_published"] >= 2
+    [over] = data["overhead"]
+    assert over["batch"] == 16 and over["rounds"] == 2 and over["snapshots_published"] >= 2
 
 
 def test_missing_benchmark_says_not_available(capsys):

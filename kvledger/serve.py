@@ -87,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds before a silent source is stale (default: 3 publish intervals + 1 s)",
     )
     net.add_argument(
+        "--forget-after",
+        type=_positive(float),
+        default=3600.0,
+        help="seconds after which a stale source is no longer listed (default 3600)",
+    )
+    net.add_argument(
         "--log-interval", type=_positive(float), default=10.0, help="seconds between log lines"
     )
     src = p.add_argument_group("embedded demo source")
@@ -169,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             except (ValueError, OSError) as e:
                 raise UsageError(str(e)) from e
-        sources = Sources(snapshot_dir, stale_after=args.stale_after)
+        sources = Sources(
+            snapshot_dir, stale_after=args.stale_after, forget_after=args.forget_after
+        )
         app = create_app(sources, token=args.token)
         server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)

@@ -15,7 +15,7 @@ import pytest
 
 from accounting import Ledger, Snapshot
 from allocator import BackgroundMapper, CapacityError, HostBackend, SwaPool
-from allocator.tp import TpCoordinator
+from allocator.tp import PLAN_WORDS, TpCoordinator
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tp_worker
@@ -103,6 +103,8 @@ def test_ranks_follow_rank0_to_the_same_ids_pages_and_figures(tmp_path: Path, si
     r0 = results[0]
     assert r0 is not None and "error" not in r0, r0
     assert r0["allocs"] == reference_allocs()  # TP leaves rank 0's policy unchanged
+    big = r0["ops"][5]
+    assert big[0] == 1 and big[1] > PLAN_WORDS  # one exchange, in several rounds
     refused = sum(1 for a in r0["allocs"] if a is None)
     changed = sum(1 for _, pages, _ in r0["ops"] if pages)
     assert 0 < refused < 20 and 0 < changed < len(r0["ops"]) // 2, (refused, changed)

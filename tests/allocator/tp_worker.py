@@ -51,11 +51,15 @@ def layer_specs(layout: SlotLayout, layers: int, capacity: int) -> list[BufferSp
 
 
 def trace(seed: int, ops: int) -> list[tuple[str, int]]:
-    """("alloc", n) or ("free", k): free the k-th oldest live allocation (k taken mod live)."""
+    """("alloc", n) or ("free", k): free the k-th oldest live allocation (k taken mod live).
+
+    Op 5 allocates 380 slots: about 55 pages, a plan longer than one view carries."""
     rng = random.Random(seed)
     out: list[tuple[str, int]] = []
-    for _ in range(ops):
-        if rng.random() < 0.5:
+    for i in range(ops):
+        if i == 5:
+            out.append(("alloc", 380))
+        elif rng.random() < 0.5:
             out.append(("alloc", rng.randint(1, 40)))
         else:
             out.append(("free", rng.randrange(1 << 30)))

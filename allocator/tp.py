@@ -47,9 +47,12 @@ A rank that dies or hangs
 
 from __future__ import annotations
 
+import array
 import contextlib
 import datetime
+import hashlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from accounting.tp_status import TpStatus
@@ -98,6 +101,13 @@ class TpDivergenceError(TpError):
 
 class TpPeerError(TpError):
     """An exchange failed: a rank died, or did not answer within the timeout."""
+
+
+def _digest(prev: int, values: Sequence[int]) -> int:
+    """64-bit digest of `prev` and `values`: the same on every rank, build and Python."""
+    h = hashlib.blake2b(prev.to_bytes(8, "little"), digest_size=8)
+    h.update(array.array("q", values))
+    return int.from_bytes(h.digest(), "little")
 
 
 def _signed64(x: int) -> int:
@@ -165,7 +175,7 @@ class TpCoordinator:
         self._failed: TpError | None = None
         self._last_error = ""
         self._closed = False
-        self._config = hash(pool.tp_config())
+        self._config = _digest(0, pool.tp_config())
         if ledger is not None:
             have = ledger.labels.get("tp_rank")
             if have is not None and have != str(self.rank):
@@ -191,7 +201,7 @@ class TpCoordinator:
 
     def op_done(self, ids: list[int]) -> None:
         code, n = self._op
-        self._trace = hash((self._trace, code, n, tuple(ids)))
+        self._trace = _digest(_digest(self._trace, (code, n)), ids)
         self._ops_done += 1
         self._op = (0, 0)
 
@@ -361,6 +371,12 @@ class TpCoordinator:
         for r, fields in bad:
             lines.append(f"  rank {r}: {_describe(views[r])}")
             lines.append(f"  rank {r} differs from rank 0 in: {', '.join(fields) or 'rank'}")
+            if "config" in fields:
+                lines.append(
+                    f"  rank {r}'s pool is configured differently (layers, page bytes, slot "
+                    "layout, max_spare_pages, handle_pool_pages, physical_budget or null slot); "
+                    f"rank {self.rank}'s: {self.pool.tp_config()}"
+                )
         self._fail(TpDivergenceError("\n".join(lines)))
 
     def _check_plan(self, plan: list[int], want: str, kind: int, short: int) -> None:
@@ -388,18 +404,18 @@ class TpCoordinator:
 
     def _describe_own(self, kind: int) -> str:
         code, n = self._op
-        op = f"op #{self._ops_done + 1} {_OP_NAMES[code]}(n={n})" if code else "between ops"
-        return f"{_KIND_NAMES[kind]} during {op}"
+        op = f"during op #{self._ops_done + 1} {_OP_NAMES[code]}(n={n})" if code else "between ops"
+        return f"{_KIND_NAMES[kind]} {op}"
 
 
 def _describe(v: list[int]) -> str:
     i = _IDX
     code, n = divmod(v[i["op_n"]], 1 << 32)
-    op = f"op #{v[i['op_seq']]} {_OP_NAMES.get(code, '?')}(n={n})" if code else "between ops"
+    op = f"during op #{v[i['op_seq']]} {_OP_NAMES.get(code, '?')}(n={n})" if code else "between ops"
     kind = v[i["kind"]]
     short = {MAP: f", {v[i['short']]} slots short", UNMAP: f", {v[i['short']]} pages over"}
     text = (
-        f"{_KIND_NAMES.get(kind, '?')} during {op}{short.get(kind, '')}; "
+        f"{_KIND_NAMES.get(kind, '?')} {op}{short.get(kind, '')}; "
         f"ops done {v[i['op_seq']] - (1 if code else 0)}, occupied {v[i['occupied_slots']]} "
         f"slots, mapped {v[i['mapped_pages']]} pages ({v[i['spare_pages']]} spare), "
         f"{v[i['live_handle_sets']]} live handle sets, trace {v[i['trace']] & _MASK:#018x}, "

@@ -151,6 +151,20 @@ def test_divergence_is_caught_at_the_next_exchange_on_every_rank(
 
 
 @pytest.mark.slow
+def test_a_rank_with_another_pool_configuration_is_refused_at_attach(tmp_path: Path) -> None:
+    results, codes = run_ranks(tmp_path, 2, mode="config", fault_rank=1)
+    assert codes == [0, 0], codes
+    for r in results:
+        assert r is not None and r.get("error") == "TpDivergenceError", r
+        assert r["exchange_at_error"] == 1 and not r["attached"]
+        assert "differs from rank 0 in: config" in r["message"], r["message"]
+        assert "hello between ops" in r["message"], r["message"]
+        assert "configured differently" in r["message"], r["message"]
+        assert r["tp"]["divergences_total"] == 1
+        assert r["refused_after"] == "not refused"  # the pool was left detached, usable alone
+
+
+@pytest.mark.slow
 def test_a_killed_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path) -> None:
     results, codes = run_ranks(tmp_path, 2, mode="die", fault_rank=1, fault_op=100, timeout=5.0)
     assert codes[0] == 0 and codes[1] == -9

@@ -1,7 +1,8 @@
 """One TP rank for tests/allocator/test_tp.py, run as a script: a pool on the host backend, a
 ledger, a TpCoordinator over gloo, and a seeded allocation trace; the outcome goes to a JSON file.
 
-Modes: `trace` runs the trace to the end; `diverge-alloc` / `diverge-free` make `--fault-rank`
+Modes: `trace` runs the trace to the end; `config` gives `--fault-rank` another
+max_spare_pages; `diverge-alloc` / `diverge-free` make `--fault-rank`
 alloc one slot more / free another allocation at op `--fault-op`; `die` / `hang` make it
 SIGKILL itself / sleep there.
 """
@@ -167,10 +168,12 @@ def main() -> int:
         layer_specs(LAYOUT, LAYERS, LAYOUT.capacity_slots - 1),
         page_bytes=LAYOUT.page_bytes,
     )
-    pool = SwaPool(backend, layers=LAYERS, layout=LAYOUT, max_spare_pages=2, observer=account)
-    coordinator = TpCoordinator(pool, timeout_s=args.timeout, ledger=ledger)
+    spare = 3 if mine and args.mode == "config" else 2
+    pool = SwaPool(backend, layers=LAYERS, layout=LAYOUT, max_spare_pages=spare, observer=account)
+    coordinator: TpCoordinator | None = None
     t0 = time.monotonic()
     try:
+        coordinator = TpCoordinator(pool, timeout_s=args.timeout, ledger=ledger)
         run_trace(
             pool,
             trace(args.seed, args.ops),
@@ -185,9 +188,10 @@ def main() -> int:
         result["error"] = type(e).__name__
         result["message"] = str(e)
         result["error_after_s"] = time.monotonic() - t0
-        result["exchange_at_error"] = coordinator.status().exchanges_total
         snap = ledger.snapshot()
         result["tp"] = snap.tp.to_dict() if snap.tp else None
+        result["exchange_at_error"] = result["tp"]["exchanges_total"] if snap.tp else None
+        result["attached"] = coordinator is not None
         result["refused_after"] = _refused_after(pool)
         _write(args.out, result)
         os._exit(0)  # the group is broken: no clean teardown to wait for
@@ -200,6 +204,7 @@ def main() -> int:
     result["mapped"] = [p for p in range(LAYOUT.num_pages) if pool.is_page_mapped(p)]
     result["stats"] = pool.stats()
     result["host_physical"] = backend.physical_bytes()
+    assert coordinator is not None
     coordinator.close()
     coordinator.close()
     pool.close()

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
-from exporter import debug
+from exporter import debug, html
 from exporter.collector import registry_for
 from exporter.exposition import render
 from exporter.sources import Sources
@@ -81,7 +81,11 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
         response_model=debug.DebugKv,
         summary="The ledger's snapshots: buffer map, figures, relations, reconciliation",
         dependencies=[Depends(auth)],
-        responses={400: {"model": Problem}, 401: {"model": Problem}},
+        responses={
+            200: {"content": {"text/html": {}}, "description": "JSON; a page for Accept: text/html"},
+            400: {"model": Problem},
+            401: {"model": Problem},
+        },
     )
     def debug_kv(
         request: Request,
@@ -100,7 +104,7 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
         layer: Annotated[
             int | None, Query(ge=0, le=1_000_000, description="keep one layer's buffers")
         ] = None,
-    ) -> debug.DebugKv | JSONResponse:
+    ) -> debug.DebugKv | JSONResponse | HTMLResponse:
         unknown = sorted(set(request.query_params) - set(DEBUG_PARAMS))
         if unknown:
             return _problem(
@@ -108,9 +112,12 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
                 f"unknown query parameter {unknown[0]!r}; expected one of {', '.join(DEBUG_PARAMS)}",
             )
         try:
-            return debug.build(sources.read(), family=family, rank=rank, layer=layer)
+            doc = debug.build(sources.read(), family=family, rank=rank, layer=layer)
         except debug.FilterError as e:
             return _problem(e.param, str(e))
+        if html.wants_html(request.headers.get("accept")):  # a browser: the page (exporter/html.py)
+            return HTMLResponse(html.render(doc.model_dump(mode="json")))
+        return doc
 
     @router.get("/healthz", response_model=Health, summary="The exporter process is serving")
     def healthz() -> Health:

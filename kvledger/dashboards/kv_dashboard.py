@@ -126,17 +126,30 @@ def figures_row() -> Row:
 def where_row() -> Row:
     idle, unbacked = r.IDLE_PHYSICAL, r.UNBACKED_RESERVED
     phys, occ = r.fig("physical_bytes"), r.fig("occupied_bytes")
+    res = r.fig("reserved_bytes")
     return Row(
         "Where the bytes go: physical vs occupied, reserved vs physical",
         (
             Panel(
                 "Physical vs occupied per family",
-                f"{phys} (solid) and {occ} per family, summed over the selected ranks. The gap is "
+                f"{phys} and {occ} per family, summed over the selected ranks. The gap is "
                 "device memory held for the family that holds no live token or row. Not "
                 "stacked: two different figures.",
                 (
                     Target(_by_family(phys), "{{family}} physical"),
                     Target(_by_family(occ), "{{family}} occupied"),
+                ),
+                BYTES,
+            ),
+            Panel(
+                "Reserved vs physical per family",
+                f"{res} and {phys} per family, summed over the selected ranks. The gap is "
+                "reserved address space with no device memory behind it (a VMM family's room "
+                "to grow); for a runtime-owned family the two are equal. Not stacked: two "
+                "different figures.",
+                (
+                    Target(_by_family(res), "{{family}} reserved"),
+                    Target(_by_family(phys), "{{family}} physical"),
                 ),
                 BYTES,
             ),

@@ -54,3 +54,16 @@ def metric_names(expr: str) -> frozenset[str]:
             continue
         names.add(word)
     return frozenset(names)
+
+
+_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(.+?)\s*,\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$")
+
+
+def label_values(definition: str) -> tuple[str, str]:
+    """(series selector, label) of a Grafana `label_values(selector, label)` variable query."""
+    m = _LABEL_VALUES.match(definition)
+    if not m:
+        raise ValueError(
+            f"variable query {definition!r}: expected label_values(<series selector>, <label>)"
+        )
+    return m.group(1), m.group(2)

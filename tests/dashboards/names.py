@@ -102,3 +102,13 @@ def used() -> dict[str, set[str]]:
 
 
 PROMETHEUS_OWN = rules.PROMETHEUS_SERIES
+
+
+def unknown(exported: frozenset[str]) -> dict[str, list[str]]:
+    """Names used here that are neither in `exported`, recorded by our rules, nor Prometheus's."""
+    recorded = recorded_names()
+    return {
+        name: sorted(where)
+        for name, where in used().items()
+        if name not in exported and name not in recorded and name not in PROMETHEUS_OWN
+    }

@@ -115,3 +115,10 @@ def test_figures_side_by_side_per_family():
     assert p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "none"
     shown = set().union(*(metric_names(t["expr"]) for t in p["targets"]))
     assert shown == BYTE_FIGURE_METRICS
+
+
+def test_module_check_exits_zero_on_the_committed_files(capsys):
+    from kvledger.dashboards.__main__ import main
+
+    assert main(["--check"]) == 0
+    assert capsys.readouterr().out == ""

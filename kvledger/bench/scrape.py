@@ -1,0 +1,324 @@
+"""`kvledger bench scrape`: what the exporter costs, measured side by side in one run.
+
+1. Scrape latency, 8 ranks x 43 layers x 7 families (DeepSeek-V4-Flash buffer maps, one
+   published snapshot file per rank): the exposition built in-process (collector +
+   text rendering) and a full `GET /metrics` over loopback from a real uvicorn
+   server; once with every file unchanged since the last scrape (cache hits) and
+   once with every rank republished before each scrape (8 files parsed again).
+2. Allocation-path overhead of accounting plus publishing: the same SWA pool
+   geometry on the host backend, one pool with no observer and one whose observer
+   is its ledger `Account` while a `Publisher` snapshots that ledger every
+   `--publish-interval`; decode-like steps (alloc a batch, free the previous one) on
+   pages already mapped, the two pools alternating round by round. Ratio =
+   median step time with accounting / without - 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from accounting.buffers import Owner
+from accounting.dsv4 import Knobs, load_config, plan
+from accounting.events import PoolEvent
+from accounting.ledger import Ledger
+from accounting.publisher import Publisher
+from allocator import HostBackend, SlotLayout, SwaPool
+
+GIB = 1 << 30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--budget", default="80GiB", help="per-rank KV budget for the buffer maps")
+    p.add_argument("--scrapes", type=int, default=300, help="scrapes per scrape measurement")
+    p.add_argument("--batch", type=int, default=256, help="slots per decode step (one per request)")
+    p.add_argument("--steps", type=int, default=200, help="decode steps per round")
+    p.add_argument("--rounds", type=int, default=30, help="rounds per pool, alternating")
+    p.add_argument(
+        "--publish-interval",
+        type=float,
+        default=0.1,
+        help="publisher interval during the overhead run (default 0.1 s, 10x the default rate)",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON too")
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def _summary(seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in seconds]
+    return {"p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "max_ms": max(ms), "n": len(ms)}
+
+
+# -- 1. scrape latency -------------------------------------------------------------------------
+def rank_ledger(rank: int, budget: int) -> Ledger:
+    """A DeepSeek-V4-Flash-shaped ledger for one rank with every figure non-zero."""
+    from kvledger.demo import default_config_path
+
+    shape = load_config(default_config_path())
+    bm = plan(shape, Knobs(), budget_bytes=budget)
+    ledger = Ledger({"model_name": "deepseek-v4-flash", "tp_rank": str(rank)})
+    by_family: dict[str, list[Any]] = {}
+    for s in bm.specs(pool="dsv4", owner_of={"swa_kv": Owner.VMM}):
+        by_family.setdefault(s.family, []).append(s)
+    for family, specs in by_family.items():
+        vmm = family == "swa_kv"
+        acc = ledger.add_account(specs, page_bytes=2 << 20 if vmm else 0)
+        if vmm:
+            acc.on_pool_event(PoolEvent.HANDLES_CREATED, 12)
+            for _ in range(12):
+                acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1, 0.0016)
+            acc.on_pool_event(PoolEvent.PAGES_UNMAPPED, 2, 0.001)
+        acc.occupy(min(acc.capacity_slots, 1000 + rank))
+    return ledger
+
+
+class _Server:
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def __enter__(self) -> _Server:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
+    import httpx
+
+    from exporter.app import create_app
+    from exporter.collector import registry_for
+    from exporter.exposition import render
+    from exporter.sources import Sources
+
+    with contextlib.ExitStack() as stack:
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-"))
+        ledgers = [rank_ledger(r, budget) for r in range(ranks)]
+        pubs = [
+            stack.enter_context(Publisher(led, directory, interval=3600, source=f"rank{r}"))
+            for r, led in enumerate(ledgers)
+        ]
+        for pub in pubs:
+            pub.publish()
+        sources = Sources(directory)
+        registry = registry_for(sources)
+        accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+        body, _ = render(registry, accept)
+        series = sum(1 for line in body.decode().splitlines() if line and line[0] != "#")
+        buffers = sum(len(p.last_snapshot.buffers) for p in pubs if p.last_snapshot)
+
+        def timed(fn: Callable[[], Any], before: Callable[[], None] | None = None) -> list[float]:
+            out = []
+            for _ in range(scrapes):
+                if before is not None:
+                    before()
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+            return out
+
+        def republish() -> None:
+            for pub in pubs:
+                pub.publish()
+
+        for _ in range(20):  # warm up
+            render(registry, accept)
+        results: dict[str, Any] = {
+            "ranks": ranks,
+            "buffers": buffers,
+            "series": series,
+            "exposition_bytes": len(body),
+        }
+        results["in_process_cached"] = _summary(timed(lambda: render(registry, accept)))
+        parses = sources.parses
+        results["in_process_republished"] = _summary(
+            timed(lambda: render(registry, accept), republish)
+        )
+        results["files_parsed_per_republished_scrape"] = (sources.parses - parses) / scrapes
+
+        server = stack.enter_context(_Server(create_app(Sources(directory))))
+        client = stack.enter_context(httpx.Client(headers={"accept": accept}))
+        client.get(f"{server.url}/metrics")
+
+        def get() -> None:
+            r = client.get(f"{server.url}/metrics")
+            r.raise_for_status()
+
+        results["http_cached"] = _summary(timed(get))
+        results["http_republished"] = _summary(timed(get, republish))
+    return results
+
+
+# -- 2. allocation-path overhead ------------------------------------------------------------------
+def swa_layout(full_tokens: int) -> tuple[int, SlotLayout]:
+    from kvledger.demo import default_config_path
+
+    bm = plan(load_config(default_config_path()), Knobs(), full_tokens=full_tokens)
+    first = bm.family_buffers("swa_kv")[0]
+    layers = len(bm.family_buffers("swa_kv"))
+    return layers, SlotLayout(
+        capacity_slots=first.capacity_slots,
+        slot_bytes=first.slot_bytes,
+        page_bytes=2 << 20,
+        slots_per_row=first.slots_per_row,
+        row_bytes=first.row_bytes,
+    )
+
+
+def bench_overhead(
+    *, batch: int, steps: int, rounds: int, publish_interval: float
+) -> dict[str, Any]:
+    # A pool big enough for two batches on a few pages: 3 pages of 2 MiB per layer.
+    layers, full = swa_layout(1 << 18)
+    layout = SlotLayout(
+        capacity_slots=min(
+            full.capacity_slots, 3 * (2 << 20) // full.row_bytes * full.slots_per_row
+        ),
+        slot_bytes=full.slot_bytes,
+        page_bytes=full.page_bytes,
+        slots_per_row=full.slots_per_row,
+        row_bytes=full.row_bytes,
+    )
+    if layout.capacity_slots < 2 * batch + 1:
+        raise ValueError(f"--batch {batch}: expected at most {(layout.capacity_slots - 1) // 2}")
+    with contextlib.ExitStack() as stack:
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-"))
+        backend = stack.enter_context(HostBackend())
+        keep = layout.num_pages  # every page stays mapped: the hot path only
+        bare = stack.enter_context(
+            SwaPool(backend, layers=layers, layout=layout, max_spare_pages=keep, name="bare")
+        )
+        ledger = Ledger({"model_name": "bench", "tp_rank": "0"})
+        from accounting.buffers import BufferSpec
+
+        specs = [
+            BufferSpec(
+                name=f"swa_kv.L{i}",
+                family="swa_kv",
+                pool="swa",
+                owner=Owner.VMM,
+                layer=i,
+                dtype="uint8",
+                shape=(layout.rows, layout.row_bytes),
+                slot_bytes=layout.slot_bytes,
+                capacity_slots=layout.capacity_slots,
+                tensor_bytes=layout.buffer_bytes,
+                reserved_bytes=layout.reserved_bytes,
+            )
+            for i in range(layers)
+        ]
+        account = ledger.add_account(
+            specs, page_bytes=layout.page_bytes, capacity_slots=layout.capacity_slots - 1
+        )
+        accounted = stack.enter_context(
+            SwaPool(
+                backend,
+                layers=layers,
+                layout=layout,
+                max_spare_pages=keep,
+                observer=account,
+                name="accounted",
+            )
+        )
+        for pool in (bare, accounted):  # map every page once, off the clock
+            pool.free(pool.alloc(pool.capacity_slots))
+        publisher = stack.enter_context(Publisher(ledger, directory, interval=publish_interval))
+
+        def round_of(pool: SwaPool) -> float:
+            held = pool.alloc(batch)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                nxt = pool.alloc(batch)
+                pool.free(held)
+                held = nxt
+            dt = time.perf_counter() - t0
+            pool.free(held)
+            return dt / steps
+
+        times: dict[str, list[float]] = {"bare": [], "accounted": []}
+        for _ in range(3):  # warm up
+            round_of(bare)
+            round_of(accounted)
+        for i in range(rounds):
+            order = (bare, accounted) if i % 2 == 0 else (accounted, bare)
+            for pool in order:
+                times["bare" if pool is bare else "accounted"].append(round_of(pool))
+        published = publisher.sequence
+        bare_med = statistics.median(times["bare"])
+        acc_med = statistics.median(times["accounted"])
+        return {
+            "layers": layers,
+            "batch": batch,
+            "steps_per_round": steps,
+            "rounds": rounds,
+            "publish_interval_s": publish_interval,
+            "snapshots_published": published,
+            "bare_step_us": bare_med * 1e6,
+            "accounted_step_us": acc_med * 1e6,
+            "overhead_pct": (acc_med / bare_med - 1) * 100,
+        }
+
+
+def run(args: argparse.Namespace) -> int:
+    from accounting.units import parse_size
+
+    budget = parse_size(args.budget)
+    scrape = bench_scrape(args.ranks, budget, args.scrapes)
+    print(
+        f"scrape: {scrape['ranks']} ranks, {scrape['buffers']} buffers, {scrape['series']} series, "
+        f"{scrape['exposition_bytes']} bytes per scrape"
+    )
+    for key in ("in_process_cached", "in_process_republished", "http_cached", "http_republished"):
+        r = scrape[key]
+        print(f"  {key:24s} p50 {r['p50_ms']:7.3f} ms  p99 {r['p99_ms']:7.3f} ms  (n={r['n']})")
+    print(
+        f"  target p99 <= 5 ms: {'met' if scrape['http_republished']['p99_ms'] <= 5 else 'NOT met'} "
+        "(worst case: GET over loopback with every rank republished)"
+    )
+    over = bench_overhead(
+        batch=args.batch,
+        steps=args.steps,
+        rounds=args.rounds,
+        publish_interval=args.publish_interval,
+    )
+    print(
+        f"alloc path: {over['layers']} layers, decode steps of {over['batch']} slots "
+        f"(alloc + free), {over['rounds']} rounds x {over['steps_per_round']} steps per pool, "
+        f"publisher every {over['publish_interval_s']} s ({over['snapshots_published']} snapshots)"
+    )
+    print(
+        f"  no observer {over['bare_step_us']:8.1f} us/step   accounting + publishing "
+        f"{over['accounted_step_us']:8.1f} us/step   overhead {over['overhead_pct']:+.2f}% "
+        f"(target <= 2%: {'met' if over['overhead_pct'] <= 2 else 'NOT met'})"
+    )
+    if args.json:
+        print(json.dumps({"scrape": scrape, "overhead": over, "pid": os.getpid()}, indent=2))
+    return 0

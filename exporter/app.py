@@ -82,7 +82,10 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
         summary="The ledger's snapshots: buffer map, figures, relations, reconciliation",
         dependencies=[Depends(auth)],
         responses={
-            200: {"content": {"text/html": {}}, "description": "JSON; a page for Accept: text/html"},
+            200: {
+                "content": {"text/html": {}},
+                "description": "JSON; a page for Accept: text/html",
+            },
             400: {"model": Problem},
             401: {"model": Problem},
         },

@@ -109,3 +109,38 @@ def test_chromium_screenshot(served, tmp_path):
     png = browser.screenshot(f"{served.base}/debug/kv", tmp_path / "page.png")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not browser.available(), reason="needs Debian's chromium")
+def test_chromium_two_ranks_and_a_family_filter_that_survives_refresh():
+    from exporter.app import create_app
+    from exporter.sources import Sources
+    from tests.ledgers import small_ledger
+    from tests.servers import UvicornThread
+
+    with (
+        small_ledger({"model_name": "m", "tp_rank": "0"}) as r0,
+        small_ledger({"model_name": "m", "tp_rank": "1"}) as r1,
+    ):
+        r0.allocate(300)
+        r1.allocate(700)
+        sources = Sources()
+        sources.add_ledger(r0.ledger)
+        sources.add_ledger(r1.ledger)
+        with UvicornThread(create_app(sources)) as server:
+            parsed = browser.parse(browser.dump_dom(f"{server.url}/debug/kv?family=swa_kv"))
+    root = next(e for e in parsed.elements if e.get("id") == "root")
+    assert int(root["data-refreshes"]) >= 1
+    sections = [e["data-source"] for e in parsed.elements if e.get("class") == "source"]
+    assert len(sections) == 2
+    shown = {
+        (e["data-source"], e["data-figure"]): int(e["data-value"])
+        for e in parsed.elements
+        if e.get("data-family") == "swa_kv" and "data-figure" in e
+    }
+    assert {f for e in parsed.elements if (f := e.get("data-family"))} == {"swa_kv"}
+    occupied = sorted(v for (_, fig), v in shown.items() if fig == "occupied_slots")
+    assert occupied == [300, 700]
+    assert "filtered: family=swa_kv" in " ".join(parsed.text)
+    assert len([e for e in parsed.elements if "data-rank-source" in e]) == 2

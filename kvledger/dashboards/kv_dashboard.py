@@ -73,7 +73,13 @@ def headline_row() -> Row:
     )
 
 
-def figures_row() -> Row:
+def _widths(n: int) -> list[int]:
+    """Grid widths for n panels: rows of three, the last row's panels sharing its width."""
+    full, rest = divmod(n, 3)
+    return [8] * (3 * full) + [24 // rest] * rest if rest else [8] * n
+
+
+def figures_rows() -> tuple[tuple[Row, Row], tuple[Panel, ...]]:
     byte_figures = [f for f in FIGURES if f.unit == "bytes"]
     side_by_side = Panel(
         "$family: figures side by side",
@@ -101,8 +107,9 @@ def figures_row() -> Row:
             (Target(_by_family(r.fig(f.name)), "{{family}}"),),
             BYTES,
             stack=True,
+            width=width,
         )
-        for f in byte_figures
+        for f, width in zip(byte_figures, _widths(len(byte_figures)), strict=True)
     )
     slots = tuple(
         Panel(
@@ -113,14 +120,15 @@ def figures_row() -> Row:
             (Target(_by_family(r.fig(f.name)), "{{family}}"),),
             "short",
             axis_label="slots",
+            width=12,
         )
         for f in FIGURES
         if f.unit == "slots"
     )
-    return Row(
-        "Figures per family (tensor, reserved, physical, mapped, occupied)",
-        (side_by_side, *stacked, *slots),
-    )
+    return (
+        Row("Each family's figures side by side (one panel per family)", (side_by_side,)),
+        Row("Figures by family, stacked (tensor, reserved, physical, mapped, occupied)", stacked),
+    ), slots
 
 
 def where_row() -> Row:
@@ -140,6 +148,7 @@ def where_row() -> Row:
                     Target(_by_family(occ), "{{family}} occupied"),
                 ),
                 BYTES,
+                width=12,
             ),
             Panel(
                 "Reserved vs physical per family",
@@ -152,6 +161,7 @@ def where_row() -> Row:
                     Target(_by_family(phys), "{{family}} physical"),
                 ),
                 BYTES,
+                width=12,
             ),
             Panel(
                 "Backed but idle (physical - occupied) by family",
@@ -159,6 +169,7 @@ def where_row() -> Row:
                 (Target(_by_family(idle.record), "{{family}}"),),
                 BYTES,
                 stack=True,
+                width=12,
             ),
             Panel(
                 "Unbacked address space (reserved - physical) by family",
@@ -168,6 +179,7 @@ def where_row() -> Row:
                 (Target(_by_family(unbacked.record), "{{family}}"),),
                 BYTES,
                 stack=True,
+                width=12,
             ),
         ),
     )
@@ -177,12 +189,13 @@ def _ratio(num: str, den: str) -> str:
     return f"{_by_family(num)} / ({_by_family(den)} > 0)"
 
 
-def occupancy_row() -> Row:
+def occupancy_row(slots: tuple[Panel, ...]) -> Row:
     occ_s, cap_s = r.fig("occupied_slots"), r.fig("capacity_slots")
     occ_b, phys, res = r.fig("occupied_bytes"), r.fig("physical_bytes"), r.fig("reserved_bytes")
     return Row(
-        "Occupancy",
+        "Occupancy: slots and ratios",
         (
+            *slots,
             Panel(
                 "Slot occupancy per family",
                 f"sum({occ_s}) / sum({cap_s}) per family over the selected ranks: the share of "
@@ -247,6 +260,7 @@ def allocator_row() -> Row:
                     ),
                 ),
                 "short",
+                width=12,
                 axis_label="page ids / s",
                 negative_y=".*unmapped",
             ),
@@ -263,6 +277,7 @@ def allocator_row() -> Row:
                     for q in quantiles
                 ),
                 "s",
+                width=12,
             ),
             Panel(
                 "Mean map / unmap time per page id",
@@ -282,6 +297,7 @@ def allocator_row() -> Row:
                     ),
                 ),
                 "s",
+                width=12,
             ),
             Panel(
                 "Page ids with physical handles vs mapped",
@@ -293,6 +309,7 @@ def allocator_row() -> Row:
                     Target(_by_family(mapped_pages), "{{family}} mapped"),
                 ),
                 "short",
+                width=12,
                 axis_label="page ids",
             ),
         ),
@@ -458,7 +475,6 @@ def fleet_row() -> Row:
                     ),
                 ),
                 BYTES,
-                width=16,
             ),
         ),
     )
@@ -507,6 +523,7 @@ VARIABLES = (
 
 
 def dashboard() -> Dashboard:
+    family_rows, slot_panels = figures_rows()
     return Dashboard(
         uid=UID,
         title="kvledger: KV-cache memory",
@@ -517,9 +534,9 @@ def dashboard() -> Dashboard:
         variables=VARIABLES,
         rows=(
             headline_row(),
-            figures_row(),
+            *family_rows,
             where_row(),
-            occupancy_row(),
+            occupancy_row(slot_panels),
             allocator_row(),
             health_row(),
             fleet_row(),

@@ -166,7 +166,7 @@ class Variable:
             "type": "query",
             "datasource": dict(DATASOURCE),
             "definition": self.query,
-            "query": {"query": self.query, "refId": f"{self.name}-values"},
+            "query": self.query,
             "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
             "hide": 0,
             "includeAll": True,

@@ -48,7 +48,7 @@ def substitute(expr: str, values: dict[str, str]) -> str:
 def stack(tmp_path_factory):
     with (
         KvledgerServe(tmp_path_factory.mktemp("snapshots")) as serve,
-        RulesPrometheus([serve_target(serve)]) as prom,
+        RulesPrometheus([serve.target]) as prom,
     ):
         # a few scrapes and rule evaluations, with pages mapped and unmapped in between
         wait_until(
@@ -63,10 +63,6 @@ def stack(tmp_path_factory):
             interval=0.5,
         )
         yield serve, prom
-
-
-def serve_target(serve: KvledgerServe) -> str:
-    return serve.target
 
 
 def _concrete(prom: RulesPrometheus, serve: KvledgerServe) -> dict[str, str]:

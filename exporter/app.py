@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from exporter import debug, html
 from exporter.collector import registry_for
-from exporter.exposition import render
+from exporter.exposition import Renderer
 from exporter.sources import Sources
 
 DEBUG_PARAMS = ("family", "rank", "layer")
@@ -62,7 +62,7 @@ def _auth_dependency(token: str | None) -> Callable[..., None]:
 
 
 def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
-    registry = registry_for(sources)
+    renderer = Renderer(registry_for(sources))
     router = APIRouter()
     auth = _auth_dependency(token)
 
@@ -72,8 +72,10 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
         summary="Prometheus exposition built from one snapshot per source",
         responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}},
     )
-    def metrics(request: Request) -> Response:
-        body, content_type = render(registry, request.headers.get("accept"))
+    async def metrics(request: Request) -> Response:
+        # Built in the event loop: a scrape is a millisecond or two of work, less than a
+        # hop to the thread pool and back.
+        body, content_type = renderer.render(request.headers.get("accept"))
         return Response(content=body, media_type=content_type)
 
     @router.get(

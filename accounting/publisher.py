@@ -180,7 +180,11 @@ class Publisher:
         return snap
 
     def _write(self, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.source}.", suffix=".tmp", dir=self.directory)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.source}.", suffix=".tmp", dir=self.directory)
+        except FileNotFoundError:  # the directory was removed under us (a tmp cleaner): recreate
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.source}.", suffix=".tmp", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

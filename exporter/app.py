@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
-from exporter import debug, html
+from exporter import debug
 from exporter.collector import registry_for
 from exporter.exposition import Renderer
 from exporter.sources import Sources
@@ -61,7 +61,24 @@ def _auth_dependency(token: str | None) -> Callable[..., None]:
     return check
 
 
-def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
+DebugHtml = Callable[[debug.DebugKv], str]
+
+
+def wants_html(accept: str | None) -> bool:
+    """True when a browser asks: text/html listed before application/json (or json absent)."""
+    media = [p.split(";")[0].strip().lower() for p in (accept or "").split(",")]
+    if "text/html" not in media:
+        return False
+    return "application/json" not in media or media.index("text/html") < media.index(
+        "application/json"
+    )
+
+
+def create_router(
+    sources: Sources, *, token: str | None = None, debug_html: DebugHtml | None = None
+) -> APIRouter:
+    """The routes. `debug_html`, when given, renders `/debug/kv` for a browser (Accept:
+    text/html) from the same `DebugKv` document the JSON carries."""
     renderer = Renderer(registry_for(sources))
     router = APIRouter()
     auth = _auth_dependency(token)
@@ -84,10 +101,7 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
         summary="The ledger's snapshots: buffer map, figures, relations, reconciliation",
         dependencies=[Depends(auth)],
         responses={
-            200: {
-                "content": {"text/html": {}},
-                "description": "JSON; a page for Accept: text/html",
-            },
+            200: {"content": {"text/html": {}}},
             400: {"model": Problem},
             401: {"model": Problem},
         },
@@ -120,8 +134,8 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
             doc = debug.build(sources.read(), family=family, rank=rank, layer=layer)
         except debug.FilterError as e:
             return _problem(e.param, str(e))
-        if html.wants_html(request.headers.get("accept")):  # a browser: the page (exporter/html.py)
-            return HTMLResponse(html.render(doc.model_dump(mode="json")))
+        if debug_html is not None and wants_html(request.headers.get("accept")):
+            return HTMLResponse(debug_html(doc))
         return doc
 
     @router.get("/healthz", response_model=Health, summary="The exporter process is serving")
@@ -152,12 +166,18 @@ def _problem(param: str, detail: str) -> JSONResponse:
     return JSONResponse(status_code=400, content=Problem(detail=detail, param=param).model_dump())
 
 
-def create_app(sources: Sources, *, token: str | None = None, title: str = "kvledger") -> FastAPI:
+def create_app(
+    sources: Sources,
+    *,
+    token: str | None = None,
+    title: str = "kvledger",
+    debug_html: DebugHtml | None = None,
+) -> FastAPI:
     app = FastAPI(
         title=title,
         summary="KV-cache memory accounting: tensor, reserved, physical and occupied bytes "
         "per buffer family",
     )
-    app.include_router(create_router(sources, token=token))
+    app.include_router(create_router(sources, token=token, debug_html=debug_html))
     app.state.sources = sources
     return app

@@ -250,3 +250,20 @@ if len(METRIC) != len(METRICS):  # pragma: no cover - a table edit gone wrong
 def series_names() -> frozenset[str]:
     """Every series name Prometheus can store from this exporter."""
     return frozenset(n for m in METRICS for n in m.sample_names)
+
+
+def markdown_table() -> str:
+    """The metric table as Markdown (docs/metrics.md embeds it; a test keeps them equal)."""
+    rows = ["| metric | type | labels | help |", "|---|---|---|---|"]
+    for s in METRICS:
+        labels = [*ENGINE_LABELS, "[dp_rank]"] if s.engine else []
+        labels += list(s.labels)
+        if s.type == "histogram":
+            labels.append("le")
+        shown = ", ".join(f"`{x}`" for x in labels) or "(none)"
+        rows.append(f"| `{s.name}` | {s.type} | {shown} | {s.help.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -151,6 +151,8 @@ class Sources:
 
     `stale_after`: seconds a heartbeat may age before its source is stale; None means
     STALE_INTERVALS publish intervals plus STALE_GRACE_S, per source.
+    `forget_after`: seconds after which a stale source is no longer listed (its file is
+    left alone); None keeps listing it while its file exists.
     """
 
     def __init__(
@@ -158,12 +160,17 @@ class Sources:
         directory: str | os.PathLike[str] | None = None,
         *,
         stale_after: float | None = None,
+        forget_after: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if stale_after is not None and not stale_after > 0:
-            raise ValueError(f"Sources: stale_after={stale_after!r}, expected a positive number")
+        for name, value in (("stale_after", stale_after), ("forget_after", forget_after)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(
+                    f"Sources: {name}={value!r}, expected a positive number of seconds"
+                )
         self.directory = os.fspath(directory) if directory is not None else None
         self.stale_after = stale_after
+        self.forget_after = forget_after
         self._clock = clock
         self._host = socket.gethostname()
         self._lock = threading.Lock()
@@ -191,7 +198,6 @@ class Sources:
         """Every source's latest snapshot, sorted by source id."""
         with self._lock:
             published = self._scan() if self.directory is not None else []
-            now = self._clock()
             for name, ledger in self._ledgers.items():
                 snap = ledger.snapshot()
                 published.append(
@@ -201,6 +207,9 @@ class Sources:
                 )
             now = self._clock()
             views = [self._view(p, now) for p in published]
+        if self.forget_after is not None:
+            limit = self.forget_after
+            views = [v for v in views if v.up or v.heartbeat_age_seconds <= limit]
         views.sort(key=lambda v: v.source)
         return views
 

@@ -61,8 +61,8 @@ class Pricing:
     """The planner's coefficients for one shape and set of knobs."""
 
     kv_bytes_per_entry: dict[int, float]  # ratio -> padded page bytes per entry
-    bytes_per_swa_token: float  # without the speculative inflation
-    bytes_per_full_token: float  # with it: what the budget is divided by
+    bytes_per_swa_token: float  # both with the speculative (L+1)/L inflation, as SGLang's
+    bytes_per_full_token: float  # what the budget is divided by
     spec_inflation: float
     family_bytes_per_full_token: dict[str, float]  # token-scaled families, uninflated
 
@@ -101,7 +101,7 @@ def pricing(shape: Dsv4Shape, knobs: Knobs) -> Pricing:
     infl = (layers + 1) / layers if knobs.speculative else 1.0
     return Pricing(
         kv_bytes_per_entry=kvpt,
-        bytes_per_swa_token=swa_token,
+        bytes_per_swa_token=swa_token * infl,
         bytes_per_full_token=full_token * infl,
         spec_inflation=infl,
         family_bytes_per_full_token=fam,

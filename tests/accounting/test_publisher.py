@@ -125,6 +125,16 @@ def test_bad_interval_is_refused_naming_it(tmp_path, interval):
         Publisher(Ledger(), tmp_path, interval=interval)
 
 
+def test_directory_removed_under_the_publisher_is_recreated(tmp_path):
+    import shutil
+
+    d = tmp_path / "snap"
+    with Publisher(Ledger({"tp_rank": "0"}), d, interval=1000) as pub:
+        shutil.rmtree(d)
+        pub.publish()
+        assert os.path.exists(pub.path)
+
+
 def test_bad_source_is_refused(tmp_path):
     with pytest.raises(ValueError, match="source"):
         Publisher(Ledger(), tmp_path, source="../escape")

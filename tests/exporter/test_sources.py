@@ -60,6 +60,20 @@ def test_old_heartbeat_marks_stale_with_reason(tmp_path):
         assert v.age_seconds >= 6
 
 
+def test_stale_sources_are_forgotten_after_the_bound(tmp_path):
+    now = [0.0]
+    with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
+        pub.publish()
+        d, _ = parse(Path(pub.path).read_bytes())
+        src = Sources(tmp_path, stale_after=5, forget_after=60, clock=lambda: now[0])
+        now[0] = d["published_at"] + 30
+        [v] = src.read()
+        assert not v.up
+        now[0] = d["published_at"] + 61
+        assert src.read() == []
+        assert os.path.exists(pub.path)  # forgotten, not deleted
+
+
 def test_dead_pid_marks_stale_at_once(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

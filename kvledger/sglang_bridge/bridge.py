@@ -37,7 +37,13 @@ from allocator.layout import SlotLayout
 from allocator.pool import SwaPool
 from kvledger.sglang_bridge import registry
 from kvledger.sglang_bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation
-from kvledger.sglang_bridge.compat import V4_TOKEN_BYTES, SwaFacts, incompatibilities, read_facts
+from kvledger.sglang_bridge.compat import (
+    V4_TOKEN_BYTES,
+    SwaFacts,
+    incompatibilities,
+    pool_reasons,
+    read_facts,
+)
 from kvledger.sglang_bridge.follow import PageFollower, TokenObserver
 from kvledger.sglang_bridge.hooks import AllocatorHooks
 
@@ -162,20 +168,21 @@ def attach(
     swa_alloc = _swa_sub_allocator(allocator)
     facts = read_facts(pool, swa_alloc, dsv4_pool_class=DeepSeekV4TokenToKVPool)
     bridge.facts = facts
-    reasons = []
-    if allocator is not None and getattr(allocator, "_kvcache", pool) is not pool:
+    reasons = pool_reasons(facts)
+    if not reasons and getattr(allocator, "_kvcache", pool) is not pool:
         reasons.append("the allocator serves another pool, expected the one being attached")
-    if swa_alloc is None:
+    if not reasons and swa_alloc is None:
         reasons.append(
             f"allocator {type(allocator).__name__} has no paged SWA side "
             "(swa_attn_allocator), expected SGLang's SWATokenToKVPoolAllocator"
         )
     device = _device_kind(facts)
-    try:
-        be, owns = _make_backend(backend, device)
-    except Exception as e:
-        reasons.append(f"no VMM backend: {type(e).__name__}: {e}")
-        be, owns = None, False
+    be, owns = None, False
+    if not reasons:
+        try:
+            be, owns = _make_backend(backend, device)
+        except Exception as e:
+            reasons.append(f"no VMM backend: {type(e).__name__}: {e}")
     if be is not None and not reasons:
         reasons += incompatibilities(facts, granularity=be.granularity, backend_device=device)
     if reasons:

@@ -52,18 +52,25 @@ def expected_row_bytes(page_tokens: int, token_bytes: int = V4_TOKEN_BYTES) -> i
     return -(-page_tokens * token_bytes // V4_PAGE_ALIGN) * V4_PAGE_ALIGN
 
 
+def pool_reasons(facts: SwaFacts) -> list[str]:
+    """Why `facts`' pool has nothing the bridge could take (checked before anything else)."""
+    if not facts.is_dsv4_pool:
+        return [f"pool is a {facts.pool_class}, expected SGLang's DeepSeekV4TokenToKVPool"]
+    if not facts.has_swa_pool:
+        return [
+            f"SWA storage is {facts.swa_storage!r} (no paged SWA pool of its own to replace: "
+            "unified-KV mode, a per-request ring or the request window), expected 'paged'"
+        ]
+    return []
+
+
 def incompatibilities(facts: SwaFacts, *, granularity: int, backend_device: str) -> list[str]:
     """Reasons the bridge cannot take `facts`' SWA buffers on a backend of `granularity`
     bytes whose tensors live on `backend_device` ("cpu" or "cuda"); empty when it can."""
     f = facts
-    if not f.is_dsv4_pool:
-        return [f"pool is a {f.pool_class}, expected SGLang's DeepSeekV4TokenToKVPool"]
-    if not f.has_swa_pool:
-        return [
-            f"SWA storage is {f.swa_storage!r} (no paged SWA pool of its own to replace; "
-            "unified-KV mode, a per-request ring or the request window), expected 'paged'"
-        ]
-    reasons = []
+    reasons = pool_reasons(f)
+    if reasons:
+        return reasons
     if f.kv_layout != "v4":
         reasons.append(f"SWA KV layout {f.kv_layout!r}, expected 'v4' (584-byte tokens)")
     if f.uniform_fp8:

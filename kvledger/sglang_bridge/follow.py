@@ -33,7 +33,11 @@ class TokenObserver:
     """Forwards pool events to `target`, slot counts multiplied by `tokens_per_slot`."""
 
     def __init__(self, target: PoolObserver, tokens_per_slot: int) -> None:
-        if not isinstance(tokens_per_slot, int) or tokens_per_slot <= 0:
+        if (
+            isinstance(tokens_per_slot, bool)
+            or not isinstance(tokens_per_slot, int)
+            or tokens_per_slot <= 0
+        ):
             raise ValueError(f"tokens_per_slot={tokens_per_slot!r}, expected a positive int")
         self.target = target
         self.tokens_per_slot = tokens_per_slot

@@ -203,16 +203,16 @@ class HostBackend:
             self._unmap_locked(address, size)
 
     def _unmap_locked(self, address: int, size: int) -> None:
-        starts = [m for m in self._mappings if address <= m < address + size]
-        if not starts or any(m + self._mappings[m][0] > address + size for m in starts):
+        owners = [
+            self._granule_owner.get(g) for g in range(address, address + size, self.granularity)
+        ]
+        if not owners or None in owners:
+            raise DriverError("unmap", "EINVAL", "range has unmapped holes", address)
+        starts = list(dict.fromkeys(m for m in owners if m is not None))
+        if any(m < address or m + self._mappings[m][0] > address + size for m in starts):
             raise DriverError(
                 "unmap", "EINVAL", f"range of {size} bytes does not cover whole mappings", address
             )
-        if any(
-            self._granule_owner.get(g) is None
-            for g in range(address, address + size, self.granularity)
-        ):
-            raise DriverError("unmap", "EINVAL", "range has unmapped holes", address)
         flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
         if _libc.mmap(address, size, _PROT_NONE, flags, -1, 0) in (None, _MAP_FAILED):
             raise _errno_error("unmap", address)

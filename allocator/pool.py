@@ -173,6 +173,7 @@ class SwaPool:
 
     def buffer(self, layer: int, dtype: Any = None, shape: tuple[int, ...] | None = None) -> Any:
         """Layer `layer`'s buffer viewed as `dtype` in `shape` (default: rows x row bytes)."""
+        self._check_open("buffer")
         t = self.tensors[layer]
         if dtype is not None:
             t = t.view(dtype)
@@ -205,7 +206,11 @@ class SwaPool:
             if len(taken) == n:
                 break
             need = n - len(taken)
-            plan = self._plan_pages(need)
+            try:
+                plan = self._plan_pages(need)
+            except BaseException:  # CapacityError: give back what was gathered
+                self._return_gathered(taken)
+                raise
             if plan is None:  # the mapper holds pages we would need: wait for it, then retry
                 self._return_gathered(taken)
                 self._cond.wait(timeout=1.0)
@@ -227,12 +232,22 @@ class SwaPool:
         return taken
 
     def _gather(self, n: int, taken: list[int]) -> None:
+        """Take up to `n` free slots off mapped pages, partly occupied pages first.
+
+        A page leaves its tier only when slots were taken from it (the commit or the undo
+        re-tiers it). A spare page with no usable slot (only a straddling slot whose next
+        page is unmapped) stays a spare: dropping it would hide it from trimming."""
         for tier in (self._partial, self._empty):
-            while len(taken) < n and tier:
-                p = next(iter(tier))
+            drop: list[int] = []
+            for p in tier:
+                if len(taken) >= n:
+                    break
+                before = len(taken)
                 self._take_from_page(p, n - len(taken), taken)
-                if not self._has_usable(p):
-                    del tier[p]
+                if not self._has_usable(p) and (tier is self._partial or len(taken) > before):
+                    drop.append(p)
+            for p in drop:
+                del tier[p]
 
     def _take_from_page(self, p: int, k: int, taken: list[int]) -> None:
         s = self._free_inner[p]
@@ -636,8 +651,12 @@ class SwaPool:
     def close(self) -> None:
         """Free every slot, unmap every page, release every handle and reservation. Idempotent.
 
-        Tensors handed out by this pool must not be used afterwards.
+        Tensors handed out by this pool must not be used afterwards. A background mapper still
+        attached is stopped first (outside the lock: its thread may be waiting for it).
         """
+        mapper = self._mapper
+        if mapper is not None:
+            mapper.close()
         with self._lock:
             if self._closed:
                 return
@@ -689,13 +708,14 @@ class SwaPool:
 def _as_list(ids: Any) -> list[int]:
     if hasattr(ids, "tolist"):
         out = ids.tolist()
-        return out if isinstance(out, list) else [out]
-    if isinstance(ids, int):
-        return [ids]
-    if isinstance(ids, Iterable):
+        out = out if isinstance(out, list) else [out]
+    elif isinstance(ids, int):
+        out = [ids]
+    elif isinstance(ids, Iterable):
         out = list(ids)
-        for i in out:
-            if not isinstance(i, int) or isinstance(i, bool):
-                raise SlotError(f"slot id {i!r} is not an int")
-        return out
-    raise SlotError(f"ids={ids!r}, expected a tensor, a sequence of ints or an int")
+    else:
+        raise SlotError(f"ids={ids!r}, expected a tensor, a sequence of ints or an int")
+    for i in out:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise SlotError(f"slot id {i!r} is not an int")
+    return out

@@ -26,6 +26,7 @@ removed from the ledger. The pool can be attached again afterwards.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,7 +51,9 @@ from kvledger.sglang_bridge.hooks import AllocatorHooks
 log = logging.getLogger(__name__)
 
 FAMILY = "swa_kv"
-_ATTR = "_kvledger_bridge"
+# pool -> its bridge. Kept here, not as an attribute of SGLang's pool, so nothing of the
+# bridge is reachable from the pool object (the inventory walks it for stray tensors).
+_BRIDGES: weakref.WeakKeyDictionary[Any, Bridge] = weakref.WeakKeyDictionary()
 
 BackendSource = Backend | Callable[[], Backend] | None
 
@@ -60,7 +63,7 @@ class Bridge:
     `reason` then says why."""
 
     def __init__(self, pool: Any, ledger: Ledger, *, pool_name: str, reason: str) -> None:
-        self.pool = pool
+        self._pool = weakref.ref(pool)  # the registry keys on the pool: no strong cycle
         self.ledger = ledger
         self.pool_name = pool_name
         self.reason = reason
@@ -73,6 +76,11 @@ class Bridge:
         self.hooks: AllocatorHooks | None = None
         self.swa_account: Account | None = None
         self.runtime_accounts: list[Account] = []
+
+    @property
+    def pool(self) -> Any:
+        """The SGLang pool, or None once it has been garbage-collected."""
+        return self._pool()
 
     # -- views ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -95,8 +103,9 @@ class Bridge:
     def detach(self) -> None:
         """Restore SGLang's own SWA buffers (live rows copied back), release everything the
         bridge mapped and remove the accounts `attach` registered. Idempotent."""
-        if getattr(self.pool, _ATTR, None) is self:
-            delattr(self.pool, _ATTR)
+        pool = self.pool
+        if pool is not None and _BRIDGES.get(pool) is self:
+            del _BRIDGES[pool]
         try:
             if self.active:
                 self._deactivate()
@@ -113,11 +122,13 @@ class Bridge:
         if self.hooks is not None:
             self.hooks.remove()
         assert self.swa_pool is not None and self.follower is not None and self.facts is not None
+        pool = self.pool
         try:
-            native = _native_copy(self.swa_pool, self.follower, self.facts)
-            bufs = self.pool.swa_kv_pool.kv_buffer
-            for i, t in enumerate(native):
-                bufs[i] = t
+            if pool is not None:  # else the pool and its views of the VMM range are gone
+                native = _native_copy(self.swa_pool, self.follower, self.facts)
+                bufs = pool.swa_kv_pool.kv_buffer
+                for i, t in enumerate(native):
+                    bufs[i] = t
         finally:
             try:
                 self.swa_pool.close()
@@ -152,7 +163,7 @@ def attach(
     makes an incompatible pool raise `IncompatibleError` instead of staying native with a
     warning. Attaching a pool twice returns the first bridge and changes nothing.
     """
-    existing = getattr(pool, _ATTR, None)
+    existing = _BRIDGES.get(pool)
     if existing is not None:
         return existing
     activation = BridgeActivation.from_env(env, require=require)
@@ -160,7 +171,7 @@ def attach(
     if not activation.enabled:
         bridge.reason = f"bridge off (set {ENV_ENABLE}=1)"
         _register_native(bridge)
-        setattr(pool, _ATTR, bridge)
+        _BRIDGES[pool] = bridge
         return bridge
 
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
@@ -196,19 +207,19 @@ def attach(
         if owns:
             be.close()
         raise
-    setattr(pool, _ATTR, bridge)
+    _BRIDGES[pool] = bridge
     return bridge
 
 
 def detach(pool: Any) -> None:
     """Detach whatever bridge `pool` has (no-op when none)."""
-    bridge = getattr(pool, _ATTR, None)
+    bridge = _BRIDGES.get(pool)
     if bridge is not None:
         bridge.detach()
 
 
 def bridge_of(pool: Any) -> Bridge | None:
-    return getattr(pool, _ATTR, None)
+    return _BRIDGES.get(pool)
 
 
 # -- pieces ------------------------------------------------------------------------------------
@@ -250,7 +261,7 @@ def _refuse(bridge: Bridge, activation: BridgeActivation, reason: str) -> Bridge
     log.warning("kvledger: SGLang DSV4 SWA buffers stay native: %s", reason)
     bridge.reason = reason
     _register_native(bridge)
-    setattr(bridge.pool, _ATTR, bridge)
+    _BRIDGES[bridge.pool] = bridge
     return bridge
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tests.accounting.sglang_reference import published as reference_published
+
 PAGE = 256
 RATIOS = [0, 0, 4, 128, 4, 128]
 SWA_PAGES = 8
@@ -26,17 +28,9 @@ WINDOW = 128
 
 @contextlib.contextmanager
 def published() -> Iterator[None]:
-    """Publish a ServerArgs in SGLang's runtime context, as its own fixtures do."""
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    server_args = ServerArgs(model_path="dummy", page_size=PAGE, swa_full_tokens_ratio=0.1)
-    reset_context()
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    try:
+    """SGLang's runtime context with a ServerArgs for DeepSeek-V4 (page 256)."""
+    with reference_published(page_size=PAGE, swa_full_tokens_ratio=0.1):
         yield
-    finally:
-        reset_context()
 
 
 def make_pool(*, ratios: list[int] | None = None, swa_pages: int = SWA_PAGES, **kw: Any) -> Any:

@@ -28,7 +28,9 @@ GRAN = 48 * 4096  # >= one 149,760-byte SWA row; 7 VMM pages per 9-row layer buf
 ROW = expected_row_bytes(rig.PAGE)
 ON = {ENV_ENABLE: "1"}
 EXACT = {"max_spare_pages": 0, "handle_pool_pages": 0}  # pages go back as soon as they empty
+# SGLang keeps these; "other" is the full->SWA index mapping the allocator registers on the pool.
 RUNTIME_FAMILIES = {
+    "other",
     "c4_kv",
     "c128_kv",
     "c4_indexer",

@@ -80,3 +80,14 @@ def figure(name: str) -> Figure:
         return _BY_NAME[name]
     except KeyError:
         raise KeyError(f"unknown figure {name!r}; expected one of {', '.join(_BY_NAME)}") from None
+
+
+def markdown_table() -> str:
+    """The figures as a Markdown table (README.md embeds it; a test keeps them equal)."""
+    rows = ["| figure | unit | meaning | relation |", "|---|---|---|---|"]
+    rows += [f"| `{f.name}` | {f.unit} | {f.meaning} | `{f.relation}` |" for f in FIGURES]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason="needs SGLang 0.5.23: run scripts/test-sglang (marker sglang)"
     )
     for item in items:
-        if "gpu" in item.keywords and not cuda_available():
+        if item.get_closest_marker("gpu") is not None and not cuda_available():
             item.add_marker(skip_gpu)
-        if "sglang" in item.keywords and not sglang_available():
+        if item.get_closest_marker("sglang") is not None and not sglang_available():
             item.add_marker(skip_sglang)

@@ -1,0 +1,93 @@
+"""The serving knobs that change DeepSeek-V4 KV bytes in SGLang 0.5.23.
+
+| knob | SGLang 0.5.23 spelling | what it changes |
+|---|---|---|
+| page_size | --page-size (forced 256 for paged SWA) | pages of every KV family |
+| state_dtype | SGLANG_DSV4_COMPRESS_STATE_DTYPE (float32) | c4/c128 compressor state rows |
+| indexer_dtype | --enable-deepseek-v4-fp4-indexer | c4 indexer entry: 132 B fp8, 68 B fp4 |
+| speculative_draft_tokens | --speculative-num-draft-tokens (with an algorithm) | state rings 8->16 (c4) and 128->256 (c128); planner coefficient x (L+1)/L |
+| max_running_requests | --max-running-requests | c128 state rows (one ring per request slot) |
+| swa_full_tokens_ratio | --swa-full-tokens-ratio (DSV4 default 0.1) | SWA tokens = ratio x full tokens |
+| context_length | --context-length (else from the config) | the planner's max_running_requests estimate |
+
+Not modelled (each changes the layout or the sizing path): the unified-KV ring
+(SGLANG_DSV4_UNIFIED_KV*), V4.1 KV layouts (SGLANG_DSV4_KV_LAYOUT), the trtllm
+backend, HiSparse, online c128 compression, encoder replay, pipeline / DP
+attention splits, PD disaggregation, and SWA "cap mode" (SGLang 0.5.23 sizes
+SWA from the request cap when --max-running-requests and chunked prefill are
+set and --swa-full-tokens-ratio is not: pass the ratio explicitly there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# name -> (torch dtype name, bytes per element)
+STATE_DTYPES: dict[str, tuple[str, int]] = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2)}
+_STATE_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+INDEXER_DTYPES = ("fp8", "fp4")
+
+DEFAULT_PAGE_SIZE = 256
+DEFAULT_SWA_FULL_TOKENS_RATIO = 0.1  # SGLang 0.5.23 DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO
+
+
+@dataclass(frozen=True)
+class Knobs:
+    page_size: int = DEFAULT_PAGE_SIZE
+    state_dtype: str = "fp32"
+    indexer_dtype: str = "fp8"
+    speculative_draft_tokens: int = 0
+    max_running_requests: int | None = None
+    swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO
+    context_length: int | None = None  # None: from the config, as SGLang does
+
+    def __post_init__(self) -> None:
+        state = (
+            _STATE_ALIASES.get(str(self.state_dtype).lower())
+            if isinstance(self.state_dtype, str)
+            else None
+        )
+        if state is None:
+            raise ValueError(
+                f"state_dtype={self.state_dtype!r}, expected one of fp32, bf16 "
+                "(SGLANG_DSV4_COMPRESS_STATE_DTYPE)"
+            )
+        object.__setattr__(self, "state_dtype", state)
+        if self.indexer_dtype not in INDEXER_DTYPES:
+            raise ValueError(f"indexer_dtype={self.indexer_dtype!r}, expected one of fp8, fp4")
+        _int(self, "page_size", 128)
+        if self.page_size % 128:
+            raise ValueError(
+                f"page_size={self.page_size}, expected a multiple of 128 (SGLang 0.5.23 requires "
+                "it for compressed attention and forces 256 for the paged SWA pool)"
+            )
+        _int(self, "speculative_draft_tokens", 0)
+        if self.max_running_requests is not None:
+            _int(self, "max_running_requests", 1)
+        if self.context_length is not None:
+            _int(self, "context_length", 1)
+        r = self.swa_full_tokens_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+            raise ValueError(f"swa_full_tokens_ratio={r!r}, expected a number in (0, 1]")
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_draft_tokens > 0
+
+    @property
+    def state_torch_dtype(self) -> str:
+        return STATE_DTYPES[self.state_dtype][0]
+
+    @property
+    def state_element_size(self) -> int:
+        return STATE_DTYPES[self.state_dtype][1]
+
+    def replace(self, **changes: object) -> Knobs:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _int(knobs: Knobs, name: str, minimum: int) -> None:
+    value = getattr(knobs, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}, expected an integer >= {minimum}")

@@ -1,0 +1,234 @@
+"""Publish ledger snapshots to a directory, one file per source, for an exporter in another process.
+
+A `Publisher` runs one thread. Every `interval` seconds it takes `ledger.snapshot()`
+and writes it, wrapped in a heartbeat envelope, to `<directory>/<source>.json`:
+written whole to a temporary file in the same directory, then `os.replace`d over
+the old one, so a reader sees either the previous file or the next, never a torn
+one. The allocation path does O(1) work for it (allocator events only bump
+counters under the ledger's lock) and never waits on the disk: this thread holds
+the ledger's lock only while `Ledger.snapshot` builds the rows (O(buffers), never
+O(slots)), and serialises and writes outside it.
+
+The file is two JSON documents, one per line (`ENVELOPE_SCHEMA`):
+
+    {"kvledger_publish": 1, "source": str, "pid": int, "host": str,
+     "process_start": int | null, "interval": float, "published_at": float,
+     "sequence": int, "snapshot": Snapshot.to_dict() without "buffers"}
+    [Snapshot.to_dict()["buffers"]...]
+
+The first line carries everything a scrape needs (totals, per-family rollups,
+accounts, relation violations, reconciliation) and parses in O(families +
+accounts); the buffer rows on the second line are parsed only when someone asks
+for the buffer map (`parse`, `snapshot_of`).
+
+`published_at` is the heartbeat: it advances every interval even when no figure
+moved, so a reader tells a dead or hung publisher (heartbeat older than a bound,
+or its pid gone) from an idle one. `process_start` (the kernel's start time of
+the process, in clock ticks) tells a reused pid from the original one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from accounting.ledger import Ledger
+from accounting.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+ENVELOPE_SCHEMA = 1
+SUFFIX = ".json"
+# Labels that name a source, in this order, when present in the ledger's labels.
+SOURCE_LABELS = ("model_name", "engine_type", "dp_rank", "pp_rank", "tp_rank", "moe_ep_rank")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def source_id(labels: Mapping[str, str], pid: int) -> str:
+    """A file-name-safe id from the engine labels and the pid, e.g. `dsv4-tp0-pp0-pid4242`."""
+    parts = []
+    for name in SOURCE_LABELS:
+        value = labels.get(name)
+        if value is None or value == "":
+            continue
+        short = {"tp_rank": "tp", "pp_rank": "pp", "dp_rank": "dp", "moe_ep_rank": "ep"}.get(name)
+        parts.append(f"{short}{value}" if short else str(value))
+    parts.append(f"pid{pid}")
+    return _UNSAFE.sub("_", "-".join(parts)).strip("._-") or f"pid{pid}"
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of `pid` from /proc, or None if absent."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces; fields follow the last ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return fields[0].decode(), int(fields[19])
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The start time of `pid` in clock ticks since boot (field 22 of /proc/PID/stat), or None."""
+    st = proc_stat(pid)
+    return st[1] if st else None
+
+
+def encode(envelope: dict[str, Any]) -> bytes:
+    """The file's bytes: the envelope without the buffer rows, a newline, the buffer rows."""
+    snap = dict(envelope["snapshot"])
+    buffers = snap.pop("buffers")
+    head = json.dumps({**envelope, "snapshot": snap}, separators=(",", ":"))
+    return head.encode() + b"\n" + json.dumps(buffers, separators=(",", ":")).encode()
+
+
+def parse(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """(envelope without buffer rows, the buffer rows' raw JSON) of a published file."""
+    head, sep, rows = data.partition(b"\n")
+    if not sep:
+        raise ValueError("published file has one line, expected the envelope then the buffer rows")
+    envelope = json.loads(head)
+    if not isinstance(envelope, dict) or envelope.get("kvledger_publish") != ENVELOPE_SCHEMA:
+        got = envelope.get("kvledger_publish") if isinstance(envelope, dict) else type(envelope)
+        raise ValueError(f"kvledger_publish={got!r}, expected {ENVELOPE_SCHEMA}")
+    return envelope, rows
+
+
+def snapshot_of(envelope: dict[str, Any], rows: bytes) -> Snapshot:
+    """The whole Snapshot of a published file (parses the buffer rows)."""
+    return Snapshot.from_dict({**envelope["snapshot"], "buffers": json.loads(rows)})
+
+
+class Publisher:
+    """Writes `ledger`'s snapshot to `directory` every `interval` seconds until closed.
+
+    Use as a context manager or call `close()` (idempotent), which stops the thread
+    and removes the file, so a clean shutdown leaves nothing for the exporter to serve.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        directory: str | os.PathLike[str],
+        *,
+        interval: float = 1.0,
+        source: str | None = None,
+    ) -> None:
+        if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
+            raise ValueError(
+                f"Publisher: interval={interval!r}, expected a positive number of seconds"
+            )
+        self.ledger = ledger
+        self.directory = os.fspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.interval = float(interval)
+        self.pid = os.getpid()
+        self.source = source or source_id(ledger.labels, self.pid)
+        if _UNSAFE.search(self.source) or self.source.startswith("."):
+            raise ValueError(
+                f"Publisher: source={self.source!r}, expected letters, digits, '_', '.', '-' "
+                "and no leading '.'"
+            )
+        self.path = os.path.join(self.directory, self.source + SUFFIX)
+        self._host = socket.gethostname()
+        self._process_start = process_start_ticks(self.pid)
+        self.sequence = 0
+        self.errors = 0
+        self.last_snapshot: Snapshot | None = None
+        self._write_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvledger-publisher-{self.source}", daemon=True
+        )
+        self._thread.start()
+
+    # -- publishing -------------------------------------------------------------------
+    def publish(self) -> Snapshot:
+        """Take a snapshot and write it now (the thread calls this every interval)."""
+        snap = self.ledger.snapshot()
+        with self._write_lock:
+            if self._closed:
+                return snap
+            self.sequence += 1
+            envelope: dict[str, Any] = {
+                "kvledger_publish": ENVELOPE_SCHEMA,
+                "source": self.source,
+                "pid": self.pid,
+                "host": self._host,
+                "process_start": self._process_start,
+                "interval": self.interval,
+                "published_at": time.time(),
+                "sequence": self.sequence,
+                "snapshot": snap.to_dict(),
+            }
+            self._write(encode(envelope))
+            self.last_snapshot = snap
+        return snap
+
+    def _write(self, data: bytes) -> None:
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.source}.", suffix=".tmp", dir=self.directory)
+        except FileNotFoundError:  # the directory was removed under us (a tmp cleaner): recreate
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.source}.", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.publish()
+            except Exception:
+                self.errors += 1
+                log.exception(
+                    "publisher %s: publishing to %s failed; retrying", self.source, self.path
+                )
+            next_at += self.interval
+            now = time.monotonic()
+            if next_at < now:  # fell behind (a slow disk): skip the missed beats
+                next_at = now + self.interval
+            self._stop.wait(next_at - now)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop publishing and remove the file. Idempotent."""
+        if self._stop.is_set() and self._closed:
+            return
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._write_lock:
+            self._closed = True
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,270 @@
+"""`GET /debug/kv`: the schema (pydantic models, hence OpenAPI) and the view built from snapshots.
+
+The same `SourceView`s a scrape reads become one JSON document: per source its
+buffer map, per-family figures, accounts, relation results, reconciliation,
+epoch and age; per rank its totals. Figure fields are generated from
+`accounting.figures.FIGURES`, with each figure's meaning as its description.
+
+Filters: `rank` keeps the sources whose `tp_rank` is that rank; `family` keeps
+that family's rows in `families`, `accounts`, `buffers` and `violations`;
+`layer` keeps that layer's rows in `buffers` (and their violations). A filter
+value no source has is a `FilterError` naming the parameter and what exists.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from accounting.figures import FIGURES
+from exporter.collector import GIB, engine_labels
+from exporter.sources import SourceView
+
+_FIGURE_FIELDS: dict[str, Any] = {
+    f.name: (int, Field(description=f"{f.meaning} (unit: {f.unit}). Relation: {f.relation}."))
+    for f in FIGURES
+}
+# One int field per figure, described by the figures table.
+Figures: Any = create_model(
+    "Figures",
+    __doc__="The ledger's figures, each kept separately and never summed into another.",
+    **_FIGURE_FIELDS,
+)
+
+
+class FigureDef(BaseModel):
+    name: str
+    unit: str = Field(description='"bytes" or "slots"')
+    meaning: str
+    relation: str
+
+
+class BufferModel(BaseModel):
+    """One tensor handed to the model (e.g. one layer's SWA KV buffer) and its figures."""
+
+    name: str
+    family: str
+    pool: str
+    owner: str = Field(
+        description='"vmm" (VMM allocator, page by page) or "runtime" (whole tensor)'
+    )
+    layer: int | None
+    dtype: str
+    shape: list[int]
+    account: str = Field(description="the index space (pool/family) whose slots it holds")
+    page_bytes: int
+    slot_bytes: int
+    capacity_slots: int
+    tensor_bytes: int
+    reserved_bytes: int
+    physical_bytes: int
+    mapped_bytes: int
+    occupied_slots: int
+    occupied_bytes: int
+
+
+class AccountModel(BaseModel):
+    """One index space (the layer buffers sharing its slots) and its allocator activity."""
+
+    key: str
+    family: str
+    pool: str
+    owner: str
+    page_bytes: int
+    capacity_slots: int
+    occupied_slots: int
+    peak_occupied_slots: int
+    handle_pages: int
+    peak_handle_pages: int
+    mapped_pages: int
+    pages_mapped_total: int
+    pages_unmapped_total: int
+    map_seconds_total: float
+    unmap_seconds_total: float
+    map_calls: int
+    map_bucket_counts: list[int] = Field(
+        description="map operations per seconds-per-page-id bucket (accounting.ledger."
+        "MAP_SECONDS_BUCKETS, then one past the last bound); not cumulative"
+    )
+
+
+class FamilyModel(BaseModel):
+    family: str
+    owner: str
+    figures: Figures
+
+
+class ViolationModel(BaseModel):
+    subject: str = Field(description="pool/buffer or account key")
+    relation: str
+    detail: str
+
+
+class ReconciliationModel(BaseModel):
+    """The ledger held against device truth (accounting.reconcile)."""
+
+    model_config = ConfigDict(extra="allow")
+    source: str = Field("unknown", description="which truth: host_memfd, nvml, ...")
+    available: bool = Field(False, description="False when the truth could not be read")
+    reason: str = Field("", description="why the truth is unavailable, or empty")
+    device_bytes: int | None = Field(None, description="what the truth says is held")
+    ledger_bytes: int | None = Field(None, description="the ledger figure it is held against")
+    unattributed_bytes: int | None = Field(None, description="device_bytes - ledger_bytes")
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class SourceModel(BaseModel):
+    source: str
+    up: bool
+    stale_reason: str | None
+    pid: int | None
+    host: str | None
+    labels: dict[str, str] = Field(description="the ledger's labels as published")
+    engine_labels: dict[str, str] = Field(description="SGLang's labels on its metrics")
+    epoch: int = Field(description="ledger events applied when the snapshot was taken")
+    sequence: int
+    taken_at: float = Field(description="Unix time the snapshot was taken")
+    published_at: float = Field(description="Unix time of the publisher's heartbeat")
+    age_seconds: float
+    heartbeat_age_seconds: float
+    interval_seconds: float
+    memory_usage_gb: float = Field(description="physical bytes of all families / 2^30")
+    totals: Figures
+    families: list[FamilyModel]
+    accounts: list[AccountModel]
+    buffers: list[BufferModel]
+    violations: list[ViolationModel]
+    reconciliation: list[ReconciliationModel]
+
+
+class RankModel(BaseModel):
+    """Per-rank totals (one source is one engine process, i.e. one rank)."""
+
+    source: str
+    up: bool
+    engine_labels: dict[str, str]
+    memory_usage_gb: float
+    totals: Figures
+
+
+class Filters(BaseModel):
+    family: str | None = None
+    rank: int | None = None
+    layer: int | None = None
+
+
+class DebugKv(BaseModel):
+    generated_at: float
+    filters: Filters
+    figures: list[FigureDef] = Field(description="the figures table: what each figure counts")
+    ranks: list[RankModel]
+    sources: list[SourceModel]
+
+
+class FilterError(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+def _known(values: set[Any]) -> str:
+    return ", ".join(repr(v) for v in sorted(values, key=str)) or "none (no source has published)"
+
+
+def build(
+    views: Sequence[SourceView],
+    *,
+    family: str | None = None,
+    rank: int | None = None,
+    layer: int | None = None,
+) -> DebugKv:
+    if rank is not None:
+        ranks = {engine_labels(v.labels)["tp_rank"] for v in views}
+        if str(rank) not in ranks:
+            raise FilterError(
+                "rank", f"rank={rank}: no source has tp_rank {rank}; known: {_known(ranks)}"
+            )
+        views = [v for v in views if engine_labels(v.labels)["tp_rank"] == str(rank)]
+    if family is not None:
+        families = {b.spec.family for v in views for b in v.snapshot.buffers}
+        if family not in families:
+            raise FilterError(
+                "family", f"family={family!r} is unknown; expected one of {_known(families)}"
+            )
+    if layer is not None:
+        layers = {b.spec.layer for v in views for b in v.snapshot.buffers} - {None}
+        if layer not in layers:
+            raise FilterError(
+                "layer", f"layer={layer} has no buffer; known layers: {_known(layers)}"
+            )
+    return DebugKv(
+        generated_at=time.time(),
+        filters=Filters(family=family, rank=rank, layer=layer),
+        figures=[
+            FigureDef(name=f.name, unit=f.unit, meaning=f.meaning, relation=f.relation)
+            for f in FIGURES
+        ],
+        ranks=[
+            RankModel(
+                source=v.source,
+                up=v.up,
+                engine_labels=engine_labels(v.labels),
+                memory_usage_gb=v.snapshot.total("physical_bytes") / GIB,
+                totals=Figures(**_totals(v)),
+            )
+            for v in views
+        ],
+        sources=[_source(v, family=family, layer=layer) for v in views],
+    )
+
+
+def _totals(v: SourceView) -> dict[str, int]:
+    return {f.name: v.snapshot.total(f.name) for f in FIGURES}
+
+
+def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceModel:
+    snap, p = v.snapshot, v.published
+    buffers = [
+        b
+        for b in snap.buffers
+        if (family is None or b.spec.family == family) and (layer is None or b.spec.layer == layer)
+    ]
+    accounts = [a for a in snap.accounts if family is None or a.family == family]
+    if family is None and layer is None:
+        violations = list(snap.violations)
+    else:
+        subjects = {f"{b.spec.pool}/{b.spec.name}" for b in buffers}
+        if layer is None:
+            subjects |= {a.key for a in accounts}
+        violations = [x for x in snap.violations if x.subject in subjects]
+    families = snap.rollup("family", "owner")
+    return SourceModel(
+        source=v.source,
+        up=v.up,
+        stale_reason=v.stale_reason,
+        pid=p.pid,
+        host=p.host,
+        labels=dict(snap.labels),
+        engine_labels=engine_labels(snap.labels),
+        epoch=snap.epoch,
+        sequence=p.sequence,
+        taken_at=snap.taken_at,
+        published_at=p.published_at,
+        age_seconds=v.age_seconds,
+        heartbeat_age_seconds=v.heartbeat_age_seconds,
+        interval_seconds=p.interval,
+        memory_usage_gb=snap.total("physical_bytes") / GIB,
+        totals=Figures(**_totals(v)),
+        families=[
+            FamilyModel(family=fam, owner=own, figures=Figures(**figs))
+            for (fam, own), figs in sorted(families.items())
+            if family is None or fam == family
+        ],
+        accounts=[AccountModel(**a.to_dict()) for a in accounts],
+        buffers=[BufferModel(**b.to_dict()) for b in buffers],
+        violations=[ViolationModel(**x.to_dict()) for x in violations],
+        reconciliation=[ReconciliationModel(**r) for r in snap.reconciliation],
+    )

@@ -1,0 +1,269 @@
+"""Every metric kvledger exports, declared once: name, type, help, labels.
+
+The collector, the tests and the dashboards read this table; nothing else names a
+metric. The per-family gauges are generated from `accounting.figures.FIGURES`,
+one `sglang:kv_cache_<figure>` per figure. Names are the names a Prometheus
+server stores (a counter's name carries its `_total`); every one is a valid
+legacy (pre-UTF-8) metric name, so no escaping scheme rewrites it.
+
+Every metric except those marked `engine=False` also carries the source's engine
+labels, SGLang's: `ENGINE_LABELS`, plus `dp_rank` where the engine sets it.
+No label ever takes the value "total": totals are separate metrics or sums in PromQL.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from accounting.figures import FIGURES
+from accounting.ledger import MAP_SECONDS_BUCKETS
+
+ENGINE_LABELS: tuple[str, ...] = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
+OPTIONAL_ENGINE_LABELS: tuple[str, ...] = ("dp_rank",)
+# Values used when a source's ledger does not set an engine label.
+ENGINE_LABEL_DEFAULTS: dict[str, str] = {
+    "model_name": "unknown",
+    "engine_type": "unified",
+    "tp_rank": "0",
+    "pp_rank": "0",
+    "moe_ep_rank": "0",
+}
+TYPES = ("gauge", "counter", "histogram")
+_LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LEGACY_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # as stored by Prometheus; a counter's ends in _total, a histogram's is the base name
+    type: str  # "gauge", "counter" or "histogram"
+    help: str
+    labels: tuple[str, ...]  # labels of its own, after the engine labels
+    engine: bool = True  # carries the source's engine labels
+    figure: str | None = None  # the accounting figure it exports, for per-family gauges
+
+    def __post_init__(self) -> None:
+        if self.type not in TYPES:
+            raise ValueError(f"metric {self.name!r}: type={self.type!r}, expected one of {TYPES}")
+        if not _LEGACY_NAME.match(self.name):
+            raise ValueError(f"metric name {self.name!r} is not a legacy Prometheus name")
+        if (self.type == "counter") != self.name.endswith("_total"):
+            raise ValueError(f"metric {self.name!r}: a counter's name, and only it, ends in _total")
+        for label in self.labels:
+            if not _LEGACY_LABEL.match(label) or label.startswith("__"):
+                raise ValueError(f"metric {self.name!r}: label {label!r} is not a valid label name")
+
+    @property
+    def family_name(self) -> str:
+        """The name prometheus-client's data model uses (a counter's without `_total`)."""
+        return self.name.removesuffix("_total") if self.type == "counter" else self.name
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        """Series names this metric produces in Prometheus."""
+        if self.type == "histogram":  # buckets only: see exporter.collector._add_histogram
+            return (f"{self.name}_bucket",)
+        return (self.name,)
+
+
+HEADLINE = "sglang:kv_cache_memory_usage_gb"
+FIGURE_PREFIX = "sglang:kv_cache_"
+
+
+def figure_metric(figure_name: str) -> str:
+    return FIGURE_PREFIX + figure_name
+
+
+def _figure_specs() -> list[MetricSpec]:
+    out = []
+    for f in FIGURES:
+        summed = (
+            "one value per index space, summed over the family's accounts"
+            if f.per_account
+            else "summed over the family's buffers (all layers)"
+        )
+        out.append(
+            MetricSpec(
+                figure_metric(f.name),
+                "gauge",
+                f"{f.name} ({f.unit}) per buffer family: {f.meaning}; {summed}. "
+                f"Relation: {f.relation}.",
+                ("family", "owner"),
+                figure=f.name,
+            )
+        )
+    return out
+
+
+_ACCOUNT = ("family", "pool")
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        HEADLINE,
+        "gauge",
+        "Device memory the KV cache holds: physical bytes of all buffer families (every live "
+        "VMM handle, mapped or spare, plus the storage of ordinary tensors), in GiB "
+        "(bytes / 2^30, SGLang's unit). Live, from the latest ledger snapshot.",
+        (),
+    ),
+    *_figure_specs(),
+    MetricSpec(
+        "kvledger_up",
+        "gauge",
+        "1 while the source's publisher is alive and its heartbeat fresh; 0 once it stopped "
+        "without closing (its pid is gone or its heartbeat is too old), and then its figures "
+        "are no longer exported.",
+        ("source",),
+    ),
+    MetricSpec(
+        "kvledger_snapshot_age_seconds",
+        "gauge",
+        "Seconds since the source's latest snapshot was taken; grows without bound once the "
+        "source is stale.",
+        ("source",),
+    ),
+    MetricSpec(
+        "kvledger_snapshot_epoch",
+        "gauge",
+        "Ledger events the source had applied when its latest snapshot was taken (restarts at "
+        "0 with the process).",
+        ("source",),
+    ),
+    MetricSpec(
+        "kvledger_publish_interval_seconds",
+        "gauge",
+        "Seconds between the source's snapshots (0 for a ledger read in-process at scrape time).",
+        ("source",),
+    ),
+    MetricSpec(
+        "kvledger_truth_available",
+        "gauge",
+        "1 when the device truth (host memfd, NVML) could be read for the latest snapshot, 0 "
+        "when not (the debug endpoint's reconciliation says why); truth and unattributed bytes "
+        "are exported only when it is 1.",
+        ("truth",),
+    ),
+    MetricSpec(
+        "kvledger_truth_bytes",
+        "gauge",
+        "Bytes the device truth reports for what the ledger accounts (e.g. the host backend's "
+        "memfd blocks, or NVML's used-memory delta), per truth source.",
+        ("truth",),
+    ),
+    MetricSpec(
+        "kvledger_unattributed_bytes",
+        "gauge",
+        "Device truth minus the ledger's physical bytes for the same scope: memory the device "
+        "holds that no buffer of the ledger accounts for (negative: the ledger counts more "
+        "than the device shows).",
+        ("truth",),
+    ),
+    MetricSpec(
+        "kvledger_relation_violations",
+        "gauge",
+        "Relations between figures (occupied <= mapped <= physical, mapped <= reserved, whole "
+        "pages, nothing negative, ...) broken in the latest snapshot; 0 when the ledger is "
+        "consistent.",
+        (),
+    ),
+    MetricSpec(
+        "kvledger_pages_mapped_total",
+        "counter",
+        "Page ids mapped by the VMM allocator (one page id is one page in every layer buffer "
+        "of the pool).",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_pages_unmapped_total",
+        "counter",
+        "Page ids unmapped by the VMM allocator (one page id is one page in every layer buffer "
+        "of the pool).",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_map_calls_total",
+        "counter",
+        "Map operations of the VMM allocator (each maps one or more page ids).",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_map_seconds_total",
+        "counter",
+        "Seconds the VMM allocator spent mapping pages (create, map and set-access), all layers.",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_unmap_seconds_total",
+        "counter",
+        "Seconds the VMM allocator spent unmapping pages, all layers.",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_map_page_seconds",
+        "histogram",
+        "Seconds per page id of each map operation (its time divided by the page ids it "
+        "mapped), one observation per operation; buckets "
+        + ", ".join(f"{b:g}" for b in MAP_SECONDS_BUCKETS)
+        + " s. Buckets only: the +Inf bucket is the count of map operations; for the mean use "
+        "kvledger_map_seconds_total / kvledger_pages_mapped_total.",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_handle_pages",
+        "gauge",
+        "Page ids of the VMM pool whose physical handles are alive, mapped or kept spare.",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_mapped_pages",
+        "gauge",
+        "Page ids of the VMM pool mapped into the buffers' address ranges.",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_peak_handle_pages",
+        "gauge",
+        "Most page ids with live physical handles at once since the pool started.",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_peak_occupied_slots",
+        "gauge",
+        "Most slots occupied at once since the account was registered.",
+        _ACCOUNT,
+    ),
+    MetricSpec(
+        "kvledger_sources_unreadable",
+        "gauge",
+        "Files in the snapshot directory that are not readable kvledger snapshots (skipped).",
+        (),
+        engine=False,
+    ),
+)
+
+METRIC: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+if len(METRIC) != len(METRICS):  # pragma: no cover - a table edit gone wrong
+    raise RuntimeError("exporter.metrics: a metric name is declared twice")
+
+
+def series_names() -> frozenset[str]:
+    """Every series name Prometheus can store from this exporter."""
+    return frozenset(n for m in METRICS for n in m.sample_names)
+
+
+def markdown_table() -> str:
+    """The metric table as Markdown (docs/metrics.md embeds it; a test keeps them equal)."""
+    rows = ["| metric | type | labels | help |", "|---|---|---|---|"]
+    for s in METRICS:
+        labels = [*ENGINE_LABELS, "[dp_rank]"] if s.engine else []
+        labels += list(s.labels)
+        if s.type == "histogram":
+            labels.append("le")
+        shown = ", ".join(f"`{x}`" for x in labels) or "(none)"
+        rows.append(f"| `{s.name}` | {s.type} | {shown} | {s.help.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

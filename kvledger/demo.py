@@ -1,0 +1,178 @@
+"""The embedded default source of `kvledger serve`: a DeepSeek-V4-Flash-shaped pool under a workload.
+
+`DemoSource` builds, in one process:
+- a VMM backend (the host memfd backend by default, CUDA with `backend="cuda"`);
+- the DeepSeek-V4 buffer map for a byte budget (`accounting.dsv4.plan`, SGLang 0.5.23's
+  sizing), its seven families registered in a `Ledger`;
+- the SWA family on an `allocator.SwaPool` with a `BackgroundMapper`, its ledger
+  `Account` as the pool's observer; the six other families as runtime-owned
+  accounts (the engine's own tensors; the demo does not back them with memory,
+  it only occupies and releases their rows);
+- device truth for reconciliation (host memfd blocks, or NVML);
+- a `Publisher` writing the ledger to the snapshot directory, and the built-in
+  `Workload`.
+
+`close()` (idempotent, also on a failure half way) releases them in reverse:
+workload (frees every slot and row), publisher (removes its file), mapper, pool
+(unmaps and releases everything), backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from accounting.buffers import BufferSpec, Owner
+from accounting.dsv4 import Knobs, load_config, plan
+from accounting.dsv4.buffermap import BufferMap
+from accounting.ledger import Account, Ledger
+from accounting.publisher import Publisher
+from accounting.reconcile import host_memfd_truth
+from allocator import BackgroundMapper, HostBackend, SlotLayout, SwaPool
+from kvledger.workload import Workload, WorkloadConfig
+
+CONFIG_RESOURCE = "deepseek-v4-flash-shape.config.json"
+DEFAULT_BUDGET = 512 << 20
+DEFAULT_MAX_RUNNING = 8
+DEFAULT_CONTEXT_LENGTH = 8192
+# The host backend's page for the demo: small, so a laptop-sized SWA pool has enough pages
+# for mapping and unmapping to show (CUDA uses the device's granularity, 2 MiB on an H200).
+DEFAULT_HOST_GRANULARITY = 256 << 10
+
+
+def default_config_path() -> str:
+    """The DeepSeek-V4-Flash-shaped config shipped as package data."""
+    return str(importlib.resources.files("kvledger") / "data" / CONFIG_RESOURCE)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    config_path: str | None = None
+    budget_bytes: int = DEFAULT_BUDGET
+    backend: str = "host"
+    device: int = 0
+    host_granularity: int = DEFAULT_HOST_GRANULARITY
+    max_running_requests: int = DEFAULT_MAX_RUNNING
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+    labels: Mapping[str, str] | None = None
+    snapshot_dir: str | None = None
+    publish_interval: float = 1.0
+    workload: WorkloadConfig | None = None
+    start_workload: bool = True
+
+
+class DemoSource:
+    def __init__(self, options: DemoOptions) -> None:
+        self.options = options
+        self._stack = contextlib.ExitStack()
+        self._closed = False
+        try:
+            self._build(options)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _build(self, o: DemoOptions) -> None:
+        if o.backend not in ("host", "cuda"):
+            raise ValueError(f"backend={o.backend!r}, expected 'host' or 'cuda'")
+        shape = load_config(o.config_path or default_config_path())
+        knobs = Knobs(max_running_requests=o.max_running_requests, context_length=o.context_length)
+        self.buffer_map: BufferMap = plan(shape, knobs, budget_bytes=o.budget_bytes)
+        self.ledger = Ledger(o.labels or {})
+        self.backend = self._open_backend(o)
+        self.accounts: dict[str, Account] = {}
+        specs = self.buffer_map.specs(
+            pool="dsv4", owner_of={"swa_kv": Owner.VMM}, granularity=self.backend.granularity
+        )
+        by_family: dict[str, list[BufferSpec]] = {}
+        for s in specs:
+            by_family.setdefault(s.family, []).append(s)
+        self.pool = self._swa_pool(by_family.pop("swa_kv"))
+        self.mapper = BackgroundMapper(self.pool)
+        self._stack.callback(self.mapper.close)
+        for family, fspecs in by_family.items():
+            usable = self.buffer_map.families[family].usable_slots
+            self.accounts[family] = self.ledger.add_account(fspecs, capacity_slots=usable)
+        self.publisher: Publisher | None = None
+        if o.snapshot_dir is not None:
+            self.publisher = Publisher(self.ledger, o.snapshot_dir, interval=o.publish_interval)
+            self._stack.callback(self.publisher.close)
+        cfg = o.workload or WorkloadConfig(max_running=o.max_running_requests)
+        self.workload = Workload(self.pool, self.accounts, cfg)
+        self._stack.callback(self.workload.close)
+        if o.start_workload:
+            self.workload.start()
+
+    def _open_backend(self, o: DemoOptions) -> Any:
+        if o.backend == "cuda":
+            try:
+                from accounting.nvml import nvml_truth
+                from allocator.cuda import CudaBackend
+            except ImportError as e:
+                raise ValueError(f"backend='cuda' is not available here: {e}") from e
+            import torch
+
+            # NVML's baseline is taken before any pool memory exists.
+            truth = nvml_truth(
+                o.device, torch_reserved=lambda: torch.cuda.memory_reserved(o.device)
+            )
+            backend: Any = self._stack.enter_context(CudaBackend(o.device))
+            self.ledger.add_truth(truth)
+        else:
+            backend = self._stack.enter_context(HostBackend(o.host_granularity))
+            self.ledger.add_truth(host_memfd_truth(backend.physical_bytes))
+        return backend
+
+    def _swa_pool(self, specs: list[BufferSpec]) -> SwaPool:
+        first = self.buffer_map.family_buffers("swa_kv")[0]
+        layout = SlotLayout(
+            capacity_slots=first.capacity_slots,
+            slot_bytes=first.slot_bytes,
+            page_bytes=self.backend.granularity,
+            slots_per_row=first.slots_per_row,
+            row_bytes=first.row_bytes,
+        )
+        account = self.ledger.add_account(
+            specs,
+            page_bytes=layout.page_bytes,
+            capacity_slots=layout.capacity_slots - 1,  # slot 0 is the pool's null slot
+        )
+        self.accounts["swa_kv"] = account
+        pool = SwaPool(
+            self.backend,
+            layers=len(specs),
+            layout=layout,
+            min_spare_pages=1,
+            max_spare_pages=2,
+            observer=account,
+            name="swa",
+        )
+        self._stack.callback(pool.close)
+        return pool
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop the workload and release everything in reverse order. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stack.close()
+
+    def __enter__(self) -> DemoSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def default_snapshot_dir() -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"kvledger-{os.getuid()}")

@@ -1,0 +1,167 @@
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from accounting.ledger import Ledger
+from accounting.publisher import (
+    ENVELOPE_SCHEMA,
+    Publisher,
+    parse,
+    proc_stat,
+    snapshot_of,
+    source_id,
+)
+from accounting.snapshot import Snapshot
+from tests.ledgers import small_ledger
+
+
+def _read(path: str) -> dict:
+    """The envelope with the whole snapshot dict, buffer rows included."""
+    with open(path, "rb") as f:
+        envelope, rows = parse(f.read())
+    return {**envelope, "snapshot": snapshot_of(envelope, rows).to_dict()}
+
+
+def test_publishes_envelope_with_heartbeat_and_removes_file_on_close(tmp_path):
+    with small_ledger({"model_name": "m", "tp_rank": "3"}) as sl:
+        sl.allocate(300)
+        pub = Publisher(sl.ledger, tmp_path, interval=0.05)
+        try:
+            assert pub.source == f"m-tp3-pid{os.getpid()}"
+            pub.publish()
+            d = _read(pub.path)
+            assert d["kvledger_publish"] == ENVELOPE_SCHEMA
+            assert d["pid"] == os.getpid()
+            assert d["process_start"] == proc_stat(os.getpid())[1]
+            snap = Snapshot.from_dict(d["snapshot"])
+            assert snap.epoch == sl.ledger.epoch
+            assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 300
+            first = d["published_at"]
+            # the heartbeat advances with no ledger event in between
+            deadline = time.monotonic() + 5
+            while _read(pub.path)["published_at"] == first and time.monotonic() < deadline:
+                time.sleep(0.01)
+            later = _read(pub.path)
+            assert later["published_at"] > first
+            assert later["snapshot"]["epoch"] == snap.epoch
+        finally:
+            pub.close()
+        assert not os.path.exists(pub.path)
+        assert os.listdir(tmp_path) == []  # no temporaries left either
+        pub.close()  # idempotent
+        assert pub.closed
+
+
+def test_context_manager_and_publish_after_close_writes_nothing(tmp_path):
+    ledger = Ledger({"tp_rank": "0"})
+    with Publisher(ledger, tmp_path, interval=10) as pub:
+        pub.publish()
+        assert os.path.exists(pub.path)
+    assert not os.path.exists(pub.path)
+    pub.publish()
+    assert os.listdir(tmp_path) == []
+
+
+def test_readers_never_see_a_torn_file(tmp_path):
+    """A reader racing many publishes always parses a whole envelope."""
+    with small_ledger() as sl:
+        pub = Publisher(sl.ledger, tmp_path, interval=1000)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            while not stop.is_set():
+                sl.c4.occupy(1)
+                pub.publish()
+                sl.c4.release(1)
+                pub.publish()
+
+        t = threading.Thread(target=writer)
+        pub.publish()
+        t.start()
+        reads = 0
+        try:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                try:
+                    Snapshot.from_dict(_read(pub.path)["snapshot"])
+                    reads += 1
+                except BaseException as e:  # any torn read is a failure
+                    errors.append(e)
+                    break
+        finally:
+            stop.set()
+            t.join()
+            pub.close()
+        assert not errors
+        assert reads > 10
+
+
+def test_publisher_thread_survives_a_failing_snapshot(tmp_path):
+    ledger = Ledger({"tp_rank": "0"})
+    calls = {"n": 0}
+
+    def broken_truth(snap):
+        calls["n"] += 1
+        raise RuntimeError("device gone")
+
+    ledger.add_truth(broken_truth)
+    with Publisher(ledger, tmp_path, interval=0.02) as pub:
+        deadline = time.monotonic() + 5
+        while pub.errors < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub.errors >= 2
+        assert pub._thread.is_alive()
+
+
+@pytest.mark.parametrize("interval", [0, -1, "1", True])
+def test_bad_interval_is_refused_naming_it(tmp_path, interval):
+    with pytest.raises(ValueError, match="interval"):
+        Publisher(Ledger(), tmp_path, interval=interval)
+
+
+def test_directory_removed_under_the_publisher_is_recreated(tmp_path):
+    import shutil
+
+    d = tmp_path / "snap"
+    with Publisher(Ledger({"tp_rank": "0"}), d, interval=1000) as pub:
+        shutil.rmtree(d)
+        pub.publish()
+        assert os.path.exists(pub.path)
+
+
+def test_bad_source_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="source"):
+        Publisher(Ledger(), tmp_path, source="../escape")
+
+
+def test_source_id_is_file_safe_and_ordered():
+    labels = {"model_name": "deepseek/V4 Flash", "tp_rank": "1", "pp_rank": "0", "dp_rank": "2"}
+    assert source_id(labels, 7) == "deepseek_V4_Flash-dp2-pp0-tp1-pid7"
+    assert source_id({}, 7) == "pid7"
+
+
+def test_file_is_envelope_line_then_buffer_rows(tmp_path):
+    with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
+        pub.publish()
+        with open(pub.path, "rb") as f:
+            head, rows = f.read().split(b"\n")
+        envelope = json.loads(head)
+        assert "buffers" not in envelope["snapshot"]
+        assert {"totals", "families", "accounts", "violations"} <= set(envelope["snapshot"])
+        assert [b["name"] for b in json.loads(rows)] == [
+            b.spec.name for b in sl.ledger.snapshot().buffers
+        ]
+    with pytest.raises(ValueError, match="one line"):
+        parse(b'{"kvledger_publish": 1}')
+    with pytest.raises(ValueError, match="kvledger_publish"):
+        parse(b'{"kvledger_publish": 99}\n[]')
+
+
+def test_proc_stat_of_a_missing_pid_is_none():
+    assert proc_stat(2**22 + 12345) is None

@@ -1,0 +1,208 @@
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from accounting.figures import FIGURES
+from accounting.publisher import Publisher
+from exporter import metrics as m
+from exporter.app import create_app
+from exporter.sources import Sources
+from tests.ledgers import small_ledger
+
+ACCEPTS = [
+    None,
+    "*/*",
+    "text/plain",
+    "text/plain;version=0.0.4",
+    "text/plain;version=1.0.0;escaping=allow-utf-8",
+    "text/plain;version=1.0.0;escaping=underscores",
+    "text/plain;version=1.0.0;escaping=dots",
+    "text/plain;version=1.0.0;escaping=values",
+    "application/openmetrics-text",
+    "application/openmetrics-text;version=0.0.1",
+    "application/openmetrics-text;version=1.0.0",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",
+    "application/openmetrics-text;version=1.0.0;escaping=underscores",
+    "application/openmetrics-text;version=1.0.0;escaping=dots",
+    "application/openmetrics-text;version=1.0.0;escaping=values",
+    "application/openmetrics-text;version=2.0.0;escaping=allow-utf-8",
+    # what Prometheus 2.x sends
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    # what Prometheus 3.x sends
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+    "application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "text/plain;q=1,application/openmetrics-text;q=0.1",
+]
+
+
+@pytest.fixture
+def small():
+    with small_ledger() as sl:
+        sl.allocate(400)
+        sl.c4.occupy(9)
+        yield sl
+
+
+def exposed_names(text: str) -> tuple[set[str], set[str]]:
+    """(sample names, names in HELP/TYPE lines) of an exposition."""
+    samples, meta = set(), set()
+    for line in text.splitlines():
+        if line.startswith(("# HELP ", "# TYPE ")):
+            meta.add(line.split(" ")[2])
+        elif line and not line.startswith("#"):
+            samples.add(line.split("{")[0].split(" ")[0])
+    return samples, meta
+
+
+def test_metrics_names_are_the_same_whatever_the_accept_header(small):
+    src = Sources()
+    src.add_ledger(small.ledger)
+    client = TestClient(create_app(src))
+    seen = {}
+    for accept in ACCEPTS:
+        headers = {"accept": accept} if accept is not None else {}
+        r = client.get("/metrics", headers=headers)
+        assert r.status_code == 200, accept
+        assert "escaping" not in r.headers["content-type"]
+        samples, meta = exposed_names(r.text)
+        seen[accept] = samples
+        assert m.HEADLINE in samples, accept
+        assert samples <= m.series_names(), (accept, samples - m.series_names())
+        assert meta <= {s.family_name for s in m.METRICS} | {s.name for s in m.METRICS}, accept
+    first = next(iter(seen.values()))
+    assert all(s == first for s in seen.values())
+
+
+def test_openmetrics_is_chosen_by_preference(small):
+    src = Sources()
+    src.add_ledger(small.ledger)
+    client = TestClient(create_app(src))
+    r = client.get("/metrics", headers={"accept": ACCEPTS[16]})
+    assert r.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert r.text.endswith("# EOF\n")
+    r = client.get("/metrics", headers={"accept": ACCEPTS[-1]})
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+
+
+def test_debug_kv_matches_the_snapshot_and_filters(small):
+    src = Sources()
+    src.add_ledger(small.ledger)
+    client = TestClient(create_app(src))
+    body = client.get("/debug/kv").json()
+    snap = small.ledger.snapshot()
+    [s] = body["sources"]
+    assert s["epoch"] == snap.epoch
+    assert s["totals"] == {f.name: snap.total(f.name) for f in FIGURES}
+    assert [f["name"] for f in body["figures"]] == [f.name for f in FIGURES]
+    assert {b["name"] for b in s["buffers"]} == {b.spec.name for b in snap.buffers}
+    assert s["reconciliation"][0]["source"] == "host_memfd"
+    assert s["reconciliation"][0]["unattributed_bytes"] == 0
+    assert body["ranks"][0]["engine_labels"]["tp_rank"] == "0"
+    fam = {f["family"]: f["figures"] for f in s["families"]}
+    assert fam["c4_kv"]["occupied_slots"] == 9
+
+    only = client.get("/debug/kv", params={"family": "swa_kv", "layer": 1}).json()["sources"][0]
+    assert [b["name"] for b in only["buffers"]] == ["swa_kv.1"]
+    assert [f["family"] for f in only["families"]] == ["swa_kv"]
+    assert [a["family"] for a in only["accounts"]] == ["swa_kv"]
+    assert client.get("/debug/kv", params={"rank": 0}).json()["sources"]
+
+
+@pytest.mark.parametrize(
+    "params, status, param",
+    [
+        ({"family": "nope"}, 400, "family"),
+        ({"family": "a b"}, 422, "family"),
+        ({"rank": "x"}, 422, "rank"),
+        ({"rank": -1}, 422, "rank"),
+        ({"rank": 5}, 400, "rank"),
+        ({"layer": 99}, 400, "layer"),
+        ({"layer": "1.5"}, 422, "layer"),
+        ({"fam": "swa_kv"}, 400, "fam"),
+    ],
+)
+def test_bad_parameters_are_named(small, params, status, param):
+    src = Sources()
+    src.add_ledger(small.ledger)
+    r = TestClient(create_app(src)).get("/debug/kv", params=params)
+    assert r.status_code == status
+    assert param in r.text
+
+
+def test_token_protects_debug_only(small):
+    src = Sources()
+    src.add_ledger(small.ledger)
+    client = TestClient(create_app(src, token="s3cret"))
+    assert client.get("/debug/kv").status_code == 401
+    assert client.get("/debug/kv").headers["www-authenticate"] == "Bearer"
+    bad = {"authorization": "Bearer nope"}
+    assert client.get("/debug/kv", headers=bad).status_code == 401
+    ok = {"authorization": "Bearer s3cret"}
+    assert client.get("/debug/kv", headers=ok).status_code == 200
+    assert client.get("/metrics").status_code == 200
+    assert client.get("/healthz").status_code == 200
+
+
+def test_health_and_readiness(tmp_path, small):
+    src = Sources(tmp_path)
+    client = TestClient(create_app(src))
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").status_code == 503
+    with Publisher(small.ledger, tmp_path, interval=1000) as pub:
+        pub.publish()
+        r = client.get("/readyz")
+        assert r.status_code == 200 and r.json()["up"] == 1
+    assert client.get("/readyz").status_code == 503
+
+
+def test_mountable_in_an_engine_app(small):
+    engine = FastAPI()
+
+    @engine.get("/generate")
+    def generate() -> dict:
+        return {"ok": True}
+
+    src = Sources()
+    src.add_ledger(small.ledger)
+    engine.mount("/kvledger", create_app(src))
+    client = TestClient(engine)
+    assert client.get("/generate").json() == {"ok": True}
+    r = client.get("/kvledger/metrics")
+    assert r.status_code == 200 and m.HEADLINE in r.text
+    assert client.get("/kvledger/debug/kv").json()["sources"][0]["up"] is True
+
+
+def test_openapi_documents_the_debug_schema(small):
+    schema = TestClient(create_app(Sources())).get("/openapi.json").json()
+    comps = schema["components"]["schemas"]
+    assert set(comps["Figures"]["properties"]) == {f.name for f in FIGURES}
+    for f in FIGURES:
+        assert f.meaning in comps["Figures"]["properties"][f.name]["description"]
+    params = {p["name"] for p in schema["paths"]["/debug/kv"]["get"]["parameters"]}
+    assert params == {"family", "rank", "layer"}
+    assert "SourceModel" in comps and "BufferModel" in comps
+
+
+def test_debug_html_hook_serves_browsers_the_same_document(small):
+    src = Sources()
+    src.add_ledger(small.ledger)
+    seen = []
+
+    def page(doc) -> str:
+        seen.append(doc)
+        return f"<html><body>{doc.sources[0].epoch}</body></html>"
+
+    client = TestClient(create_app(src, debug_html=page))
+    browser = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
+    r = client.get("/debug/kv", headers={"accept": browser})
+    assert r.headers["content-type"].startswith("text/html")
+    assert str(seen[0].sources[0].epoch) in r.text
+    assert client.get("/debug/kv", headers={"accept": "application/json"}).json()["sources"]
+    assert client.get("/debug/kv").json()["sources"]
+    # without the hook a browser gets the JSON
+    r = TestClient(create_app(src)).get("/debug/kv", headers={"accept": browser})
+    assert r.headers["content-type"].startswith("application/json")

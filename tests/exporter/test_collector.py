@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import dataclasses
+
+from accounting.figures import FIGURES
+from accounting.ledger import MAP_SECONDS_BUCKETS
+from exporter import metrics as m
+from exporter.collector import GIB, build_families, engine_labels, registry_for
+from exporter.sources import Published, Sources
+from tests.ledgers import small_ledger
+
+ENG = {
+    "model_name": "test-model",
+    "engine_type": "unified",
+    "tp_rank": "0",
+    "pp_rank": "0",
+    "moe_ep_rank": "0",
+}
+
+
+def _samples(families):
+    return [(s.name, s.labels, s.value) for f in families for s in f.samples]
+
+
+def test_values_come_from_the_snapshot():
+    with small_ledger() as sl:
+        src = Sources()
+        name = src.add_ledger(sl.ledger)
+        sl.allocate(600)
+        sl.c4.occupy(7)
+        reg = registry_for(src)
+        snap = sl.ledger.snapshot()
+        assert reg.get_sample_value(m.HEADLINE, ENG) == snap.total("physical_bytes") / GIB
+        assert reg.get_sample_value(m.HEADLINE, ENG) > 0
+        for (family, owner), figs in snap.rollup("family", "owner").items():
+            for f in FIGURES:
+                got = reg.get_sample_value(
+                    f"sglang:kv_cache_{f.name}", {**ENG, "family": family, "owner": owner}
+                )
+                assert got == figs[f.name], (family, f.name)
+        swa = {**ENG, "family": "swa_kv", "pool": "swa"}
+        acc = next(a for a in snap.accounts if a.family == "swa_kv")
+        assert reg.get_sample_value("kvledger_pages_mapped_total", swa) == acc.pages_mapped_total
+        assert reg.get_sample_value("kvledger_handle_pages", swa) == acc.handle_pages > 0
+        assert reg.get_sample_value("kvledger_map_calls_total", swa) == acc.map_calls
+        assert (
+            reg.get_sample_value("kvledger_map_page_seconds_bucket", {**swa, "le": "+Inf"})
+            == acc.map_calls
+        )
+        # runtime accounts have no page activity series
+        c4 = {**ENG, "family": "c4_kv", "pool": "c4"}
+        assert reg.get_sample_value("kvledger_pages_mapped_total", c4) is None
+        assert reg.get_sample_value("kvledger_peak_occupied_slots", c4) == 7
+        assert reg.get_sample_value("kvledger_up", {**ENG, "source": name}) == 1
+        assert reg.get_sample_value("kvledger_relation_violations", ENG) == 0
+        truth = {**ENG, "truth": "host_memfd"}
+        assert reg.get_sample_value("kvledger_truth_bytes", truth) == sl.backend.physical_bytes()
+        assert reg.get_sample_value("kvledger_unattributed_bytes", truth) == 0
+
+
+def test_histogram_buckets_are_cumulative():
+    with small_ledger() as sl:
+        src = Sources()
+        src.add_ledger(sl.ledger)
+        sl.allocate(1500)
+        [view] = src.read()
+        acc = next(a for a in view.snapshot.accounts if a.family == "swa_kv")
+        counts = list(acc.map_bucket_counts)
+        counts[0] += 2
+        counts[-1] += 3
+        fake = dataclasses.replace(acc, map_bucket_counts=tuple(counts))
+        snap = dataclasses.replace(
+            view.snapshot,
+            accounts=tuple(fake if a is acc else a for a in view.snapshot.accounts),
+        )
+        published = Published.from_snapshot(snap, source="s", pid=1, host="h", sequence=1)
+        view = dataclasses.replace(view, published=published)
+        samples = [
+            (lab["le"], v)
+            for name, lab, v in _samples(build_families([view]))
+            if name == "kvledger_map_page_seconds_bucket" and lab["family"] == "swa_kv"
+        ]
+        assert [le for le, _ in samples][-1] == "+Inf"
+        assert len(samples) == len(MAP_SECONDS_BUCKETS) + 1
+        values = [v for _, v in samples]
+        assert values == sorted(values)
+        assert values[-1] == sum(counts)
+
+
+def test_stale_source_exports_service_metrics_only():
+    with small_ledger() as sl:
+        src = Sources()
+        src.add_ledger(sl.ledger)
+        [view] = src.read()
+        stale = dataclasses.replace(view, up=False, stale_reason="pid 1 has exited")
+        names = {name for name, _, _ in _samples(build_families([stale]))}
+        assert names == {
+            "kvledger_up",
+            "kvledger_snapshot_age_seconds",
+            "kvledger_snapshot_epoch",
+            "kvledger_publish_interval_seconds",
+            "kvledger_sources_unreadable",
+        }
+        up = [v for name, _, v in _samples(build_families([stale])) if name == "kvledger_up"]
+        assert up == [0]
+
+
+def test_two_sources_with_the_same_engine_labels_give_one_engine_series():
+    with small_ledger() as sl:
+        src = Sources()
+        src.add_ledger(sl.ledger, source="a")
+        src.add_ledger(sl.ledger, source="b")
+        samples = _samples(build_families(src.read()))
+        assert len([s for s in samples if s[0] == m.HEADLINE]) == 1
+        assert len([s for s in samples if s[0] == "kvledger_up"]) == 2
+
+
+def test_every_sample_is_declared_with_its_labels_and_no_total_values():
+    with small_ledger({"model_name": "m", "tp_rank": "1", "dp_rank": "2"}) as sl:
+        src = Sources()
+        src.add_ledger(sl.ledger)
+        sl.allocate(300)
+        eng = engine_labels(sl.ledger.labels)
+        assert eng["dp_rank"] == "2"
+        by_sample = {n: spec for spec in m.METRICS for n in spec.sample_names}
+        for name, labels, _ in _samples(build_families(src.read())):
+            spec = by_sample[name]
+            expected = set(spec.labels) | (set(eng) if spec.engine else set())
+            if name.endswith("_bucket"):
+                expected.add("le")
+            assert set(labels) == expected, name
+            assert "total" not in labels.values()

@@ -1,0 +1,167 @@
+"""`kvledger serve` as a subprocess: prints its URL, serves the demo, figures move, SIGINT is clean."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from accounting.dsv4 import FAMILIES
+from exporter import metrics as m
+from tests.servers import repo_env, stop, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _serve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvledger", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=repo_env(),
+        text=True,
+    )
+
+
+def _figures(url: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url, timeout=2).text):
+        for s in fam.samples:
+            if s.name.startswith("sglang:kv_cache_") and "family" in s.labels:
+                out[(s.name, s.labels["family"])] = s.value
+            elif s.name in (
+                m.HEADLINE,
+                "kvledger_pages_mapped_total",
+                "kvledger_pages_unmapped_total",
+            ):
+                out[(s.name, s.labels.get("family", ""))] = s.value
+    return out
+
+
+def test_serve_demo_moves_figures_and_sigint_cleans_up(tmp_path):
+    proc = _serve(
+        "--port",
+        "0",
+        "--snapshot-dir",
+        str(tmp_path),
+        "--interval",
+        "0.2",
+        "--log-interval",
+        "0.5",
+        "--rate",
+        "40",
+        "--step-ms",
+        "5",
+        "--seed",
+        "7",
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("kvledger serve: http://127.0.0.1:"), line
+        url = line.split()[2]
+        base = url.removesuffix("/metrics")
+        wait_until(lambda: httpx.get(f"{base}/readyz").status_code == 200, 10, "ready")
+        first = _figures(url)
+        assert first[(m.HEADLINE, "")] > 0
+        assert {fam for (_, fam) in first if fam} == set(FAMILIES)
+
+        def moved() -> dict | None:
+            now = _figures(url)
+            changed = {
+                fam
+                for fam in FAMILIES
+                if now.get(("sglang:kv_cache_occupied_slots", fam))
+                != first.get(("sglang:kv_cache_occupied_slots", fam))
+            }
+            if changed == set(FAMILIES) and now[("kvledger_pages_unmapped_total", "swa_kv")] > 0:
+                return now
+            return None
+
+        now = wait_until(moved, 20, "every family's occupied slots moved and SWA pages unmapped")
+        assert now[("kvledger_pages_mapped_total", "swa_kv")] > first[
+            ("kvledger_pages_mapped_total", "swa_kv")
+        ] or (
+            now[("sglang:kv_cache_physical_bytes", "swa_kv")]
+            != first[("sglang:kv_cache_physical_bytes", "swa_kv")]
+        )
+        debug = httpx.get(f"{base}/debug/kv").json()
+        [src] = debug["sources"]
+        assert {f["family"] for f in src["families"]} == set(FAMILIES)
+        assert src["violations"] == []
+        assert src["reconciliation"][0]["source"] == "host_memfd"
+        assert src["reconciliation"][0]["unattributed_bytes"] == 0
+        assert len(list(tmp_path.glob("*.json"))) == 1
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            _out, err = proc.communicate(timeout=20)
+        finally:
+            stop(proc)
+    assert proc.returncode == 0, err
+    assert list(tmp_path.iterdir()) == []
+    assert (
+        "stopped: vmm physical_bytes=0 mapped_bytes=0 occupied_slots=0 snapshot file removed=True"
+        in err
+    )
+    # one log line per interval, not a flood
+    lines = [ln for ln in err.splitlines() if "kvledger.serve: t=" in ln]
+    assert 1 <= len(lines) <= 80
+
+
+def test_sigterm_is_clean_too(tmp_path):
+    proc = _serve("--port", "0", "--snapshot-dir", str(tmp_path), "--interval", "0.2")
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[2]
+        wait_until(
+            lambda: httpx.get(url.replace("/metrics", "/readyz")).status_code == 200, 10, "ready"
+        )
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_busy_port_exits_2_naming_it(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _serve("--port", str(port), "--snapshot-dir", str(tmp_path))
+        try:
+            _, err = proc.communicate(timeout=30)
+        finally:
+            stop(proc)
+    assert proc.returncode == 2, err
+    assert f"--port {port}" in err and "cannot bind" in err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--budget", "lots"], "lots"),
+        (["--budget", "1MiB"], "budget_bytes=1048576"),
+        (["--prompt-tokens", "9:3"], "9:3"),
+        (["--port", "70000"], "--port 70000"),
+        (["--config", "/nonexistent/config.json"], "/nonexistent/config.json"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_value(tmp_path, args, needle):
+    proc = _serve("--port", "0", "--snapshot-dir", str(tmp_path), *args)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        stop(proc)
+    assert proc.returncode == 2, err
+    assert needle in err
+    assert list(tmp_path.glob("*.json")) == []

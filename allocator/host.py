@@ -134,7 +134,11 @@ class HostBackend:
             free = self._free_offsets.get(size)
             offset = free.pop() if free else self._arena_size
             if offset == self._arena_size:
-                os.ftruncate(fd, self._arena_size + size)
+                try:
+                    os.ftruncate(fd, self._arena_size + size)
+                except OSError as e:
+                    code = errno.errorcode.get(e.errno or 0, f"errno {e.errno}")
+                    raise DriverError("create", code, f"size={size}: {e.strerror}") from e
                 self._arena_size += size
             if _libc.fallocate(fd, 0, offset, size) != 0:
                 err = _errno_error("create", None, f"size={size}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -59,12 +60,15 @@ LAYOUTS = {
 }
 
 
-def _memfds() -> int:
-    n = 0
+def _fds_of(file: tuple[int, int]) -> list[str]:
+    """This process's fds open on `file` (st_dev, st_ino): other tests may hold backends."""
+    out = []
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            n += "kvledger-physical" in os.readlink(f"/proc/self/fd/{fd}")
-    return n
+            st = os.stat(f"/proc/self/fd/{fd}")
+            if (st.st_dev, st.st_ino) == file:
+                out.append(fd)
+    return out
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -75,7 +79,6 @@ class PoolMachine(RuleBasedStateMachine):
         self.rig: Rig | None = None
         self.mapper: BackgroundMapper | None = None
         self.held: set[int] = set()
-        self.memfds_before = _memfds()
 
     @initialize(
         layout=st.sampled_from(sorted(LAYOUTS)),
@@ -102,6 +105,9 @@ class PoolMachine(RuleBasedStateMachine):
     ) -> None:
         lay = LAYOUTS[layout]
         self.backend = HostBackend(G)
+        assert self.backend._fd is not None
+        st = os.fstat(self.backend._fd)
+        self.file = (st.st_dev, st.st_ino)
         self.faults = FailingBackend(self.backend)  # armed only by FaultyPoolMachine.inject
         budget = None if budget_sets is None else budget_sets * layers * lay.page_bytes
         self.rig = Rig(
@@ -290,6 +296,7 @@ class PoolMachine(RuleBasedStateMachine):
         if self.rig is None:
             return
         self.faults.arm(None, None)
+        ranges = [(b, b + self.pool._pages.reserved_bytes) for b in self.pool._pages.bases]
         self.rig.close()
         assert self.mapper is None or not self.mapper._thread.is_alive()
         snap = self.rig.ledger.snapshot()
@@ -303,7 +310,14 @@ class PoolMachine(RuleBasedStateMachine):
             "mappings": 0,
         }
         self.backend.close()
-        assert _memfds() == self.memfds_before
+        assert _fds_of(self.file) == []
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            span, perms, _, _, inode = line.split()[:5]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            named = "kvledger-physical" in line
+            assert not (named and int(inode) == self.file[1]), f"memfd still mapped: {line}"
+            if perms == "---p":  # a reservation's signature (others may reuse the range)
+                assert all(hi <= a or lo >= b for a, b in ranges), f"reservation left: {line}"
 
 
 PoolMachine.TestCase.settings = settings(

@@ -163,11 +163,7 @@ def table(bm: BufferMap) -> str:
         f"DeepSeek-V4 buffer map (SGLang 0.5.23 layout) for {bm.shape.source}",
         f"  layers {bm.shape.num_hidden_layers}: {len(bm.shape.layers(0))} x SWA only, "
         f"{len(bm.shape.layers(4))} x C4, {len(bm.shape.layers(128))} x C128"
-        + (
-            f" ({len(bm.shape.mtp_ratios)} MTP entries not in this pool)"
-            if bm.shape.mtp_ratios
-            else ""
-        ),
+        + _mtp_note(len(bm.shape.mtp_ratios)),
         f"  knobs: page {k.page_size}, state {k.state_dtype}, indexer {k.indexer_dtype}, "
         f"draft tokens {k.speculative_draft_tokens}, swa ratio {k.swa_full_tokens_ratio}",
         f"  tokens: full {s.full_tokens}, swa {s.swa_tokens}, c4 {s.c4_tokens}, c128 {s.c128_tokens}; "

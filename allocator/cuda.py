@@ -229,16 +229,28 @@ class CudaBackend:
         if address % g or size % g or size <= 0:
             check_aligned("unmap", g, address=address, size=size)
         self._enter("unmap")
+        # The driver accepts an unmap of a reserved but unmapped range (seen on an H200, driver
+        # 580); the host backend refuses it, and so does this one, from its own bookkeeping.
+        mapped = self._mappings.get(address)
+        if mapped is not None and mapped[0] == size:
+            covered = [address]
+        else:
+            with self._lock:
+                covered = [m for m in self._mappings if address <= m < address + size]
+            if sum(self._mappings[m][0] for m in covered) != size or any(
+                m + self._mappings[m][0] > address + size for m in covered
+            ):
+                raise DriverError(
+                    "cuMemUnmap",
+                    "CUDA_ERROR_INVALID_VALUE",
+                    f"range of {size} bytes is not exactly whole mappings",
+                    address,
+                )
         (err,) = drv.cuMemUnmap(address, size)
         if err != _SUCCESS:
             _check((err,), "cuMemUnmap", address, f"size={size}")
-        mapped = self._mappings.get(address)
-        if mapped is not None and mapped[0] == size:
-            del self._mappings[address]
-        else:
-            with self._lock:
-                for m in [m for m in self._mappings if address <= m < address + size]:
-                    del self._mappings[m]
+        for m in covered:
+            self._mappings.pop(m, None)
 
     # -- tensors and truth ------------------------------------------------------------
     def byte_tensor(self, address: int, size: int) -> Any:

@@ -136,6 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from exporter import html
     from exporter.app import create_app
     from exporter.sources import Sources
     from kvledger import demo as demo_mod
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         sources = Sources(
             snapshot_dir, stale_after=args.stale_after, forget_after=args.forget_after
         )
-        app = create_app(sources, token=args.token)
+        app = create_app(sources, token=args.token, debug_html=html.page)
         server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         )

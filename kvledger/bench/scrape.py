@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=None,
-        help="decode steps per round (default: about 0.5 M slots per round, at least 2000)",
+        help="decode steps per round (default: 100,000 slots per round, at least 2000 steps)",
     )
     p.add_argument("--rounds", type=int, default=10, help="rounds per pool, alternating")
     p.add_argument(
@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
     )
     overheads = []
     for batch in args.batch:
-        steps = args.steps or max(2000, 500_000 // batch)
+        steps = args.steps or max(2000, 100_000 // batch)
         over = bench_overhead(
             batch=batch, steps=steps, rounds=args.rounds, publish_interval=args.publish_interval
         )

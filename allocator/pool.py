@@ -644,8 +644,9 @@ class SwaPool:
         self._cond.notify_all()
 
     # -- tensor parallelism (driven by allocator.tp; its docstring has the protocol) -----------
-    # Under TP the pool runs no background mapper: every page change happens inside an
-    # alloc or a free, where it is a function of the operation sequence. `self._tp` is the
+    # Under TP the pool runs no background mapper: every change of the allocatable pages
+    # happens inside an alloc or a free, where it is a function of the operation sequence
+    # (pages mapped ahead become allocatable only there, see below). `self._tp` is the
     # rank's coordinator: on rank 0 it lets this pool's policy plan and sends the plan to the
     # peers; on a peer it returns rank 0's plan instead of planning (the peer's policy is off).
     def _tp_run(self, op: str, n: int, body: Any) -> list[int]:

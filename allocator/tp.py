@@ -2,47 +2,59 @@
 
 What is deterministic, what is not
     SGLang's schedulers on all TP ranks run the same allocation sequence: the same
-    `alloc(n)` and `free(ids)` calls in the same order. A pool's choice of slot ids is a
-    function of that sequence and of its page state (which pages are mapped, in which
-    order they became spare). Same code on every rank (int sets and insertion-ordered
-    dicts evolve identically), so given the same page operations at the same points of
-    the sequence every rank hands out the same ids in the same order. A
-    `BackgroundMapper` is timing-dependent: it maps and unmaps when its thread gets to
-    it. Which spare pages exist when an alloc runs would then depend on thread timing on
-    rank 0, and no peer could reproduce rank 0's ids without an exchange on every alloc.
-    So a pool under TP takes no background mapper (attaching one is refused both ways):
-    every page change happens inside an alloc or a free.
+    `alloc(n)` and `free(ids)` calls in the same order, from one thread. A pool's choice
+    of slot ids is a function of that sequence and of its page state (which pages are
+    mapped, in which order they became spare). Same code on every rank (int sets and
+    insertion-ordered dicts evolve identically), so given the same page operations at the
+    same points of the sequence every rank hands out the same ids in the same order. A
+    `BackgroundMapper` is timing-dependent: it maps and unmaps when its thread gets to it,
+    so which spare pages exist when an alloc runs would depend on thread timing on rank 0,
+    and no peer could reproduce rank 0's ids without an exchange on every alloc. A pool
+    under TP therefore takes no BackgroundMapper (attaching one is refused both ways):
+    every change of the *allocatable* page state happens inside an alloc or a free.
 
 When ranks talk
     A page changes at exactly two points, and every rank sees from its own state that it
     has reached one:
-    - an alloc that the free slots of mapped pages cannot meet: pages must be mapped;
+    - an alloc that the free slots of allocatable pages cannot meet: pages must be added;
     - a free that leaves more than `max_spare_pages` spare pages: some must be unmapped.
     There every rank joins one exchange: an all_gather, over a CPU gloo group, of one
-    fixed-size int64 view per rank (`VIEW_WORDS` words). Rank 0's view carries its plan:
-    the page ids its own policy chose to map or unmap, or its refusal (CapacityError;
-    then every rank raises it and nothing changes). A peer applies that plan instead of
-    planning (its policy is off), mapping or unmapping the page in every layer on its own
-    backend, then finishes the operation with the same code rank 0 runs. An operation
-    that changes no page exchanges nothing; one that does costs one collective, never one
-    per layer. A plan longer than `PLAN_WORDS` pages takes extra rounds of the same size.
-    At attach, a first exchange compares the pools' configurations.
+    fixed-size int64 view per rank (`VIEW_WORDS` words). Rank 0's view carries its
+    decision: the page ids its own policy chose, or its refusal (CapacityError; then every
+    rank raises it and nothing changes). A peer applies those pages instead of planning
+    (its policy is off), mapping or unmapping each in every layer on its own backend, then
+    finishes the operation with the same code rank 0 runs. An operation that changes no
+    page exchanges nothing; one that does costs one collective, never one per layer.
+    Lists longer than `PLAN_WORDS` pages take extra rounds of the same size. The first
+    exchange, at attach, compares the pools' configurations.
+
+Mapping ahead (`ahead_pages=k`, off by default)
+    Timing may decide when a page is *mapped*, as long as it never decides when a page
+    becomes *allocatable*. Rank 0 announces up to k unmapped pages as reserved at an
+    exchange (at attach, then at each page-adding one); every rank marks them at the end
+    of that operation (out of the unmapped pages, a handle set counted, not allocatable),
+    and each rank's own thread maps them off the allocation path. At the next page-adding
+    exchange rank 0's plan takes reserved pages first: every rank publishes them (makes
+    them allocatable), mapping on the spot any its thread has not finished, so the
+    exchange is all that sits on the allocation path. Unmapping stays on the free path.
 
 Divergence
     Each view also carries the rank's position (operations done, exchanges done), the
     current operation (kind, size, slots short or pages over), its pool state (occupied
-    slots, mapped and spare pages, live handle sets) and a hash of every result so far
-    (the ids each alloc handed out and each free returned). Every rank compares every
-    view with rank 0's; on any difference every rank counts it (`TpStatus`), raises
-    `TpDivergenceError` naming each differing rank's view next to rank 0's, and refuses
-    every later operation. A divergence is caught at the first exchange after it;
-    operations between the two are not checked: `verify()` forces an exchange (call it
-    once per scheduler step for a strict mode, at one collective per step).
+    slots, mapped, spare and reserved pages, live handle sets) and a digest of every
+    result so far (the ids each alloc handed out and each free returned). Every rank
+    compares every view with rank 0's; on any difference every rank counts it
+    (`TpStatus.divergences_total`, in each ledger snapshot), raises `TpDivergenceError`
+    naming each differing rank's view next to rank 0's, and refuses every later
+    operation. A peer also checks that rank 0's page lists fit its own pool before
+    applying them. A divergence is caught at the first exchange after it; operations
+    between the two are not checked: `verify()` forces an exchange (call it once per
+    scheduler step for a strict mode, at one collective per step).
 
 A rank that dies or hangs
     Each exchange waits at most `timeout_s`; a dead peer's closed connection fails at
-    once. Either raises `TpPeerError` on the ranks still alive, counted in `TpStatus`,
-    and the coordinator refuses every later operation.
+    once. Either raises `TpPeerError` on the ranks still alive, counted in
+    `TpStatus.peer_failures_total`, and the coordinator refuses every later operation.
 """
 
 from __future__ import annotations

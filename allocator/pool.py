@@ -102,7 +102,11 @@ class SwaPool:
             reserved_bytes=layout.reserved_bytes,
             page_bytes=layout.page_bytes,
         )
-        self.tensors = [self._pages.byte_tensor(i, layout.buffer_bytes) for i in range(layers)]
+        try:
+            self.tensors = [self._pages.byte_tensor(i, layout.buffer_bytes) for i in range(layers)]
+        except BaseException:
+            self._pages.free_reservations()
+            raise
         self._mapper: Any = None  # set by allocator.mapper.BackgroundMapper
         self._tp: Any = None  # set by allocator.tp.TpCoordinator (see the TP section below)
         self._tp_reserve: dict[int, _Ahead] = {}  # TP pages announced ahead (see that section)
@@ -416,8 +420,9 @@ class SwaPool:
 
     # -- follow mode ------------------------------------------------------------------------
     def _occupy_locked_entry(self, slots: list[int], *, count: bool) -> None:
-        self._validate(slots, "occupy", want_occupied=False)
         while True:
+            # (re)checked after every wait: another thread may have taken an id meanwhile
+            self._validate(slots, "occupy", want_occupied=False)
             missing = sorted(
                 {
                     p
@@ -521,11 +526,13 @@ class SwaPool:
         self._begin_unmap(p)
         t0 = time.perf_counter()
         try:
-            self._pages.unmap_page(p)
-        except BaseException:
+            self._pages.unmap_page(p, self._handles[p])
+        except BaseException:  # unmap_page put the page back whole
             self._state[p] = MAPPED
             self._busy -= 1
             self._retier(p)
+            if p > 0:
+                self._retier(p - 1)
             raise
         handles = self._finish_unmap(p, time.perf_counter() - t0)
         if handles is not None:
@@ -595,12 +602,14 @@ class SwaPool:
     def _background_unmap(self, p: int) -> None:
         t0 = time.perf_counter()
         try:
-            self._pages.unmap_page(p)
-        except BaseException:
+            self._pages.unmap_page(p, self._handles[p])
+        except BaseException:  # unmap_page put the page back whole
             with self._lock:
                 self._state[p] = MAPPED
                 self._busy -= 1
                 self._retier(p)
+                if p > 0:
+                    self._retier(p - 1)
                 self._cond.notify_all()
             raise
         seconds = time.perf_counter() - t0

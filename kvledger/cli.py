@@ -62,4 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m kvledger.cli`: hand over to the imported module, so subcommands'
+    # `kvledger.cli.UsageError` is the class caught here (not a `__main__` copy).
+    from kvledger.cli import main as _main
+
+    sys.exit(_main())

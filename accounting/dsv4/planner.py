@@ -210,10 +210,15 @@ def solve_budget(
     full = int(available / price.bytes_per_full_token) // knobs.page_size * knobs.page_size
     if full <= 0 or mrr <= 0 or not swa_admits_a_request(swa_tokens(full, knobs), shape, knobs):
         need = min_budget_bytes(shape, knobs, price)
+        fixed_note = (
+            f"; {fixed} bytes of it go to c128 state for {mrr} running requests first"
+            if fixed
+            else ""
+        )
         raise ValueError(
             f"budget_bytes={budget_bytes} is too small for one page per buffer: SGLang 0.5.23 "
             f"sizes {max(full, 0)} full tokens from it, expected at least "
-            f"{min_full_tokens(shape, knobs)} (a budget of at least {need} bytes)"
+            f"{min_full_tokens(shape, knobs)} (a budget of at least {need} bytes{fixed_note})"
         )
     return BudgetSolution(full_tokens=full, planning_max_running_requests=mrr, fixed_bytes=fixed)
 

@@ -1,0 +1,229 @@
+"""`kvledger inspect`: the DeepSeek-V4 buffer map for a config and a size, as SGLang 0.5.23 lays it out.
+
+    kvledger inspect --config CONFIG.json (--budget BYTES | --full-tokens N)
+        [--state-dtype fp32|bf16] [--indexer-dtype fp8|fp4] [--max-running-requests N]
+        [--speculative-draft-tokens N] [--swa-full-tokens-ratio R] [--context-length N] [--json]
+
+Prints one row per buffer family: buffers, shape of one layer's buffer, dtype,
+the planner's predicted bytes, the bytes really allocated, and the overhead.
+With --json, a document whose `families` carry every figure of
+accounting.figures (tensor_bytes, reserved_bytes, physical_bytes,
+capacity_slots, ...) under DESIGN.md's family names, beside planned and
+allocated bytes. Every argument is checked here, so bad input ends with one
+line naming the value and what was expected (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from accounting import FIGURES, Ledger
+from accounting.dsv4 import FAMILIES, BufferMap, ConfigError, Knobs, load_config, plan
+from accounting.units import format_size, parse_size
+from kvledger.cli import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Types are checked in run(), not by argparse, so every error is one line.
+    parser.add_argument("--config", metavar="CONFIG.json", help="Hugging Face DeepSeek-V4 config")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--budget", metavar="BYTES", help="KV byte budget, e.g. 80GiB, 512MiB, 4096")
+    size.add_argument("--full-tokens", metavar="N", help="full-pool token count")
+    parser.add_argument("--state-dtype", metavar="fp32|bf16", default="fp32")
+    parser.add_argument("--indexer-dtype", metavar="fp8|fp4", default="fp8")
+    parser.add_argument("--max-running-requests", metavar="N")
+    parser.add_argument("--speculative-draft-tokens", metavar="N", default="0")
+    parser.add_argument("--swa-full-tokens-ratio", metavar="R", default="0.1")
+    parser.add_argument("--context-length", metavar="N")
+    parser.add_argument("--json", action="store_true", help="print a JSON document")
+
+
+def run(args: argparse.Namespace) -> int:
+    bm = build(args)
+    if args.json:
+        json.dump(document(bm), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(table(bm))
+    return 0
+
+
+def build(args: argparse.Namespace) -> BufferMap:
+    if not args.config:
+        raise UsageError("--config is missing, expected the path of a DeepSeek-V4 config.json")
+    if (args.budget is None) == (args.full_tokens is None):
+        raise UsageError("expected exactly one of --budget BYTES or --full-tokens N")
+    try:
+        knobs = Knobs(
+            state_dtype=args.state_dtype,
+            indexer_dtype=args.indexer_dtype,
+            max_running_requests=_int(args.max_running_requests, "--max-running-requests", 1),
+            speculative_draft_tokens=_int(
+                args.speculative_draft_tokens, "--speculative-draft-tokens", 0
+            )
+            or 0,
+            swa_full_tokens_ratio=_float(args.swa_full_tokens_ratio, "--swa-full-tokens-ratio"),
+            context_length=_int(args.context_length, "--context-length", 1),
+        )
+    except ValueError as e:
+        raise UsageError(_flag_names(str(e))) from None
+    try:
+        shape = load_config(args.config)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    try:
+        if args.budget is not None:
+            try:
+                budget = parse_size(args.budget)
+            except ValueError as e:
+                raise UsageError(f"--budget: {e}") from None
+            if budget <= 0:
+                raise UsageError(f"--budget {args.budget!r}: expected a positive size")
+            return plan(shape, knobs, budget_bytes=budget)
+        tokens = _int(args.full_tokens, "--full-tokens", 1)
+        return plan(shape, knobs, full_tokens=tokens)
+    except ValueError as e:
+        raise UsageError(_flag_names(str(e))) from None
+
+
+def _int(text: str | None, flag: str, minimum: int) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected an integer >= {minimum}") from None
+    if value < minimum:
+        raise UsageError(f"{flag} {text!r}: expected an integer >= {minimum}")
+    return value
+
+
+def _float(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected a number in (0, 1]") from None
+
+
+def _flag_names(message: str) -> str:
+    """Knobs and plan name their fields (state_dtype=...); say the flag instead."""
+    for field in (
+        "state_dtype",
+        "indexer_dtype",
+        "max_running_requests",
+        "speculative_draft_tokens",
+        "swa_full_tokens_ratio",
+        "context_length",
+        "budget_bytes",
+        "full_tokens",
+    ):
+        flag = "--budget" if field == "budget_bytes" else "--" + field.replace("_", "-")
+        if message.startswith(f"{field}="):
+            return f"{flag} {message[len(field) + 1 :]}"
+    return message
+
+
+def family_figures(bm: BufferMap) -> dict[str, dict[str, int]]:
+    """Every figure per family, read from a ledger holding the buffer map (SGLang's own
+    allocation: all runtime-owned, so physical and reserved bytes are the tensor bytes)."""
+    ledger = Ledger()
+    specs = bm.specs(pool="dsv4")
+    for family in FAMILIES:
+        fam_specs = [s for s in specs if s.family == family]
+        if fam_specs:
+            ledger.add_account(fam_specs, key=f"dsv4/{family}")
+    rollup = ledger.snapshot(reconcile=False).rollup("family")
+    zero = {f.name: 0 for f in FIGURES}
+    return {family: dict(rollup.get((family,), zero)) for family in FAMILIES}
+
+
+def document(bm: BufferMap) -> dict[str, Any]:
+    d = bm.to_dict()
+    figures = family_figures(bm)
+    d["figures"] = [f.name for f in FIGURES]
+    d["families"] = {family: {**figures[family], **d["families"][family]} for family in FAMILIES}
+    d["totals"] = {
+        **{
+            f.name: sum(figures[fam][f.name] for fam in FAMILIES)
+            for f in FIGURES
+            if not f.per_account
+        },
+        **d["totals"],
+    }
+    return d
+
+
+def table(bm: BufferMap) -> str:
+    s = bm.sizes
+    k = bm.knobs
+    lines = [
+        f"DeepSeek-V4 buffer map (SGLang 0.5.23 layout) for {bm.shape.source}",
+        f"  layers {bm.shape.num_hidden_layers}: {len(bm.shape.layers(0))} x SWA only, "
+        f"{len(bm.shape.layers(4))} x C4, {len(bm.shape.layers(128))} x C128"
+        + (
+            f" ({len(bm.shape.mtp_ratios)} MTP entries not in this pool)"
+            if bm.shape.mtp_ratios
+            else ""
+        ),
+        f"  knobs: page {k.page_size}, state {k.state_dtype}, indexer {k.indexer_dtype}, "
+        f"draft tokens {k.speculative_draft_tokens}, swa ratio {k.swa_full_tokens_ratio}",
+        f"  tokens: full {s.full_tokens}, swa {s.swa_tokens}, c4 {s.c4_tokens}, c128 {s.c128_tokens}; "
+        f"state rows: c4 {s.c4_state_size}, c128 {s.c128_state_size}; "
+        f"max running requests {s.max_running_requests}",
+    ]
+    if bm.budget_bytes is not None:
+        lines.append(
+            f"  budget {bm.budget_bytes} B ({format_size(bm.budget_bytes)}): "
+            f"{bm.pricing.bytes_per_full_token:.2f} B per full token, "
+            f"{bm.fixed_bytes} B fixed (c128 state for {bm.planning_max_running_requests} requests)"
+            + (
+                f", {bm.draft_reserve_bytes} B left for the draft worker"
+                if bm.draft_reserve_bytes
+                else ""
+            )
+        )
+    header = ("family", "buffers", "shape", "dtype", "planned bytes", "allocated bytes", "overhead")
+    rows = [header]
+    for family in FAMILIES:
+        fp = bm.families[family]
+        pct = "-" if fp.overhead_pct is None else f"{fp.overhead_pct:+.3f}%"
+        shape = "x".join(map(str, fp.shape)) if fp.shape else "-"
+        rows.append(
+            (
+                family,
+                str(len(fp.layers)),
+                shape,
+                fp.dtype or "-",
+                f"{fp.planned_bytes:,}",
+                f"{fp.allocated_bytes:,}",
+                pct,
+            )
+        )
+    planned, allocated = bm.total_planned_bytes, bm.total_allocated_bytes
+    total_pct = f"{100.0 * (allocated - planned) / planned:+.3f}%" if planned else "-"
+    rows.append(
+        ("total", str(len(bm.buffers)), "", "", f"{planned:,}", f"{allocated:,}", total_pct)
+    )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    right = {1, 4, 5, 6}
+    lines.append("")
+    for n, r in enumerate(rows):
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0 or n == len(rows) - 2:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append(f"allocated {format_size(allocated)} for {format_size(planned)} planned")
+    return "\n".join(lines) + "\n"
+
+
+def _mtp_note(n: int) -> str:
+    if n == 0:
+        return ""
+    return f" (+{n} MTP {'entry' if n == 1 else 'entries'} in compress_ratios, not in this pool)"

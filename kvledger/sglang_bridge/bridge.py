@@ -1,0 +1,391 @@
+"""Attach kvledger's VMM pool to a live SGLang 0.5.23 DeepSeek-V4 pool, and detach it.
+
+What changes on attach (nothing unless `KVLEDGER_SGLANG_DSV4_BRIDGE=1`):
+
+- `pool.swa_kv_pool.kv_buffer[i]` (the only place SGLang keeps a layer's SWA
+  buffer; every reader goes through it: `get_swa_raw_buffer`,
+  `get_swa_key_buffer_radix`, `set_swa_key_buffer`, the state/HiCache buffer
+  infos) becomes a tensor over layer `i`'s VMM range, same shape
+  `[rows, row_bytes]`, dtype uint8 and contiguity. The list object is kept and
+  its items replaced, so holders of the list see the new tensors. Holders of the
+  old tensors or their addresses do not: attach before CUDA graph capture,
+  HiCache and PD registration.
+- One engine page is one row and one VMM slot (see `follow`); the rows SGLang
+  already handed out and row 0 (its padding page) are copied over.
+- The SWA sub-allocator is hooked (see `hooks`).
+- The ledger gets the swa_kv family as a VMM account fed by the pool's events,
+  and every other family as runtime-owned (SGLang keeps C4/C128, indexer and
+  state pools).
+
+`detach()` undoes all of it: native tensors come back with the live rows
+copied, the hooks go, every page is unmapped and released, the backend is
+closed (when the bridge made it) and the accounts `attach` registered are
+removed from the ledger. The pool can be attached again afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from accounting.buffers import BufferSpec, Owner
+from accounting.ledger import Account, Ledger
+from allocator.backend import Backend
+from allocator.errors import IncompatibleError
+from allocator.layout import SlotLayout
+from allocator.pool import SwaPool
+from kvledger.sglang_bridge import registry
+from kvledger.sglang_bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation
+from kvledger.sglang_bridge.compat import (
+    V4_TOKEN_BYTES,
+    SwaFacts,
+    incompatibilities,
+    pool_reasons,
+    read_facts,
+)
+from kvledger.sglang_bridge.follow import PageFollower, TokenObserver
+from kvledger.sglang_bridge.hooks import AllocatorHooks
+
+log = logging.getLogger(__name__)
+
+FAMILY = "swa_kv"
+# pool -> its bridge. Kept here, not as an attribute of SGLang's pool, so nothing of the
+# bridge is reachable from the pool object (the inventory walks it for stray tensors).
+_BRIDGES: weakref.WeakKeyDictionary[Any, Bridge] = weakref.WeakKeyDictionary()
+
+BackendSource = Backend | Callable[[], Backend] | None
+
+
+class Bridge:
+    """The state of one pool's bridge. `active` is False when the native buffers stayed;
+    `reason` then says why."""
+
+    def __init__(self, pool: Any, ledger: Ledger, *, pool_name: str, reason: str) -> None:
+        self._pool = weakref.ref(pool)  # the registry keys on the pool: no strong cycle
+        self.ledger = ledger
+        self.pool_name = pool_name
+        self.reason = reason
+        self.active = False
+        self.facts: SwaFacts | None = None
+        self.backend: Backend | None = None
+        self.owns_backend = False
+        self.swa_pool: SwaPool | None = None
+        self.follower: PageFollower | None = None
+        self.hooks: AllocatorHooks | None = None
+        self.swa_account: Account | None = None
+        self.runtime_accounts: list[Account] = []
+
+    @property
+    def pool(self) -> Any:
+        """The SGLang pool, or None once it has been garbage-collected."""
+        return self._pool()
+
+    # -- views ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """The VMM pool's stats plus the follower's (empty when not active)."""
+        if self.swa_pool is None or self.follower is None:
+            return {}
+        return {
+            **self.swa_pool.stats(),
+            "held_pages": self.follower.held_pages,
+            "divergences": self.follower.divergences,
+        }
+
+    def physical_bytes(self) -> int:
+        """The backend's device truth (host: memfd blocks), for accounting.reconcile."""
+        if self.backend is None or not hasattr(self.backend, "physical_bytes"):
+            raise RuntimeError("bridge has no backend with a physical_bytes reader")
+        return int(self.backend.physical_bytes())
+
+    # -- teardown -----------------------------------------------------------------------------
+    def detach(self) -> None:
+        """Restore SGLang's own SWA buffers (live rows copied back), release everything the
+        bridge mapped and remove the accounts `attach` registered. Idempotent."""
+        pool = self.pool
+        if pool is not None and _BRIDGES.get(pool) is self:
+            del _BRIDGES[pool]
+        try:
+            if self.active:
+                self._deactivate()
+        finally:
+            accounts, self.runtime_accounts = self.runtime_accounts, []
+            if self.swa_account is not None:
+                accounts.append(self.swa_account)
+                self.swa_account = None
+            for account in accounts:
+                self.ledger.remove_account(account)
+
+    def _deactivate(self) -> None:
+        self.active = False
+        if self.hooks is not None:
+            self.hooks.remove()
+        assert self.swa_pool is not None and self.follower is not None and self.facts is not None
+        pool = self.pool
+        try:
+            if pool is not None:  # else the pool and its views of the VMM range are gone
+                native = _native_copy(self.swa_pool, self.follower, self.facts)
+                bufs = pool.swa_kv_pool.kv_buffer
+                for i, t in enumerate(native):
+                    bufs[i] = t
+        finally:
+            try:
+                self.swa_pool.close()
+            finally:
+                if self.owns_backend and self.backend is not None:
+                    self.backend.close()
+
+    def __enter__(self) -> Bridge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+
+def attach(
+    pool: Any,
+    ledger: Ledger,
+    *,
+    allocator: Any,
+    backend: BackendSource = None,
+    require: bool | None = None,
+    env: Mapping[str, str] | None = None,
+    pool_name: str = "dsv4",
+    pool_options: Mapping[str, Any] | None = None,
+) -> Bridge:
+    """Register `pool` with `ledger` and, when `KVLEDGER_SGLANG_DSV4_BRIDGE=1`, move its SWA
+    KV buffers onto a kvledger VMM pool driven by `allocator` (SGLang's
+    SWATokenToKVPoolAllocator, or DeepSeek-V4's HiSparse wrapper of one).
+
+    `backend`: a Backend, a factory of one, or None for the host backend on CPU pools and
+    the CUDA backend on CUDA pools. `require` (default: KVLEDGER_SGLANG_DSV4_BRIDGE_REQUIRE)
+    makes an incompatible pool raise `IncompatibleError` instead of staying native with a
+    warning. Attaching a pool twice returns the first bridge and changes nothing.
+    """
+    existing = _BRIDGES.get(pool)
+    if existing is not None:
+        return existing
+    activation = BridgeActivation.from_env(env, require=require)
+    bridge = Bridge(pool, ledger, pool_name=pool_name, reason="")
+    if not activation.enabled:
+        bridge.reason = f"bridge off (set {ENV_ENABLE}=1)"
+        _register_native(bridge)
+        _BRIDGES[pool] = bridge
+        return bridge
+
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    swa_alloc = _swa_sub_allocator(allocator)
+    facts = read_facts(pool, swa_alloc, dsv4_pool_class=DeepSeekV4TokenToKVPool)
+    bridge.facts = facts
+    reasons = pool_reasons(facts)
+    if not reasons and getattr(allocator, "_kvcache", pool) is not pool:
+        reasons.append("the allocator serves another pool, expected the one being attached")
+    if not reasons and swa_alloc is None:
+        reasons.append(
+            f"allocator {type(allocator).__name__} has no paged SWA side "
+            "(swa_attn_allocator), expected SGLang's SWATokenToKVPoolAllocator"
+        )
+    device = _device_kind(facts)
+    be, owns = None, False
+    if not reasons:
+        try:
+            be, owns = _make_backend(backend, device)
+        except Exception as e:
+            reasons.append(f"no VMM backend: {type(e).__name__}: {e}")
+    if be is not None and not reasons:
+        reasons += incompatibilities(facts, granularity=be.granularity, backend_device=device)
+    if reasons:
+        if owns and be is not None:
+            be.close()
+        return _refuse(bridge, activation, "; ".join(reasons))
+    assert be is not None and swa_alloc is not None
+    try:
+        _activate(bridge, be, owns, swa_alloc, pool_options or {})
+    except BaseException:
+        if owns:
+            be.close()
+        raise
+    _BRIDGES[pool] = bridge
+    return bridge
+
+
+def detach(pool: Any) -> None:
+    """Detach whatever bridge `pool` has (no-op when none)."""
+    bridge = _BRIDGES.get(pool)
+    if bridge is not None:
+        bridge.detach()
+
+
+def bridge_of(pool: Any) -> Bridge | None:
+    return _BRIDGES.get(pool)
+
+
+# -- pieces ------------------------------------------------------------------------------------
+def _swa_sub_allocator(allocator: Any) -> Any:
+    if allocator is None:
+        return None
+    inner = getattr(allocator, "logical_attn_allocator", allocator)  # DSV4 HiSparse wrapper
+    if getattr(inner, "swa_req_ring", False):
+        return None
+    return getattr(inner, "swa_attn_allocator", None)
+
+
+def _device_kind(facts: SwaFacts) -> str:
+    kinds = {d.split(":")[0] for d in facts.devices}
+    return kinds.pop() if len(kinds) == 1 else "cpu"
+
+
+def _make_backend(source: BackendSource, device: str) -> tuple[Backend, bool]:
+    if source is None:
+        if device == "cuda":
+            import torch
+
+            from allocator.cuda import CudaBackend
+
+            return CudaBackend(torch.cuda.current_device()), True
+        from allocator.host import HostBackend
+
+        return HostBackend(), True
+    if callable(source) and not hasattr(source, "reserve"):
+        return source(), True
+    return source, False  # type: ignore[return-value]
+
+
+def _refuse(bridge: Bridge, activation: BridgeActivation, reason: str) -> Bridge:
+    if activation.require:
+        raise IncompatibleError(
+            f"kvledger SGLang DSV4 bridge required ({ENV_REQUIRE}=1) but unusable: {reason}"
+        )
+    log.warning("kvledger: SGLang DSV4 SWA buffers stay native: %s", reason)
+    bridge.reason = reason
+    _register_native(bridge)
+    _BRIDGES[bridge.pool] = bridge
+    return bridge
+
+
+def _activate(
+    bridge: Bridge, be: Backend, owns: bool, swa_alloc: Any, pool_options: Mapping[str, Any]
+) -> None:
+    import torch
+
+    facts = bridge.facts
+    assert facts is not None
+    pool, ledger = bridge.pool, bridge.ledger
+    layout = SlotLayout(
+        capacity_slots=facts.rows,
+        slot_bytes=facts.row_bytes,
+        page_bytes=be.granularity,
+        slots_per_row=1,
+    )
+    account = ledger.add_account(
+        swa_specs(pool, facts, pool_name=bridge.pool_name, vmm_layout=layout),
+        page_bytes=layout.page_bytes,
+        capacity_slots=facts.rows * facts.page_tokens,
+    )
+    try:
+        swa_pool = SwaPool(
+            be,
+            layers=facts.layers,
+            layout=layout,
+            null_slot=True,
+            observer=TokenObserver(account, facts.page_tokens),
+            name=f"{bridge.pool_name}/{FAMILY}",
+            **dict(pool_options),
+        )
+    except BaseException:
+        ledger.remove_account(account)
+        raise
+    follower = PageFollower(swa_pool)
+    hooks = AllocatorHooks(
+        swa_alloc,
+        follower,
+        before_give_back=_device_sync(facts) if facts.devices[0].startswith("cuda") else None,
+    )
+    try:
+        live = hooks.held_by_engine()
+        follower.take(live)
+        bufs = pool.swa_kv_pool.kv_buffer
+        vmm = [
+            swa_pool.buffer(i, torch.uint8, (facts.rows, facts.row_bytes))
+            for i in range(facts.layers)
+        ]
+        for i, t in enumerate(vmm):
+            for row in [0, *live]:
+                t[row].copy_(bufs[i][row])
+        for i, t in enumerate(vmm):
+            bufs[i] = t
+        hooks.install()
+    except BaseException:
+        hooks.remove()
+        swa_pool.close()
+        ledger.remove_account(account)
+        raise
+    bridge.backend, bridge.owns_backend = be, owns
+    bridge.swa_pool, bridge.follower, bridge.hooks = swa_pool, follower, hooks
+    bridge.swa_account = account
+    bridge.active = True
+    bridge.reason = ""
+    bridge.runtime_accounts = registry.register_runtime(
+        pool, ledger, pool_name=bridge.pool_name, exclude=(FAMILY,)
+    )
+
+
+def _register_native(bridge: Bridge) -> None:
+    bridge.runtime_accounts = registry.register_runtime(
+        bridge.pool, bridge.ledger, pool_name=bridge.pool_name, exclude=()
+    )
+
+
+def _device_sync(facts: SwaFacts) -> Callable[[], None]:
+    device = facts.devices[0]
+
+    def sync() -> None:
+        # A page SGLang frees may still be read by kernels in flight; unmapping under them
+        # faults the context (DESIGN.md), so wait for the device first.
+        import torch
+
+        torch.cuda.synchronize(device)
+
+    return sync
+
+
+def swa_specs(
+    pool: Any, facts: SwaFacts, *, pool_name: str, vmm_layout: SlotLayout | None
+) -> list[BufferSpec]:
+    """The swa_kv family's buffers: VMM-owned over `vmm_layout`, or runtime-owned (None)."""
+    start = int(getattr(pool, "_stage_start", 0) or 0)
+    tensor_bytes = facts.rows * facts.row_bytes
+    owner = Owner.VMM if vmm_layout is not None else Owner.RUNTIME
+    reserved = vmm_layout.reserved_bytes if vmm_layout is not None else tensor_bytes
+    return [
+        BufferSpec(
+            name=f"{FAMILY}.L{start + i}",
+            family=FAMILY,
+            pool=pool_name,
+            owner=owner,
+            layer=start + i,
+            dtype="uint8",
+            shape=(facts.rows, facts.row_bytes),
+            slot_bytes=V4_TOKEN_BYTES,
+            capacity_slots=facts.rows * facts.page_tokens,
+            tensor_bytes=tensor_bytes,
+            reserved_bytes=reserved,
+        )
+        for i in range(facts.layers)
+    ]
+
+
+def _native_copy(swa_pool: SwaPool, follower: PageFollower, facts: SwaFacts) -> list[Any]:
+    import torch
+
+    rows = [0, *follower.held()]
+    out = []
+    for i in range(facts.layers):
+        src = swa_pool.buffer(i, torch.uint8, (facts.rows, facts.row_bytes))
+        dst = torch.zeros((facts.rows, facts.row_bytes), dtype=torch.uint8, device=facts.devices[i])
+        for row in rows:
+            dst[row].copy_(src[row])
+        out.append(dst)
+    return out

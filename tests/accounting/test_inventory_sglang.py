@@ -1,0 +1,165 @@
+"""Inventory of real SGLang 0.5.23 pools built on the CPU (marker `sglang`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from accounting import Ledger
+from accounting.dsv4 import Knobs, plan
+from accounting.inventory import register_pool
+from tests.accounting.dsv4_fixtures import flash
+
+pytestmark = pytest.mark.sglang
+
+
+def _unique_storages(root: Any) -> dict[tuple[str, int], int]:
+    """Every tensor storage reachable from the pool, by (device, pointer): an independent
+    sweep of the object graph (no depth limit, cycles cut)."""
+    import torch
+
+    out: dict[tuple[str, int], int] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            out[(str(obj.device), s.data_ptr())] = s.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("sglang", "accounting")):
+            stack.extend(vars(obj).values())
+    return out
+
+
+@pytest.fixture
+def dsv4_pool() -> Iterator[tuple[Any, Any]]:
+    import torch
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    from tests.accounting.sglang_reference import published
+
+    shape = flash()
+    bm = plan(shape, Knobs(max_running_requests=8), full_tokens=16_384)
+    s = bm.sizes
+    with published(page_size=256):
+        pool = DeepSeekV4TokenToKVPool(
+            max_num_reqs=s.max_running_requests,
+            num_req_slots=s.num_req_slots,
+            swa_size=s.swa_tokens,
+            c4_size=s.c4_tokens,
+            c128_size=s.c128_tokens,
+            c4_state_pool_size=s.c4_state_size,
+            c128_state_pool_size=s.c128_state_size,
+            page_size=256,
+            swa_page_size=256,
+            sliding_window=shape.sliding_window,
+            dtype=torch.float8_e4m3fn,
+            c4_state_dtype=torch.float32,
+            c128_state_dtype=torch.float32,
+            qk_nope_head_dim=shape.qk_nope_head_dim,
+            qk_rope_head_dim=shape.qk_rope_head_dim,
+            indexer_head_dim=shape.index_head_dim,
+            layer_num=shape.num_hidden_layers,
+            device="cpu",
+            enable_memory_saver=False,
+            compression_ratios=list(shape.compress_ratios),
+            start_layer=0,
+            end_layer=shape.num_hidden_layers,
+        )
+        yield pool, bm
+
+
+def test_dsv4_pool_inventory_counts_each_storage_once(dsv4_pool: tuple[Any, Any]) -> None:
+    pool, bm = dsv4_pool
+    ledger = Ledger(labels={"model_name": "dsv4-flash-shape", "tp_rank": "0"})
+    inv = register_pool(ledger, pool, name="dsv4")
+    assert inv.kind == "dsv4"
+    snap = ledger.snapshot()
+    assert not snap.violations
+    storages = _unique_storages(pool)
+    physical = snap.total("physical_bytes")
+    assert physical > 0
+    assert physical == sum(storages.values())
+    assert physical == snap.total("tensor_bytes")
+    assert len(inv.specs) == len(storages)
+    # Aliased sub-pools (c4_kv_pool is kv_pools[4]) were not counted twice.
+    assert pool.c4_kv_pool is pool.kv_pools[4]
+    # Classified into the seven families, equal to kvledger's own buffer map.
+    fams = snap.rollup("family")
+    assert set(k[0] for k in fams) == set(bm.families)
+    for fam, fp in bm.families.items():
+        assert fams[(fam,)]["tensor_bytes"] == fp.allocated_bytes, fam
+    by_name = {s.name: s for s in inv.specs}
+    for b in bm.buffers:
+        spec = by_name[b.name]
+        assert (spec.family, spec.layer, spec.shape, spec.dtype) == (
+            b.family,
+            b.layer,
+            b.shape,
+            b.dtype,
+        )
+    # The headline gauge's value is non-zero here, while SGLang's own figure reads 0.
+    assert physical / 2**30 > 0
+    assert pool.mem_usage == 0
+
+
+def test_mha_and_swa_pools() -> None:
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    from tests.accounting.sglang_reference import published
+
+    with published(page_size=16):
+        mha = MHATokenToKVPool(
+            size=1024,
+            page_size=16,
+            dtype=torch.bfloat16,
+            head_num=4,
+            head_dim=64,
+            layer_num=3,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        ledger = Ledger()
+        inv = register_pool(ledger, mha, name="mha")
+        assert inv.kind == "mha"
+        snap = ledger.snapshot()
+        storages = _unique_storages(mha)
+        assert snap.total("physical_bytes") == sum(storages.values()) > 0
+        fams = snap.rollup("family")
+        # SGLang 0.5.23 allocates a layer's K and V as halves of one storage.
+        assert fams[("kv",)]["tensor_bytes"] == 2 * 3 * (1024 + 16) * 4 * 64 * 2
+        assert {s.layer for s in inv.specs if s.family == "kv"} == {0, 1, 2}
+
+        swa = SWAKVPool(
+            size=2048,
+            size_swa=512,
+            page_size=16,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=64,
+            swa_attention_layer_ids=[0, 2],
+            full_attention_layer_ids=[1],
+            device="cpu",
+        )
+        ledger = Ledger()
+        inv = register_pool(ledger, swa, name="swa")
+        assert inv.kind == "swa"
+        snap = ledger.snapshot()
+        storages = _unique_storages(swa)
+        assert snap.total("physical_bytes") == sum(storages.values()) > 0
+        fams = snap.rollup("family")
+        assert fams[("swa_kv",)]["tensor_bytes"] == 2 * 2 * (512 + 16) * 2 * 64 * 2
+        assert fams[("kv",)]["tensor_bytes"] == 2 * 1 * (2048 + 16) * 2 * 64 * 2
+        assert {s.layer for s in inv.specs if s.family == "swa_kv"} == {0, 2}
+        assert {s.layer for s in inv.specs if s.family == "kv"} == {1}

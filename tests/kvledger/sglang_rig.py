@@ -1,0 +1,176 @@
+"""Real SGLang 0.5.23 DeepSeek-V4 pools, allocators and a scheduler's page life cycle, on CPU.
+
+Imported only by tests marked `sglang` (and the writes helper they run). The
+pool, `ReqToTokenPool`, `SWATokenToKVPoolAllocator` and the free paths
+(`free_swa_out_of_window_slots`, `free_kv_row_segments`) are SGLang's own;
+`RequestKv` stands in for SGLang's `ReqKvInfo`, whose module
+(`managers.schedule_batch`) pulls in the OpenAI client and more that the light
+venv does not carry: it has the fields those free paths read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tests.accounting.sglang_reference import published as reference_published
+
+PAGE = 256
+RATIOS = [0, 0, 4, 128, 4, 128]
+SWA_PAGES = 8
+FULL_PAGES = 20
+WINDOW = 128
+
+
+@contextlib.contextmanager
+def published() -> Iterator[None]:
+    """SGLang's runtime context with a ServerArgs for DeepSeek-V4 (page 256)."""
+    with reference_published(page_size=PAGE, swa_full_tokens_ratio=0.1):
+        yield
+
+
+def make_pool(*, ratios: list[int] | None = None, swa_pages: int = SWA_PAGES, **kw: Any) -> Any:
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    ratios = list(RATIOS if ratios is None else ratios)
+    full = FULL_PAGES * PAGE
+    return DeepSeekV4TokenToKVPool(
+        max_num_reqs=4,
+        num_req_slots=5,
+        swa_size=swa_pages * PAGE,
+        c4_size=full // 4,
+        c128_size=full // 128,
+        c4_state_pool_size=8 * (swa_pages + 1),
+        c128_state_pool_size=128 * 5,
+        page_size=PAGE,
+        swa_page_size=PAGE,
+        sliding_window=WINDOW,
+        dtype=torch.float8_e4m3fn,
+        c4_state_dtype=torch.float32,
+        c128_state_dtype=torch.float32,
+        qk_nope_head_dim=448,
+        qk_rope_head_dim=64,
+        indexer_head_dim=128,
+        layer_num=len(ratios),
+        device="cpu",
+        enable_memory_saver=False,
+        compression_ratios=ratios,
+        start_layer=0,
+        end_layer=len(ratios),
+        full_size=full,
+        **kw,
+    )
+
+
+def make_allocator(pool: Any, req_to_token: Any, *, page_size: int = PAGE) -> Any:
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+    return SWATokenToKVPoolAllocator(
+        FULL_PAGES * PAGE,
+        pool.swa_size,
+        page_size=page_size,
+        dtype=torch.float8_e4m3fn,
+        device="cpu",
+        kvcache=pool,
+        need_sort=False,
+        req_to_token_pool=req_to_token,
+    )
+
+
+def make_req_to_token() -> Any:
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    return ReqToTokenPool(4, 4096, "cpu", False)
+
+
+class RequestKv:
+    """The fields of SGLang 0.5.23's ReqKvInfo that its SWA free paths read."""
+
+    def __init__(self) -> None:
+        self.req_pool_idx: int | None = None
+        self.cache_protected_len = 0
+        self.swa_evict_floor = 0
+        self.kv_allocated_len = 0
+        self._evicted: dict[Any, int] = {}
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.req_pool_idx is not None
+
+    def swa_dead_lo(self, page_size: int) -> int:
+        return max(self.cache_protected_len, self.swa_evict_floor)
+
+    def get_evicted_seqlen(self, component_type: Any) -> int:
+        return self._evicted.get(component_type, 0)
+
+    def set_evicted_seqlen(self, component_type: Any, length: int) -> None:
+        self._evicted[component_type] = length
+
+
+@dataclass
+class Request:
+    kv: RequestKv = field(default_factory=RequestKv)
+    seq_len: int = 0
+
+
+class Scheduler:
+    """Drives SGLang's allocator the way its scheduler does for prefill, decode, window
+    eviction and finish (the calls, not the policy)."""
+
+    def __init__(self, allocator: Any, req_to_token: Any) -> None:
+        self.allocator = allocator
+        self.r2t = req_to_token
+
+    def prefill(self, n: int) -> Request:
+        req = Request()
+        assert self.r2t.alloc([req]) is not None
+        zero = torch.tensor([0])
+        lens = torch.tensor([n])
+        out = self.allocator.alloc_extend(zero, zero, lens, lens, torch.tensor([-1]), n)
+        assert out is not None, "SGLang's allocator is out of pages"
+        self.r2t.write((req.kv.req_pool_idx, slice(0, n)), out)
+        req.seq_len = n
+        req.kv.kv_allocated_len = n
+        return req
+
+    def decode(self, reqs: list[Request]) -> None:
+        idx = [r.kv.req_pool_idx for r in reqs]
+        last = torch.stack(
+            [self.r2t.req_to_token[i, r.seq_len - 1] for i, r in zip(idx, reqs, strict=True)]
+        )
+        lens = torch.tensor([r.seq_len + 1 for r in reqs])
+        out = self.allocator.alloc_decode(lens, lens, last.long())
+        assert out is not None, "SGLang's allocator is out of pages"
+        for i, r, loc in zip(idx, reqs, out.tolist(), strict=True):
+            self.r2t.req_to_token[i, r.seq_len] = loc
+            r.seq_len += 1
+            r.kv.kv_allocated_len = r.seq_len
+
+    def evict_window(self, req: Request) -> None:
+        from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
+
+        free_swa_out_of_window_slots(
+            req,  # type: ignore[arg-type]
+            req.seq_len,
+            sliding_window_size=WINDOW,
+            page_size=PAGE,
+            req_to_token_pool=self.r2t,
+            token_to_kv_pool_allocator=self.allocator,
+            supports_prefix_sharing=False,
+        )
+
+    def evicted(self, req: Request) -> int:
+        from sglang.srt.mem_cache.base_prefix_cache import ComponentType
+
+        return req.kv.get_evicted_seqlen(ComponentType.SWA)
+
+    def finish(self, req: Request) -> None:
+        from sglang.srt.mem_cache.common import free_kv_row_segments
+
+        row = self.r2t.req_to_token[req.kv.req_pool_idx, : req.seq_len].long()
+        free_kv_row_segments(self.allocator, [(row, 0)], swa_evicted_seqlen=self.evicted(req))
+        self.r2t.free(req)

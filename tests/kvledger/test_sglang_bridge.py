@@ -1,0 +1,449 @@
+"""The SGLang bridge against SGLang 0.5.23's real DeepSeek-V4 pool and SWA allocator, on CPU with
+the host VMM backend (run through scripts/test-sglang)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from accounting.ledger import Ledger
+from accounting.reconcile import host_memfd_truth
+from allocator.errors import IncompatibleError
+from allocator.host import HostBackend
+from kvledger.sglang_bridge import ENV_ENABLE, ENV_REQUIRE, attach, bridge_of, detach
+from kvledger.sglang_bridge.compat import WRAPPED_METHODS, expected_row_bytes
+from tests.kvledger import sglang_rig as rig
+
+pytestmark = pytest.mark.sglang
+
+GRAN = 48 * 4096  # >= one 149,760-byte SWA row; 7 VMM pages per 9-row layer buffer
+ROW = expected_row_bytes(rig.PAGE)
+ON = {ENV_ENABLE: "1"}
+EXACT = {"max_spare_pages": 0, "handle_pool_pages": 0}  # pages go back as soon as they empty
+# SGLang keeps these; "other" is the full->SWA index mapping the allocator registers on the pool.
+RUNTIME_FAMILIES = {
+    "other",
+    "c4_kv",
+    "c128_kv",
+    "c4_indexer",
+    "c4_attn_state",
+    "c4_indexer_state",
+    "c128_state",
+}
+GB = 1 << 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _published() -> Iterator[None]:
+    with rig.published():
+        yield
+
+
+class Rig:
+    def __init__(self, **pool_kw: Any) -> None:
+        self.pool = rig.make_pool(**pool_kw)
+        self.r2t = rig.make_req_to_token()
+        self.alloc = rig.make_allocator(self.pool, self.r2t)
+        self.sched = rig.Scheduler(self.alloc, self.r2t)
+        self.ledger = Ledger({"model_name": "dsv4-test"})
+        self.backend = HostBackend(granularity=GRAN)
+        self.bridge: Any = None
+        self._truth = False
+
+    def attach(self, **kw: Any) -> Any:
+        kw.setdefault("env", ON)
+        kw.setdefault("backend", self.backend)
+        self.bridge = attach(self.pool, self.ledger, allocator=self.alloc, **kw)
+        if self.bridge.active and not self._truth:
+            self.ledger.add_truth(host_memfd_truth(self.backend.physical_bytes))
+            self._truth = True
+        return self.bridge
+
+    def close(self) -> None:
+        detach(self.pool)
+        self.backend.close()
+
+
+@pytest.fixture
+def r() -> Iterator[Rig]:
+    rg = Rig()
+    yield rg
+    rg.close()
+
+
+def _row_pages(row: int) -> set[int]:
+    start = row * ROW
+    return set(range(start // GRAN, (start + ROW - 1) // GRAN + 1))
+
+
+def check(rg: Rig) -> Any:
+    """Pages, ledger figures and host reconciliation agree with SGLang's allocator."""
+    br, alloc = rg.bridge, rg.alloc
+    engine = br.hooks.held_by_engine()
+    assert br.follower.held() == engine
+    assert br.follower.divergences == 0
+    need = set().union(*(_row_pages(p) for p in [0, *engine]))
+    sp = br.swa_pool
+    mapped = {p for p in range(sp.layout.num_pages) if sp.is_page_mapped(p)}
+    assert need <= mapped
+    assert len(mapped - need) <= sp.max_spare_pages
+    snap = rg.ledger.snapshot()
+    assert snap.violations == ()
+    swa = snap.rollup("family", "owner")[("swa_kv", "vmm")]
+    layers = len(rg.pool.swa_kv_pool.kv_buffer)
+    assert swa["occupied_slots"] == rig.PAGE * len(engine)
+    assert swa["occupied_slots"] == alloc.size_swa - alloc.swa_available_size()
+    assert swa["tensor_bytes"] == layers * sp.layout.rows * ROW
+    assert swa["mapped_bytes"] == len(mapped) * GRAN * layers
+    assert swa["physical_bytes"] == sp.stats()["physical_bytes"]
+    (rec,) = snap.reconciliation
+    assert rec["source"] == "host_memfd" and rec["available"]
+    assert rec["device_bytes"] == rg.backend.physical_bytes() == swa["physical_bytes"]
+    assert rec["unattributed_bytes"] == 0
+    return snap
+
+
+def usage_gb(snap: Any) -> float:
+    """sglang:kv_cache_memory_usage_gb: physical bytes of all families / 2^30 (DESIGN.md)."""
+    return snap.total("physical_bytes") / GB
+
+
+# -- attach --------------------------------------------------------------------------------------
+def test_attach_replaces_each_swa_buffer_in_place(r: Rig) -> None:
+    import torch
+
+    sub = r.pool.swa_kv_pool
+    buffers = sub.kv_buffer
+    before = [(tuple(t.shape), t.dtype, t.is_contiguous()) for t in buffers]
+    others = {id(t) for t in r.pool.c4_kv_pool.kv_buffer} | {
+        id(t) for t in r.pool.c128_kv_pool.kv_buffer
+    }
+    br = r.attach(pool_options=EXACT)
+    assert br.active and br.reason == ""
+    assert sub.kv_buffer is buffers  # the list SGLang's readers hold is kept
+    after = [(tuple(t.shape), t.dtype, t.is_contiguous()) for t in buffers]
+    assert after == before == [((rig.SWA_PAGES + 1, ROW), torch.uint8, True)] * len(rig.RATIOS)
+    for layer, t in enumerate(buffers):
+        assert t.data_ptr() == br.swa_pool.tensors[layer].data_ptr()
+        assert r.pool.get_swa_raw_buffer(layer).data_ptr() == t.data_ptr()
+        assert r.pool.get_swa_key_buffer_radix(layer).data_ptr() == t.data_ptr()
+    assert others == {id(t) for t in r.pool.c4_kv_pool.kv_buffer} | {
+        id(t) for t in r.pool.c128_kv_pool.kv_buffer
+    }
+    owners = {(a.family, a.owner.value) for a in r.ledger.accounts()}
+    assert owners == {("swa_kv", "vmm")} | {(f, "runtime") for f in RUNTIME_FAMILIES}
+    assert set(vars(r.alloc.swa_attn_allocator)) >= set(WRAPPED_METHODS)
+    assert not set(vars(r.alloc.full_attn_allocator)) & set(WRAPPED_METHODS)
+    snap = check(r)
+    # Only SGLang's padding page (row 0) is backed: one VMM page per layer.
+    swa = snap.rollup("family")[("swa_kv",)]
+    assert swa["physical_bytes"] == GRAN * len(rig.RATIOS)
+    assert swa["tensor_bytes"] == len(rig.RATIOS) * (rig.SWA_PAGES + 1) * ROW
+
+
+def test_facts_read_from_the_real_pool(r: Rig) -> None:
+    br = r.attach()
+    f = br.facts
+    assert (f.kv_layout, f.swa_storage, f.token_bytes, f.page_tokens) == ("v4", "paged", 584, 256)
+    assert (f.rows, f.row_bytes, f.allocator_pages) == (rig.SWA_PAGES + 1, 149760, rig.SWA_PAGES)
+    assert f.allocator_class == "PagedTokenToKVPoolAllocator" and f.allocator_missing == ()
+
+
+def test_prefill_decode_window_eviction_and_finish_move_pages(r: Rig) -> None:
+    r.attach(pool_options=EXACT)
+    s = r.sched
+    base = check(r)
+    g0 = usage_gb(base)
+
+    a = s.prefill(300)  # 2 pages
+    b = s.prefill(600)  # 3 pages
+    snap = check(r)
+    assert r.bridge.follower.held_pages == 5
+    assert usage_gb(snap) > g0
+
+    for _ in range(230):  # a: 300 -> 530 and b: 600 -> 830 each cross into one more page
+        s.decode([a, b])
+    snap = check(r)
+    assert r.bridge.follower.held_pages == 7
+    peak = usage_gb(snap)
+
+    s.evict_window(a)  # tokens [0, 256) of a left the 128-token window
+    assert s.evicted(a) == 256
+    snap = check(r)
+    assert r.bridge.follower.held_pages == 6
+    assert usage_gb(snap) <= peak
+
+    s.evict_window(b)  # b at 830: [0, 512) leaves the window
+    assert s.evicted(b) == 512
+    check(r)
+    assert r.bridge.follower.held_pages == 4
+
+    s.finish(b)
+    check(r)
+    s.finish(a)
+    snap = check(r)
+    assert r.bridge.follower.held_pages == 0
+    assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 0
+    assert usage_gb(snap) == g0  # back to the padding page and the runtime families
+    assert r.alloc.swa_available_size() == r.alloc.size_swa
+
+
+def test_spare_pages_stay_mapped_with_default_pool_options(r: Rig) -> None:
+    r.attach()
+    a = r.sched.prefill(3 * rig.PAGE)
+    held = check(r).rollup("family")[("swa_kv",)]["physical_bytes"]
+    r.sched.finish(a)
+    snap = check(r)
+    swa = snap.rollup("family")[("swa_kv",)]
+    assert swa["occupied_slots"] == 0
+    # One spare page id stays mapped and its handle set is counted, not lost.
+    assert swa["mapped_bytes"] == 2 * GRAN * len(rig.RATIOS)
+    assert GRAN * len(rig.RATIOS) < swa["physical_bytes"] <= held
+
+
+def test_free_group_returns_pages_at_group_end(r: Rig) -> None:
+    r.attach(pool_options=EXACT)
+    a = r.sched.prefill(2 * rig.PAGE)
+    b = r.sched.prefill(rig.PAGE)
+    r.alloc.free_group_begin()
+    r.sched.finish(a)
+    r.sched.finish(b)
+    assert r.bridge.follower.held_pages == 3  # SGLang defers; so does the mapping
+    check(r)
+    r.alloc.free_group_end()
+    assert r.bridge.follower.held_pages == 0
+    check(r)
+
+
+def test_clear_gives_every_page_back(r: Rig) -> None:
+    r.attach(pool_options=EXACT)
+    r.sched.prefill(4 * rig.PAGE)
+    r.alloc.clear()
+    assert r.bridge.follower.held_pages == 0
+    check(r)
+
+
+def test_attach_with_live_pages_copies_them_and_follows(r: Rig) -> None:
+    a = r.sched.prefill(300)
+    pages = sorted(
+        {
+            int(i) // rig.PAGE
+            for i in r.alloc.translate_loc_from_full_to_swa(
+                r.r2t.req_to_token[a.kv.req_pool_idx, :300].long()
+            )
+        }
+    )
+    sub = r.pool.swa_kv_pool
+    for layer, t in enumerate(sub.kv_buffer):
+        for p in [0, *pages]:
+            t[p].fill_(layer * 16 + p + 1)
+    r.attach(pool_options=EXACT)
+    assert r.bridge.follower.held() == pages
+    for layer, t in enumerate(sub.kv_buffer):
+        for p in [0, *pages]:
+            assert bool((t[p] == layer * 16 + p + 1).all())
+    check(r)
+    r.sched.finish(a)
+    assert r.bridge.follower.held_pages == 0
+    check(r)
+
+
+def test_attach_twice_is_a_no_op(r: Rig) -> None:
+    first = r.attach()
+    epoch, stats = r.ledger.epoch, first.stats()
+    buffers = list(r.pool.swa_kv_pool.kv_buffer)
+    assert r.attach() is first
+    assert attach(r.pool, r.ledger, allocator=r.alloc, env=ON) is first
+    assert r.ledger.epoch == epoch and first.stats() == stats
+    assert all(a is b for a, b in zip(buffers, r.pool.swa_kv_pool.kv_buffer, strict=True))
+    assert bridge_of(r.pool) is first
+
+
+# -- detach ---------------------------------------------------------------------------------------
+def test_detach_restores_native_buffers_and_leaves_nothing_mapped(r: Rig) -> None:
+    import torch
+
+    br = r.attach(pool_options=EXACT)
+    a = r.sched.prefill(2 * rig.PAGE)
+    live = br.follower.held()
+    sub = r.pool.swa_kv_pool
+    for layer, t in enumerate(sub.kv_buffer):
+        t[live[-1]].fill_(layer + 7)
+    br.detach()
+    assert not br.active and bridge_of(r.pool) is None
+    # Nothing held by the backend: no reservations, handles or mappings; memfd blocks 0.
+    assert r.backend.stats() == {
+        "reservations": 0,
+        "reserved_bytes": 0,
+        "handles": 0,
+        "mappings": 0,
+    }
+    assert r.backend.physical_bytes() == 0
+    assert r.ledger.accounts() == ()
+    assert not set(vars(r.alloc.swa_attn_allocator)) & set(WRAPPED_METHODS)
+    for layer, t in enumerate(sub.kv_buffer):
+        assert t.shape == (rig.SWA_PAGES + 1, ROW) and t.dtype == torch.uint8
+        assert t.untyped_storage().nbytes() == t.numel()  # an ordinary tensor again
+        assert bool((t[live[-1]] == layer + 7).all())
+    # SGLang carries on natively, and the pool can be attached again.
+    r.sched.finish(a)
+    b = r.sched.prefill(rig.PAGE)
+    again = r.attach(pool_options=EXACT)
+    assert again is not br and again.active
+    assert again.follower.held() == r.bridge.hooks.held_by_engine() != []
+    check(r)
+    r.sched.finish(b)
+    check(r)
+    detach(r.pool)
+    detach(r.pool)  # idempotent
+    br.detach()
+    assert r.backend.physical_bytes() == 0 and r.ledger.accounts() == ()
+
+
+def test_detach_closes_a_backend_the_bridge_made(r: Rig) -> None:
+    made: list[HostBackend] = []
+
+    def factory() -> HostBackend:
+        made.append(HostBackend(granularity=GRAN))
+        return made[-1]
+
+    br = r.attach(backend=factory)
+    assert br.owns_backend and br.backend is made[0]
+    r.sched.prefill(rig.PAGE)
+    br.detach()
+    assert made[0].closed
+
+
+# -- off and incompatible ---------------------------------------------------------------------------
+def test_off_without_the_environment_variable(r: Rig) -> None:
+    buffers = list(r.pool.swa_kv_pool.kv_buffer)
+    br = r.attach(env={})
+    assert not br.active and ENV_ENABLE in br.reason
+    assert all(a is b for a, b in zip(buffers, r.pool.swa_kv_pool.kv_buffer, strict=True))
+    assert not set(vars(r.alloc.swa_attn_allocator)) & set(WRAPPED_METHODS)
+    owners = {(a.family, a.owner.value) for a in r.ledger.accounts()}
+    assert owners == {(f, "runtime") for f in RUNTIME_FAMILIES | {"swa_kv"}}
+    assert r.backend.stats()["reservations"] == 0
+    br.detach()
+    assert r.ledger.accounts() == ()
+
+
+def _unified_pool() -> Any:
+    import sglang.srt.layers.attention.dsv4.unified_kv_gate as gate
+
+    real = gate.is_unified_kv_triton
+    gate.is_unified_kv_triton = lambda: True  # the gate is HIP-only; force it on CPU
+    try:
+        return rig.make_pool()
+    finally:
+        gate.is_unified_kv_triton = real
+
+
+def _incompatible(kind: str) -> tuple[Rig, dict[str, Any], str]:
+    if kind == "unified":
+        rg = Rig()
+        rg.pool = _unified_pool()
+        return rg, {"allocator_none": True}, "'unified'"
+    if kind == "v41":
+        return Rig(kv_layout="v41"), {}, "layout 'v41'"
+    if kind == "granularity":
+        rg = Rig()
+        rg.backend.close()
+        rg.backend = HostBackend(granularity=16 * 4096)
+        return rg, {}, "exceeds the VMM page"
+    if kind == "token_allocator":
+        rg = Rig()
+        rg.alloc = rig.make_allocator(rg.pool, rg.r2t, page_size=1)
+        return rg, {}, "lacks"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["unified", "v41", "granularity", "token_allocator"])
+def test_incompatible_pool_stays_native_with_a_warning(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    rg, opts, why = _incompatible(kind)
+    try:
+        if opts.get("allocator_none"):
+            rg.alloc = None
+        sub = rg.pool.swa_kv_pool
+        buffers = list(sub.kv_buffer) if sub is not None else []
+        with caplog.at_level(logging.WARNING, logger="kvledger.sglang_bridge.bridge"):
+            br = rg.attach()
+        assert not br.active and why in br.reason
+        assert why in caplog.text and "stay native" in caplog.text
+        if sub is not None:
+            assert all(a is b for a, b in zip(buffers, sub.kv_buffer, strict=True))
+        assert all(a.owner.value == "runtime" for a in rg.ledger.accounts())
+        assert rg.backend.stats()["reservations"] == 0
+    finally:
+        rg.close()
+
+
+@pytest.mark.parametrize("kind", ["unified", "v41", "granularity", "token_allocator"])
+def test_incompatible_pool_fails_when_required(kind: str) -> None:
+    rg, opts, why = _incompatible(kind)
+    try:
+        if opts.get("allocator_none"):
+            rg.alloc = None
+        with pytest.raises(IncompatibleError, match="required") as e:
+            rg.attach(require=True)
+        assert why in str(e.value)
+        assert rg.ledger.accounts() == () and bridge_of(rg.pool) is None
+        assert rg.backend.stats()["reservations"] == 0
+    finally:
+        rg.close()
+
+
+def test_require_is_read_from_the_environment() -> None:
+    rg = Rig(kv_layout="v41")
+    try:
+        with pytest.raises(IncompatibleError, match=ENV_REQUIRE):
+            rg.attach(env={ENV_ENABLE: "1", ENV_REQUIRE: "1"})
+    finally:
+        rg.close()
+
+
+def test_a_pool_of_another_kind_is_refused(r: Rig) -> None:
+    with pytest.raises(IncompatibleError, match="expected SGLang's DeepSeekV4TokenToKVPool"):
+        attach(r.pool.swa_kv_pool, r.ledger, allocator=r.alloc, env=ON, require=True)
+
+
+# -- data written by SGLang's own store path -------------------------------------------------------
+def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
+    """SGLang's SWA store (`set_swa_key_buffer`: its Triton SetKAndS kernel, run by Triton's
+    interpreter on CPU) writes through the bridged buffer into VMM memory, byte for byte as
+    into a native pool, and detach carries the rows back. A subprocess, because
+    TRITON_INTERPRET is read when SGLang's kernels are defined."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kvledger.sglang_writes"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["nonzero_bytes"] > 0
+    assert out["in_vmm_reservation"] is True
+    assert out["rows_equal_native"] is True
+    assert out["detached_rows_equal_native"] is True
+    assert out["backend_after_detach"] == {
+        "reservations": 0,
+        "reserved_bytes": 0,
+        "handles": 0,
+        "mappings": 0,
+        "physical_bytes": 0,
+    }

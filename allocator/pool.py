@@ -517,7 +517,7 @@ class SwaPool:
         return self._mapper is not None
 
     def _trim_locked(self) -> None:
-        """Unmap spare pages beyond max_spare_pages, highest page ids first (sync)."""
+        """Unmap spare pages beyond max_spare_pages, the most recently emptied first (sync)."""
         while len(self._empty) > self.max_spare_pages:
             self._unmap_spare_locked(next(reversed(self._empty)))
 

@@ -116,6 +116,35 @@ def usage_gb(snap: Any) -> float:
     return snap.total("physical_bytes") / GB
 
 
+def scrape(ledger: Ledger) -> dict[tuple[str, str | None], float]:
+    """What kvledger's exporter serves for `ledger`: (metric, family) -> value."""
+    from exporter.collector import registry_for
+    from exporter.metrics import HEADLINE, figure_metric
+    from exporter.sources import Sources
+
+    sources = Sources()
+    sources.add_ledger(ledger)
+    wanted = {HEADLINE, figure_metric("physical_bytes"), figure_metric("tensor_bytes")}
+    out: dict[tuple[str, str | None], float] = {}
+    for metric in registry_for(sources).collect():
+        for sample in metric.samples:
+            if sample.name in wanted:
+                out[(sample.name, sample.labels.get("family"))] = sample.value
+    return out
+
+
+def check_scrape(rg: Rig) -> float:
+    """The exporter's headline and swa_kv gauges; returns the headline."""
+    got = scrape(rg.ledger)
+    swa = rg.bridge.swa_pool
+    layers = len(rg.pool.swa_kv_pool.kv_buffer)
+    assert got[("sglang:kv_cache_tensor_bytes", "swa_kv")] == layers * swa.layout.rows * ROW
+    assert got[("sglang:kv_cache_physical_bytes", "swa_kv")] == swa.stats()["physical_bytes"]
+    headline = got[("sglang:kv_cache_memory_usage_gb", None)]
+    assert headline == pytest.approx(usage_gb(rg.ledger.snapshot(reconcile=False)))
+    return headline
+
+
 # -- attach --------------------------------------------------------------------------------------
 def test_attach_replaces_each_swa_buffer_in_place(r: Rig) -> None:
     import torch
@@ -162,12 +191,14 @@ def test_prefill_decode_window_eviction_and_finish_move_pages(r: Rig) -> None:
     s = r.sched
     base = check(r)
     g0 = usage_gb(base)
+    assert check_scrape(r) == pytest.approx(g0)
 
     a = s.prefill(300)  # 2 pages
     b = s.prefill(600)  # 3 pages
     snap = check(r)
     assert r.bridge.follower.held_pages == 5
     assert usage_gb(snap) > g0
+    assert check_scrape(r) == pytest.approx(usage_gb(snap))
 
     for _ in range(230):  # a: 300 -> 530 and b: 600 -> 830 each cross into one more page
         s.decode([a, b])
@@ -180,6 +211,7 @@ def test_prefill_decode_window_eviction_and_finish_move_pages(r: Rig) -> None:
     snap = check(r)
     assert r.bridge.follower.held_pages == 6
     assert usage_gb(snap) <= peak
+    assert check_scrape(r) == pytest.approx(usage_gb(snap))
 
     s.evict_window(b)  # b at 830: [0, 512) leaves the window
     assert s.evicted(b) == 512
@@ -193,6 +225,7 @@ def test_prefill_decode_window_eviction_and_finish_move_pages(r: Rig) -> None:
     assert r.bridge.follower.held_pages == 0
     assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 0
     assert usage_gb(snap) == g0  # back to the padding page and the runtime families
+    assert check_scrape(r) == pytest.approx(g0)
     assert r.alloc.swa_available_size() == r.alloc.size_swa
 
 

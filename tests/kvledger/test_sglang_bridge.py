@@ -48,10 +48,10 @@ def _published() -> Iterator[None]:
 
 
 class Rig:
-    def __init__(self, **pool_kw: Any) -> None:
+    def __init__(self, *, need_sort: bool = False, **pool_kw: Any) -> None:
         self.pool = rig.make_pool(**pool_kw)
         self.r2t = rig.make_req_to_token()
-        self.alloc = rig.make_allocator(self.pool, self.r2t)
+        self.alloc = rig.make_allocator(self.pool, self.r2t, need_sort=need_sort)
         self.sched = rig.Scheduler(self.alloc, self.r2t)
         self.ledger = Ledger({"model_name": "dsv4-test"})
         self.backend = HostBackend(granularity=GRAN)
@@ -170,6 +170,9 @@ def test_attach_replaces_each_swa_buffer_in_place(r: Rig) -> None:
     owners = {(a.family, a.owner.value) for a in r.ledger.accounts()}
     assert owners == {("swa_kv", "vmm")} | {(f, "runtime") for f in RUNTIME_FAMILIES}
     assert set(vars(r.alloc.swa_attn_allocator)) >= set(WRAPPED_METHODS)
+    # The full-token index space is logical: no buffer behind it, its allocator unwrapped.
+    assert getattr(r.pool, "full_kv_pool", None) is None
+    assert r.alloc.full_attn_allocator._kvcache is None
     assert not set(vars(r.alloc.full_attn_allocator)) & set(WRAPPED_METHODS)
     snap = check(r)
     # Only SGLang's padding page (row 0) is backed: one VMM page per layer.
@@ -254,6 +257,30 @@ def test_free_group_returns_pages_at_group_end(r: Rig) -> None:
     r.alloc.free_group_end()
     assert r.bridge.follower.held_pages == 0
     check(r)
+
+
+def test_staged_frees_and_their_merge_are_followed() -> None:
+    """With need_sort (PD disaggregation), freed pages wait in SGLang's staged list and are
+    merged and sorted back into the free list when an allocation runs short."""
+    rg = Rig(need_sort=True)
+    try:
+        rg.attach(pool_options=EXACT)
+        s = rg.sched
+        reqs = [s.prefill(2 * rig.PAGE) for _ in range(3)]  # 6 of 8 pages
+        s.finish(reqs[0])
+        s.finish(reqs[2])
+        assert rg.alloc.swa_attn_allocator.num_staged_pages == 4
+        check(rg)
+        big = s.prefill(5 * rig.PAGE)  # 2 free pages left: forces the merge
+        assert rg.alloc.swa_attn_allocator.num_staged_pages == 0
+        assert rg.bridge.follower.held_pages == 7
+        check(rg)
+        s.finish(big)
+        s.finish(reqs[1])
+        check(rg)
+        assert rg.bridge.follower.held_pages == 0
+    finally:
+        rg.close()
 
 
 def test_clear_gives_every_page_back(r: Rig) -> None:

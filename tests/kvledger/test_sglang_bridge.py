@@ -316,6 +316,43 @@ def test_attach_with_live_pages_copies_them_and_follows(r: Rig) -> None:
     check(r)
 
 
+def _nothing_changed(rg: Rig, buffers: list[Any]) -> None:
+    assert all(a is b for a, b in zip(buffers, rg.pool.swa_kv_pool.kv_buffer, strict=True))
+    assert not set(vars(rg.alloc.swa_attn_allocator)) & set(WRAPPED_METHODS)
+    assert rg.backend.stats() == {
+        "reservations": 0,
+        "reserved_bytes": 0,
+        "handles": 0,
+        "mappings": 0,
+    }
+    assert rg.backend.physical_bytes() == 0
+    assert bridge_of(rg.pool) is None
+
+
+def test_a_failure_half_way_undoes_every_step(r: Rig) -> None:
+    from allocator.errors import CapacityError
+
+    r.sched.prefill(2 * rig.PAGE)  # live pages to map at attach
+    buffers = list(r.pool.swa_kv_pool.kv_buffer)
+    one_page_id = GRAN * len(rig.RATIOS)  # room for the padding page only
+    with pytest.raises(CapacityError, match="physical_budget"):
+        r.attach(pool_options={"physical_budget": one_page_id})
+    _nothing_changed(r, buffers)
+    assert r.ledger.accounts() == ()
+
+
+def test_a_pool_already_in_the_ledger_is_refused_untouched(r: Rig) -> None:
+    from accounting.inventory import register_pool
+
+    register_pool(r.ledger, r.pool, name="dsv4")
+    accounts = r.ledger.accounts()
+    buffers = list(r.pool.swa_kv_pool.kv_buffer)
+    with pytest.raises(ValueError, match="already registered"):
+        r.attach()
+    _nothing_changed(r, buffers)
+    assert r.ledger.accounts() == accounts
+
+
 def test_attach_twice_is_a_no_op(r: Rig) -> None:
     first = r.attach()
     epoch, stats = r.ledger.epoch, first.stats()

@@ -19,6 +19,7 @@ from typing import Any
 from accounting.buffers import BufferSpec, Owner
 from accounting.events import PoolEvent
 from accounting.snapshot import AccountRow, BufferRow, Snapshot
+from accounting.tp_status import TpStatus
 
 # Upper bounds (seconds) of the map-latency histogram buckets for one page id.
 MAP_SECONDS_BUCKETS: tuple[float, ...] = (
@@ -196,6 +197,7 @@ class Ledger:
         self._buffer_names: set[tuple[str, str]] = set()
         self._epoch = 0
         self._truth: list[TruthReader] = []
+        self._tp_status: Callable[[], TpStatus] | None = None
 
     @property
     def epoch(self) -> int:
@@ -275,6 +277,12 @@ class Ledger:
         """Add a reconciliation source, read once per snapshot (see accounting.reconcile)."""
         self._truth.append(reader)
 
+    def set_tp_status(self, source: Callable[[], TpStatus] | None) -> None:
+        """Carry a TP rank's control-traffic status in each snapshot (allocator.tp sets it)."""
+        with self._lock:
+            self._tp_status = source
+            self._epoch += 1
+
     def snapshot(self, *, reconcile: bool = True) -> Snapshot:
         with self._lock:
             accounts = list(self._accounts.values())
@@ -284,6 +292,7 @@ class Ledger:
                 labels=dict(self.labels),
                 accounts=[a._row() for a in accounts],
                 buffers=[row for a in accounts for row in a._buffer_rows()],
+                tp=self._tp_status() if self._tp_status is not None else None,
             )
             if reconcile and self._truth:
                 # Read under the lock so no allocator event lands between the figures

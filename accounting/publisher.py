@@ -9,11 +9,17 @@ counters under the ledger's lock) and never waits on the disk: this thread holds
 the ledger's lock only while `Ledger.snapshot` builds the rows (O(buffers), never
 O(slots)), and serialises and writes outside it.
 
-The envelope (`ENVELOPE_SCHEMA`):
+The file is two JSON documents, one per line (`ENVELOPE_SCHEMA`):
 
     {"kvledger_publish": 1, "source": str, "pid": int, "host": str,
      "process_start": int | null, "interval": float, "published_at": float,
-     "sequence": int, "snapshot": Snapshot.to_dict()}
+     "sequence": int, "snapshot": Snapshot.to_dict() without "buffers"}
+    [Snapshot.to_dict()["buffers"]...]
+
+The first line carries everything a scrape needs (totals, per-family rollups,
+accounts, relation violations, reconciliation) and parses in O(families +
+accounts); the buffer rows on the second line are parsed only when someone asks
+for the buffer map (`parse`, `snapshot_of`).
 
 `published_at` is the heartbeat: it advances every interval even when no figure
 moved, so a reader tells a dead or hung publisher (heartbeat older than a bound,
@@ -81,6 +87,31 @@ def process_start_ticks(pid: int) -> int | None:
     return st[1] if st else None
 
 
+def encode(envelope: dict[str, Any]) -> bytes:
+    """The file's bytes: the envelope without the buffer rows, a newline, the buffer rows."""
+    snap = dict(envelope["snapshot"])
+    buffers = snap.pop("buffers")
+    head = json.dumps({**envelope, "snapshot": snap}, separators=(",", ":"))
+    return head.encode() + b"\n" + json.dumps(buffers, separators=(",", ":")).encode()
+
+
+def parse(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """(envelope without buffer rows, the buffer rows' raw JSON) of a published file."""
+    head, sep, rows = data.partition(b"\n")
+    if not sep:
+        raise ValueError("published file has one line, expected the envelope then the buffer rows")
+    envelope = json.loads(head)
+    if not isinstance(envelope, dict) or envelope.get("kvledger_publish") != ENVELOPE_SCHEMA:
+        got = envelope.get("kvledger_publish") if isinstance(envelope, dict) else type(envelope)
+        raise ValueError(f"kvledger_publish={got!r}, expected {ENVELOPE_SCHEMA}")
+    return envelope, rows
+
+
+def snapshot_of(envelope: dict[str, Any], rows: bytes) -> Snapshot:
+    """The whole Snapshot of a published file (parses the buffer rows)."""
+    return Snapshot.from_dict({**envelope["snapshot"], "buffers": json.loads(rows)})
+
+
 class Publisher:
     """Writes `ledger`'s snapshot to `directory` every `interval` seconds until closed.
 
@@ -144,12 +175,16 @@ class Publisher:
                 "sequence": self.sequence,
                 "snapshot": snap.to_dict(),
             }
-            self._write(json.dumps(envelope, separators=(",", ":")).encode())
+            self._write(encode(envelope))
             self.last_snapshot = snap
         return snap
 
     def _write(self, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.source}.", suffix=".tmp", dir=self.directory)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.source}.", suffix=".tmp", dir=self.directory)
+        except FileNotFoundError:  # the directory was removed under us (a tmp cleaner): recreate
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.source}.", suffix=".tmp", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

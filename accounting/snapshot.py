@@ -16,6 +16,7 @@ from typing import Any
 from accounting.buffers import BufferSpec, Owner
 from accounting.figures import FIGURE_NAMES, FIGURES
 from accounting.relations import Violation, check_account, check_buffer
+from accounting.tp_status import TpStatus
 
 SCHEMA_VERSION = 1
 ROLLUP_KEYS = ("family", "pool", "owner")
@@ -110,6 +111,7 @@ class Snapshot:
     buffers: tuple[BufferRow, ...]
     violations: tuple[Violation, ...]
     reconciliation: tuple[dict[str, Any], ...] = ()
+    tp: TpStatus | None = None  # this rank's TP control traffic (allocator.tp), None without TP
     _rollups: dict[tuple[str, ...], dict[tuple[str, ...], dict[str, int]]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -123,6 +125,7 @@ class Snapshot:
         labels: dict[str, str],
         accounts: Sequence[AccountRow],
         buffers: Sequence[BufferRow],
+        tp: TpStatus | None = None,
     ) -> Snapshot:
         violations = [v for b in buffers for v in check_buffer(b)]
         violations += [v for a in accounts for v in check_account(a)]
@@ -133,6 +136,7 @@ class Snapshot:
             accounts=tuple(accounts),
             buffers=tuple(buffers),
             violations=tuple(violations),
+            tp=tp,
         )
 
     def with_reconciliation(self, results: Iterable[dict[str, Any]]) -> Snapshot:
@@ -187,6 +191,7 @@ class Snapshot:
             "buffers": [b.to_dict() for b in self.buffers],
             "violations": [v.to_dict() for v in self.violations],
             "reconciliation": [dict(r) for r in self.reconciliation],
+            "tp": self.tp.to_dict() if self.tp is not None else None,
         }
 
     @classmethod
@@ -201,6 +206,7 @@ class Snapshot:
             buffers=tuple(BufferRow.from_dict(b) for b in d["buffers"]),
             violations=tuple(Violation.from_dict(v) for v in d["violations"]),
             reconciliation=tuple(d.get("reconciliation", ())),
+            tp=TpStatus.from_dict(d["tp"]) if d.get("tp") is not None else None,
         )
 
 

@@ -23,6 +23,11 @@ class BackgroundMapper:
     ) -> None:
         if pool._mapper is not None:
             raise ValueError(f"pool {pool.name!r} already has a background mapper")
+        if pool._tp is not None:
+            raise ValueError(
+                f"pool {pool.name!r} follows a TP group (allocator.tp): its page changes must "
+                "happen inside alloc/free, so it takes no background mapper"
+            )
         self.pool = pool
         self.idle_seconds = idle_seconds
         self.error_backoff = error_backoff

@@ -85,16 +85,35 @@ class LayerSet:
                     self.backend.unmap(addr, self.page_bytes)
             raise
 
-    def unmap_page(self, page: int) -> None:
-        """Unmap `page` from every layer; the first error is raised after trying them all."""
-        first: BaseException | None = None
-        for layer in range(self.layers):
-            try:
+    def unmap_page(self, page: int, handles: Sequence[int] | None = None) -> None:
+        """Unmap `page` from every layer.
+
+        With `handles` (the set the page is mapped with) all or nothing: a failure at one layer
+        maps the layers already unmapped back and re-raises, so the page stays whole and its
+        slots stay usable. Without (close), best effort: every layer is tried and the first
+        error is raised after."""
+        if handles is None:
+            first: BaseException | None = None
+            for layer in range(self.layers):
+                try:
+                    self.backend.unmap(self.address(layer, page), self.page_bytes)
+                except BaseException as e:
+                    first = first or e
+            if first is not None:
+                raise first
+            return
+        done: list[int] = []
+        try:
+            for layer in range(self.layers):
                 self.backend.unmap(self.address(layer, page), self.page_bytes)
-            except BaseException as e:
-                first = first or e
-        if first is not None:
-            raise first
+                done.append(layer)
+        except BaseException:
+            for layer in reversed(done):
+                addr = self.address(layer, page)
+                with contextlib.suppress(DriverError):  # the original error is worth raising
+                    self.backend.map(addr, self.page_bytes, handles[layer])
+                    self.backend.set_access(addr, self.page_bytes)
+            raise
 
     def byte_tensor(self, layer: int, size: int) -> Any:
         return self.backend.byte_tensor(self.bases[layer], size)

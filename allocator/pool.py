@@ -102,8 +102,13 @@ class SwaPool:
             reserved_bytes=layout.reserved_bytes,
             page_bytes=layout.page_bytes,
         )
-        self.tensors = [self._pages.byte_tensor(i, layout.buffer_bytes) for i in range(layers)]
+        try:
+            self.tensors = [self._pages.byte_tensor(i, layout.buffer_bytes) for i in range(layers)]
+        except BaseException:
+            self._pages.free_reservations()
+            raise
         self._mapper: Any = None  # set by allocator.mapper.BackgroundMapper
+        self._tp: Any = None  # set by allocator.tp.TpCoordinator (see the TP section below)
         self.null_slot = 0 if null_slot else None
         if null_slot:
             try:
@@ -151,7 +156,10 @@ class SwaPool:
             raise ValueError(f"alloc: n={n!r}, expected a non-negative int")
         with self._lock:
             self._check_open("alloc")
-            taken = self._alloc_locked(n)
+            if self._tp is None:
+                taken = self._alloc_locked(n)
+            else:
+                taken = self._tp_run("alloc", n, lambda: self._alloc_locked(n))
         return torch.tensor(taken, dtype=torch.int64)
 
     def free(self, ids: Any) -> None:
@@ -160,8 +168,11 @@ class SwaPool:
         with self._lock:
             self._check_open("free")
             self._validate(slots, "free", want_occupied=True)
-            self._free_locked(slots)
-            self._after_free_locked()
+            if self._tp is None:
+                self._free_locked(slots)
+                self._after_free_locked()
+            else:
+                self._tp_run("free", len(slots), lambda: self._tp_free_locked(slots))
 
     def occupy(self, ids: Any) -> None:
         """Follow ids chosen elsewhere (an engine's allocator, TP rank 0): mark them occupied,
@@ -169,6 +180,11 @@ class SwaPool:
         slots = _as_list(ids)
         with self._lock:
             self._check_open("occupy")
+            if self._tp is not None:
+                raise RuntimeError(
+                    f"{self.name}.occupy: not supported while the pool follows a TP group "
+                    "(allocator.tp); use alloc/free on every rank"
+                )
             self._occupy_locked_entry(slots, count=True)
 
     def buffer(self, layer: int, dtype: Any = None, shape: tuple[int, ...] | None = None) -> Any:
@@ -207,7 +223,7 @@ class SwaPool:
                 break
             need = n - len(taken)
             try:
-                plan = self._plan_pages(need)
+                plan = self._plan_pages(need) if self._tp is None else self._tp.plan_map(need)
             except BaseException:  # CapacityError: give back what was gathered
                 self._return_gathered(taken)
                 raise
@@ -399,8 +415,9 @@ class SwaPool:
 
     # -- follow mode ------------------------------------------------------------------------
     def _occupy_locked_entry(self, slots: list[int], *, count: bool) -> None:
-        self._validate(slots, "occupy", want_occupied=False)
         while True:
+            # (re)checked after every wait: another thread may have taken an id meanwhile
+            self._validate(slots, "occupy", want_occupied=False)
             missing = sorted(
                 {
                     p
@@ -484,7 +501,9 @@ class SwaPool:
 
     def _after_free_locked(self) -> None:
         if len(self._empty) > self.max_spare_pages:
-            if self._mapper_running():
+            if self._tp is not None:
+                self._tp_trim_locked()
+            elif self._mapper_running():
                 self._cond.notify_all()
             else:
                 self._trim_locked()
@@ -495,22 +514,27 @@ class SwaPool:
     def _trim_locked(self) -> None:
         """Unmap spare pages beyond max_spare_pages, highest page ids first (sync)."""
         while len(self._empty) > self.max_spare_pages:
-            p = next(reversed(self._empty))
-            self._begin_unmap(p)
-            t0 = time.perf_counter()
+            self._unmap_spare_locked(next(reversed(self._empty)))
+
+    def _unmap_spare_locked(self, p: int) -> None:
+        """Unmap spare page `p` now, under the lock; keep or release its handle set."""
+        self._begin_unmap(p)
+        t0 = time.perf_counter()
+        try:
+            self._pages.unmap_page(p, self._handles[p])
+        except BaseException:  # unmap_page put the page back whole
+            self._state[p] = MAPPED
+            self._busy -= 1
+            self._retier(p)
+            if p > 0:
+                self._retier(p - 1)
+            raise
+        handles = self._finish_unmap(p, time.perf_counter() - t0)
+        if handles is not None:
             try:
-                self._pages.unmap_page(p)
-            except BaseException:
-                self._state[p] = MAPPED
-                self._busy -= 1
-                self._retier(p)
-                raise
-            handles = self._finish_unmap(p, time.perf_counter() - t0)
-            if handles is not None:
-                try:
-                    self._pages.release_set(handles)
-                finally:
-                    self._released_set()
+                self._pages.release_set(handles)
+            finally:
+                self._released_set()
 
     # -- background steps (allocator.mapper runs these off the allocation path) -------------
     def background_step(self) -> bool:
@@ -573,12 +597,14 @@ class SwaPool:
     def _background_unmap(self, p: int) -> None:
         t0 = time.perf_counter()
         try:
-            self._pages.unmap_page(p)
-        except BaseException:
+            self._pages.unmap_page(p, self._handles[p])
+        except BaseException:  # unmap_page put the page back whole
             with self._lock:
                 self._state[p] = MAPPED
                 self._busy -= 1
                 self._retier(p)
+                if p > 0:
+                    self._retier(p - 1)
                 self._cond.notify_all()
             raise
         seconds = time.perf_counter() - t0
@@ -620,6 +646,68 @@ class SwaPool:
         self._live_sets -= 1
         self._observer.on_pool_event(PoolEvent.HANDLES_RELEASED, 1)
         self._cond.notify_all()
+
+    # -- tensor parallelism (driven by allocator.tp; its docstring has the protocol) -----------
+    # Under TP the pool runs no background mapper: every page change happens inside an
+    # alloc or a free, where it is a function of the operation sequence. `self._tp` is the
+    # rank's coordinator: on rank 0 it lets this pool's policy plan and sends the plan to the
+    # peers; on a peer it returns rank 0's plan instead of planning (the peer's policy is off).
+    def _tp_run(self, op: str, n: int, body: Any) -> list[int]:
+        tp = self._tp
+        tp.op_started(op, n)
+        ids: list[int] = []
+        try:
+            out = body()
+            ids = out if out is not None else []
+            return ids
+        finally:
+            tp.op_done(ids)
+
+    def _tp_free_locked(self, slots: list[int]) -> list[int]:
+        self._free_locked(slots)
+        self._after_free_locked()
+        return slots
+
+    def _tp_trim_locked(self) -> None:
+        excess = len(self._empty) - self.max_spare_pages
+        for p in self._tp.plan_unmap(excess):
+            self._unmap_spare_locked(p)
+
+    def tp_trim_plan(self, excess: int) -> list[int]:
+        """The spare pages `_trim_locked` would unmap to drop `excess` of them, in order."""
+        return list(reversed(self._empty))[:excess]
+
+    def tp_state(self) -> dict[str, int]:
+        """The figures every rank compares at an exchange (call under the pool's lock)."""
+        return {
+            "occupied_slots": self._occupied_count,
+            "mapped_pages": self._state.count(MAPPED),
+            "spare_pages": len(self._empty),
+            "live_handle_sets": self._live_sets,
+        }
+
+    def tp_config(self) -> tuple[int, ...]:
+        """What must be equal on every rank for the ranks to make the same choices."""
+        return (
+            self.layers,
+            self.page_bytes,
+            self.layout.capacity_slots,
+            self.layout.slot_bytes,
+            self.layout.slots_per_row,
+            self.layout.row_bytes,
+            self.max_spare_pages,
+            self.handle_pool_pages,
+            -1 if self.physical_budget is None else self.physical_budget,
+            -1 if self.null_slot is None else self.null_slot,
+        )
+
+    def tp_page_state(self, page: int) -> str:
+        """'unmapped', 'spare' (mapped, no occupied slot), 'used' or 'busy'."""
+        if self._state[page] == BUSY:
+            return "busy"
+        if self._state[page] == UNMAPPED:
+            return "unmapped"
+        return "spare" if page in self._empty else "used"
 
     # -- tiers ------------------------------------------------------------------------------------
     def _home(self, i: int) -> int:

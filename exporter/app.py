@@ -18,13 +18,13 @@ from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
 from exporter import debug
 from exporter.collector import registry_for
-from exporter.exposition import render
+from exporter.exposition import Renderer
 from exporter.sources import Sources
 
 DEBUG_PARAMS = ("family", "rank", "layer")
@@ -61,8 +61,25 @@ def _auth_dependency(token: str | None) -> Callable[..., None]:
     return check
 
 
-def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
-    registry = registry_for(sources)
+DebugHtml = Callable[[debug.DebugKv], str]
+
+
+def wants_html(accept: str | None) -> bool:
+    """True when a browser asks: text/html listed before application/json (or json absent)."""
+    media = [p.split(";")[0].strip().lower() for p in (accept or "").split(",")]
+    if "text/html" not in media:
+        return False
+    return "application/json" not in media or media.index("text/html") < media.index(
+        "application/json"
+    )
+
+
+def create_router(
+    sources: Sources, *, token: str | None = None, debug_html: DebugHtml | None = None
+) -> APIRouter:
+    """The routes. `debug_html`, when given, renders `/debug/kv` for a browser (Accept:
+    text/html) from the same `DebugKv` document the JSON carries."""
+    renderer = Renderer(registry_for(sources))
     router = APIRouter()
     auth = _auth_dependency(token)
 
@@ -72,8 +89,10 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
         summary="Prometheus exposition built from one snapshot per source",
         responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}},
     )
-    def metrics(request: Request) -> Response:
-        body, content_type = render(registry, request.headers.get("accept"))
+    async def metrics(request: Request) -> Response:
+        # Built in the event loop: a scrape is a millisecond or two of work, less than a
+        # hop to the thread pool and back.
+        body, content_type = renderer.render(request.headers.get("accept"))
         return Response(content=body, media_type=content_type)
 
     @router.get(
@@ -81,7 +100,11 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
         response_model=debug.DebugKv,
         summary="The ledger's snapshots: buffer map, figures, relations, reconciliation",
         dependencies=[Depends(auth)],
-        responses={400: {"model": Problem}, 401: {"model": Problem}},
+        responses={
+            200: {"content": {"text/html": {}}},
+            400: {"model": Problem},
+            401: {"model": Problem},
+        },
     )
     def debug_kv(
         request: Request,
@@ -100,7 +123,7 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
         layer: Annotated[
             int | None, Query(ge=0, le=1_000_000, description="keep one layer's buffers")
         ] = None,
-    ) -> debug.DebugKv | JSONResponse:
+    ) -> debug.DebugKv | JSONResponse | HTMLResponse:
         unknown = sorted(set(request.query_params) - set(DEBUG_PARAMS))
         if unknown:
             return _problem(
@@ -108,9 +131,12 @@ def create_router(sources: Sources, *, token: str | None = None) -> APIRouter:
                 f"unknown query parameter {unknown[0]!r}; expected one of {', '.join(DEBUG_PARAMS)}",
             )
         try:
-            return debug.build(sources.read(), family=family, rank=rank, layer=layer)
+            doc = debug.build(sources.read(), family=family, rank=rank, layer=layer)
         except debug.FilterError as e:
             return _problem(e.param, str(e))
+        if debug_html is not None and wants_html(request.headers.get("accept")):
+            return HTMLResponse(debug_html(doc))
+        return doc
 
     @router.get("/healthz", response_model=Health, summary="The exporter process is serving")
     def healthz() -> Health:
@@ -140,12 +166,18 @@ def _problem(param: str, detail: str) -> JSONResponse:
     return JSONResponse(status_code=400, content=Problem(detail=detail, param=param).model_dump())
 
 
-def create_app(sources: Sources, *, token: str | None = None, title: str = "kvledger") -> FastAPI:
+def create_app(
+    sources: Sources,
+    *,
+    token: str | None = None,
+    title: str = "kvledger",
+    debug_html: DebugHtml | None = None,
+) -> FastAPI:
     app = FastAPI(
         title=title,
         summary="KV-cache memory accounting: tensor, reserved, physical and occupied bytes "
         "per buffer family",
     )
-    app.include_router(create_router(sources, token=token))
+    app.include_router(create_router(sources, token=token, debug_html=debug_html))
     app.state.sources = sources
     return app

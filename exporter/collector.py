@@ -15,17 +15,19 @@ published last provides the engine series.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from accounting.buffers import Owner
 from accounting.figures import FIGURES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from exporter import metrics as m
-from exporter.sources import Sources, SourceView
+from exporter.sources import Published, Sources, SourceView
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -70,68 +72,115 @@ class _Families:
     def add(
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
-        spec = m.METRIC[name]
-        self._by_name[name].add_sample(sample or spec.name, labels, float(value))
+        self._by_name[name].samples.append(
+            Sample(sample or m.METRIC[name].name, labels, float(value), None, None)
+        )
+
+    def extend(self, series: dict[str, list[Sample]]) -> None:
+        for name, samples in series.items():
+            self._by_name[name].samples.extend(samples)
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._by_name.values())
 
 
+class _Series(_Families):
+    """Samples of one source's engine series, kept while its snapshot is unchanged."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, list[Sample]] = {}
+
+    def add(
+        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
+    ) -> None:
+        self.by_name.setdefault(name, []).append(
+            Sample(sample or m.METRIC[name].name, labels, float(value), None, None)
+        )
+
+
+EngineCache = dict[str, tuple[Published, dict[str, list[Sample]]]]
+
+
 class KvLedgerCollector(Collector):
     def __init__(self, sources: Sources) -> None:
         self.sources = sources
+        self._cache: EngineCache = {}
+        self._lock = threading.Lock()
 
     def describe(self) -> list[Metric]:
         return []  # built at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        return iter(build_families(self.sources.read(), unreadable=len(self.sources.unreadable)))
+        views = self.sources.read()
+        with self._lock:
+            families = build_families(
+                views, unreadable=len(self.sources.unreadable), cache=self._cache
+            )
+        return iter(families)
 
 
-def build_families(views: Sequence[SourceView], *, unreadable: int = 0) -> list[Metric]:
+def build_families(
+    views: Sequence[SourceView], *, unreadable: int = 0, cache: EngineCache | None = None
+) -> list[Metric]:
+    """Every metric family from `views`. With `cache`, a source's engine series are built
+    once per published snapshot and reused while it is unchanged."""
     fam = _Families()
     for v in views:
         service = {**engine_labels(v.labels), "source": v.source}
         fam.add("kvledger_up", service, 1 if v.up else 0)
         fam.add("kvledger_snapshot_age_seconds", service, v.age_seconds)
-        fam.add("kvledger_snapshot_epoch", service, v.snapshot.epoch)
+        fam.add("kvledger_snapshot_epoch", service, v.published.epoch)
         fam.add("kvledger_publish_interval_seconds", service, v.published.interval)
-    for v in live_by_engine(views):
-        _add_engine_series(fam, v)
+    live = live_by_engine(views)
+    for v in live:
+        hit = cache.get(v.source) if cache is not None else None
+        if hit is not None and hit[0] is v.published:
+            series = hit[1]
+        else:
+            built = _Series()
+            _add_engine_series(built, v)
+            series = built.by_name
+            if cache is not None:
+                cache[v.source] = (v.published, series)
+        fam.extend(series)
+    if cache is not None:
+        for source in set(cache) - {v.source for v in live}:
+            del cache[source]
     fam.add("kvledger_sources_unreadable", {}, unreadable)
     return list(fam)
 
 
 def _add_engine_series(fam: _Families, v: SourceView) -> None:
-    snap = v.snapshot
+    """The engine series of one live source, from its snapshot summary (no buffer rows)."""
+    d = v.summary
     eng = engine_labels(v.labels)
-    fam.add(m.HEADLINE, eng, snap.total("physical_bytes") / GIB)
-    for (family, owner), figures in sorted(snap.rollup("family", "owner").items()):
-        labels = {**eng, "family": family, "owner": owner}
+    fam.add(m.HEADLINE, eng, d["totals"]["physical_bytes"] / GIB)
+    for row in sorted(d["families"], key=lambda r: (r["family"], r["owner"])):
+        labels = {**eng, "family": row["family"], "owner": row["owner"]}
         for f in FIGURES:
-            fam.add(m.figure_metric(f.name), labels, figures[f.name])
-    fam.add("kvledger_relation_violations", eng, len(snap.violations))
-    for r in snap.reconciliation:
+            fam.add(m.figure_metric(f.name), labels, row[f.name])
+    fam.add("kvledger_relation_violations", eng, len(d["violations"]))
+    for r in d["reconciliation"]:
         labels = {**eng, "truth": str(r.get("source", "unknown"))}
         available = bool(r.get("available")) and r.get("device_bytes") is not None
         fam.add("kvledger_truth_available", labels, 1 if available else 0)
         if available:
             fam.add("kvledger_truth_bytes", labels, float(r["device_bytes"]))
             fam.add("kvledger_unattributed_bytes", labels, float(r["unattributed_bytes"]))
-    for acc in snap.accounts:
-        labels = {**eng, "family": acc.family, "pool": acc.pool}
-        fam.add("kvledger_peak_occupied_slots", labels, acc.peak_occupied_slots)
-        if acc.owner is not Owner.VMM:
+    for acc in d["accounts"]:
+        labels = {**eng, "family": acc["family"], "pool": acc["pool"]}
+        fam.add("kvledger_peak_occupied_slots", labels, acc["peak_occupied_slots"])
+        if acc["owner"] != Owner.VMM.value:
             continue
-        fam.add("kvledger_pages_mapped_total", labels, acc.pages_mapped_total)
-        fam.add("kvledger_pages_unmapped_total", labels, acc.pages_unmapped_total)
-        fam.add("kvledger_map_calls_total", labels, acc.map_calls)
-        fam.add("kvledger_map_seconds_total", labels, acc.map_seconds_total)
-        fam.add("kvledger_unmap_seconds_total", labels, acc.unmap_seconds_total)
-        fam.add("kvledger_handle_pages", labels, acc.handle_pages)
-        fam.add("kvledger_mapped_pages", labels, acc.mapped_pages)
-        fam.add("kvledger_peak_handle_pages", labels, acc.peak_handle_pages)
-        _add_histogram(fam, "kvledger_map_page_seconds", labels, acc.map_bucket_counts)
+        fam.add("kvledger_pages_mapped_total", labels, acc["pages_mapped_total"])
+        fam.add("kvledger_pages_unmapped_total", labels, acc["pages_unmapped_total"])
+        fam.add("kvledger_map_calls_total", labels, acc["map_calls"])
+        fam.add("kvledger_map_seconds_total", labels, acc["map_seconds_total"])
+        fam.add("kvledger_unmap_seconds_total", labels, acc["unmap_seconds_total"])
+        fam.add("kvledger_handle_pages", labels, acc["handle_pages"])
+        fam.add("kvledger_mapped_pages", labels, acc["mapped_pages"])
+        fam.add("kvledger_peak_handle_pages", labels, acc["peak_handle_pages"])
+        _add_histogram(fam, "kvledger_map_page_seconds", labels, acc["map_bucket_counts"])
 
 
 def _add_histogram(
@@ -147,7 +196,8 @@ def _add_histogram(
         running += c
         le = floatToGoString(bound)
         fam.add(name, {**labels, "le": le}, running, sample=f"{name}_bucket")
-    fam.add(name, labels, running, sample=f"{name}_count")
+    # No _count (the +Inf bucket is the count) and no _sum (the ledger keeps no sum of the
+    # per-page observations): OpenMetrics allows neither without the other.
 
 
 def registry_for(sources: Sources) -> CollectorRegistry:

@@ -62,8 +62,8 @@ class MetricSpec:
     @property
     def sample_names(self) -> tuple[str, ...]:
         """Series names this metric produces in Prometheus."""
-        if self.type == "histogram":
-            return (f"{self.name}_bucket", f"{self.name}_count")
+        if self.type == "histogram":  # buckets only: see exporter.collector._add_histogram
+            return (f"{self.name}_bucket",)
         return (self.name,)
 
 
@@ -205,7 +205,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "Seconds per page id of each map operation (its time divided by the page ids it "
         "mapped), one observation per operation; buckets "
         + ", ".join(f"{b:g}" for b in MAP_SECONDS_BUCKETS)
-        + " s. No _sum: use kvledger_map_seconds_total.",
+        + " s. Buckets only: the +Inf bucket is the count of map operations; for the mean use "
+        "kvledger_map_seconds_total / kvledger_pages_mapped_total.",
         _ACCOUNT,
     ),
     MetricSpec(
@@ -249,3 +250,20 @@ if len(METRIC) != len(METRICS):  # pragma: no cover - a table edit gone wrong
 def series_names() -> frozenset[str]:
     """Every series name Prometheus can store from this exporter."""
     return frozenset(n for m in METRICS for n in m.sample_names)
+
+
+def markdown_table() -> str:
+    """The metric table as Markdown (docs/metrics.md embeds it; a test keeps them equal)."""
+    rows = ["| metric | type | labels | help |", "|---|---|---|---|"]
+    for s in METRICS:
+        labels = [*ENGINE_LABELS, "[dp_rank]"] if s.engine else []
+        labels += list(s.labels)
+        if s.type == "histogram":
+            labels.append("le")
+        shown = ", ".join(f"`{x}`" for x in labels) or "(none)"
+        rows.append(f"| `{s.name}` | {s.type} | {shown} | {s.help.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -5,7 +5,8 @@ it is up, and how old it is. Files are written whole and renamed into place by
 `accounting.publisher`, so a file read here is never torn. A parsed file is cached
 by its identity (device, inode, size, mtime), so a read costs a directory scan and
 one `stat` per source; a file is parsed again only after its publisher replaced
-it, and parsing costs O(buffers), never O(slots).
+it, and then only its first line (O(families + accounts)); the buffer rows are
+parsed when the debug endpoint asks for them. Nothing costs O(slots).
 
 A source is stale (`up` False) when its publisher stopped without closing: its
 heartbeat (`published_at`) is older than the bound, or, on this host, its pid is
@@ -15,18 +16,17 @@ listed, its age growing, until its file is removed; the others are not affected.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.ledger import Ledger
-from accounting.publisher import ENVELOPE_SCHEMA, SUFFIX, proc_stat, source_id
+from accounting.publisher import SUFFIX, parse, proc_stat, snapshot_of, source_id
 from accounting.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,11 @@ STALE_GRACE_S = 1.0
 
 @dataclass(frozen=True)
 class Published:
-    """One source's latest snapshot with its publisher's heartbeat."""
+    """One source's latest snapshot with its publisher's heartbeat.
+
+    `summary` is `Snapshot.to_dict()` without the buffer rows: all a scrape reads.
+    `snapshot` (the whole Snapshot, buffer rows included) is built on first use.
+    """
 
     source: str
     pid: int | None
@@ -48,25 +52,70 @@ class Published:
     interval: float  # 0 for an in-process ledger (read at scrape time)
     published_at: float
     sequence: int
-    snapshot: Snapshot
+    summary: dict[str, Any]
     path: str | None = None
+    _rows: bytes | None = field(default=None, repr=False, compare=False)
+    _lazy: dict[str, Snapshot] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_envelope(cls, d: dict[str, Any], path: str | None = None) -> Published:
-        if not isinstance(d, dict) or d.get("kvledger_publish") != ENVELOPE_SCHEMA:
-            got = d.get("kvledger_publish") if isinstance(d, dict) else type(d).__name__
-            raise ValueError(f"kvledger_publish={got!r}, expected {ENVELOPE_SCHEMA}")
+    def from_file_bytes(cls, data: bytes, path: str | None = None) -> Published:
+        envelope, rows = parse(data)
+        summary = envelope["snapshot"]
+        for key in ("epoch", "taken_at", "labels", "totals", "families", "accounts"):
+            if key not in summary:
+                raise ValueError(f"snapshot lacks {key!r}")
         return cls(
-            source=str(d["source"]),
-            pid=d.get("pid"),
-            host=d.get("host"),
-            process_start=d.get("process_start"),
-            interval=float(d["interval"]),
-            published_at=float(d["published_at"]),
-            sequence=int(d["sequence"]),
-            snapshot=Snapshot.from_dict(d["snapshot"]),
+            source=str(envelope["source"]),
+            pid=envelope.get("pid"),
+            host=envelope.get("host"),
+            process_start=envelope.get("process_start"),
+            interval=float(envelope["interval"]),
+            published_at=float(envelope["published_at"]),
+            sequence=int(envelope["sequence"]),
+            summary=summary,
             path=path,
+            _rows=rows,
         )
+
+    @classmethod
+    def from_snapshot(
+        cls, snap: Snapshot, *, source: str, pid: int, host: str, sequence: int
+    ) -> Published:
+        summary = snap.to_dict()
+        del summary["buffers"]
+        p = cls(
+            source=source,
+            pid=pid,
+            host=host,
+            process_start=None,
+            interval=0.0,
+            published_at=snap.taken_at,
+            sequence=sequence,
+            summary=summary,
+        )
+        p._lazy["snapshot"] = snap
+        return p
+
+    @property
+    def snapshot(self) -> Snapshot:
+        snap = self._lazy.get("snapshot")
+        if snap is None:
+            assert self._rows is not None
+            snap = snapshot_of({"snapshot": self.summary}, self._rows)
+            self._lazy["snapshot"] = snap
+        return snap
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self.summary["labels"])
+
+    @property
+    def epoch(self) -> int:
+        return int(self.summary["epoch"])
+
+    @property
+    def taken_at(self) -> float:
+        return float(self.summary["taken_at"])
 
 
 @dataclass(frozen=True)
@@ -89,7 +138,11 @@ class SourceView:
 
     @property
     def labels(self) -> dict[str, str]:
-        return self.published.snapshot.labels
+        return dict(self.published.summary["labels"])
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.published.summary
 
 
 class Sources:
@@ -98,6 +151,8 @@ class Sources:
 
     `stale_after`: seconds a heartbeat may age before its source is stale; None means
     STALE_INTERVALS publish intervals plus STALE_GRACE_S, per source.
+    `forget_after`: seconds after which a stale source is no longer listed (its file is
+    left alone); None keeps listing it while its file exists.
     """
 
     def __init__(
@@ -105,12 +160,17 @@ class Sources:
         directory: str | os.PathLike[str] | None = None,
         *,
         stale_after: float | None = None,
+        forget_after: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if stale_after is not None and not stale_after > 0:
-            raise ValueError(f"Sources: stale_after={stale_after!r}, expected a positive number")
+        for name, value in (("stale_after", stale_after), ("forget_after", forget_after)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(
+                    f"Sources: {name}={value!r}, expected a positive number of seconds"
+                )
         self.directory = os.fspath(directory) if directory is not None else None
         self.stale_after = stale_after
+        self.forget_after = forget_after
         self._clock = clock
         self._host = socket.gethostname()
         self._lock = threading.Lock()
@@ -138,22 +198,18 @@ class Sources:
         """Every source's latest snapshot, sorted by source id."""
         with self._lock:
             published = self._scan() if self.directory is not None else []
-            now = self._clock()
             for name, ledger in self._ledgers.items():
+                snap = ledger.snapshot()
                 published.append(
-                    Published(
-                        source=name,
-                        pid=os.getpid(),
-                        host=self._host,
-                        process_start=None,
-                        interval=0.0,
-                        published_at=now,
-                        sequence=ledger.epoch,
-                        snapshot=ledger.snapshot(),
+                    Published.from_snapshot(
+                        snap, source=name, pid=os.getpid(), host=self._host, sequence=snap.epoch
                     )
                 )
             now = self._clock()
             views = [self._view(p, now) for p in published]
+        if self.forget_after is not None:
+            limit = self.forget_after
+            views = [v for v in views if v.up or v.heartbeat_age_seconds <= limit]
         views.sort(key=lambda v: v.source)
         return views
 
@@ -201,7 +257,7 @@ class Sources:
             return None
         self.parses += 1
         try:
-            published = Published.from_envelope(json.loads(data), path)
+            published = Published.from_file_bytes(data, path)
         except (ValueError, KeyError, TypeError) as e:
             self._unreadable(path, f"not a kvledger snapshot: {type(e).__name__}: {e}")
             return None
@@ -216,7 +272,7 @@ class Sources:
     # -- liveness -----------------------------------------------------------------------------
     def _view(self, p: Published, now: float) -> SourceView:
         heartbeat_age = max(0.0, now - p.published_at)
-        age = max(0.0, now - p.snapshot.taken_at)
+        age = max(0.0, now - p.taken_at)
         reason = None
         if p.interval > 0:  # a published file (in-process ledgers are read live)
             bound = (

@@ -87,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds before a silent source is stale (default: 3 publish intervals + 1 s)",
     )
     net.add_argument(
+        "--forget-after",
+        type=_positive(float),
+        default=3600.0,
+        help="seconds after which a stale source is no longer listed (default 3600)",
+    )
+    net.add_argument(
         "--log-interval", type=_positive(float), default=10.0, help="seconds between log lines"
     )
     src = p.add_argument_group("embedded demo source")
@@ -130,6 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from exporter import html
     from exporter.app import create_app
     from exporter.sources import Sources
     from kvledger import demo as demo_mod
@@ -169,8 +176,10 @@ def run(args: argparse.Namespace) -> int:
                 )
             except (ValueError, OSError) as e:
                 raise UsageError(str(e)) from e
-        sources = Sources(snapshot_dir, stale_after=args.stale_after)
-        app = create_app(sources, token=args.token)
+        sources = Sources(
+            snapshot_dir, stale_after=args.stale_after, forget_after=args.forget_after
+        )
+        app = create_app(sources, token=args.token, debug_html=html.page)
         server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         )

@@ -8,14 +8,23 @@ import time
 import pytest
 
 from accounting.ledger import Ledger
-from accounting.publisher import ENVELOPE_SCHEMA, Publisher, proc_stat, source_id
+from accounting.publisher import (
+    ENVELOPE_SCHEMA,
+    Publisher,
+    parse,
+    proc_stat,
+    snapshot_of,
+    source_id,
+)
 from accounting.snapshot import Snapshot
 from tests.ledgers import small_ledger
 
 
 def _read(path: str) -> dict:
+    """The envelope with the whole snapshot dict, buffer rows included."""
     with open(path, "rb") as f:
-        return json.loads(f.read())
+        envelope, rows = parse(f.read())
+    return {**envelope, "snapshot": snapshot_of(envelope, rows).to_dict()}
 
 
 def test_publishes_envelope_with_heartbeat_and_removes_file_on_close(tmp_path):
@@ -116,6 +125,16 @@ def test_bad_interval_is_refused_naming_it(tmp_path, interval):
         Publisher(Ledger(), tmp_path, interval=interval)
 
 
+def test_directory_removed_under_the_publisher_is_recreated(tmp_path):
+    import shutil
+
+    d = tmp_path / "snap"
+    with Publisher(Ledger({"tp_rank": "0"}), d, interval=1000) as pub:
+        shutil.rmtree(d)
+        pub.publish()
+        assert os.path.exists(pub.path)
+
+
 def test_bad_source_is_refused(tmp_path):
     with pytest.raises(ValueError, match="source"):
         Publisher(Ledger(), tmp_path, source="../escape")
@@ -125,6 +144,23 @@ def test_source_id_is_file_safe_and_ordered():
     labels = {"model_name": "deepseek/V4 Flash", "tp_rank": "1", "pp_rank": "0", "dp_rank": "2"}
     assert source_id(labels, 7) == "deepseek_V4_Flash-dp2-pp0-tp1-pid7"
     assert source_id({}, 7) == "pid7"
+
+
+def test_file_is_envelope_line_then_buffer_rows(tmp_path):
+    with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
+        pub.publish()
+        with open(pub.path, "rb") as f:
+            head, rows = f.read().split(b"\n")
+        envelope = json.loads(head)
+        assert "buffers" not in envelope["snapshot"]
+        assert {"totals", "families", "accounts", "violations"} <= set(envelope["snapshot"])
+        assert [b["name"] for b in json.loads(rows)] == [
+            b.spec.name for b in sl.ledger.snapshot().buffers
+        ]
+    with pytest.raises(ValueError, match="one line"):
+        parse(b'{"kvledger_publish": 1}')
+    with pytest.raises(ValueError, match="kvledger_publish"):
+        parse(b'{"kvledger_publish": 99}\n[]')
 
 
 def test_proc_stat_of_a_missing_pid_is_none():

@@ -185,3 +185,24 @@ def test_openapi_documents_the_debug_schema(small):
     params = {p["name"] for p in schema["paths"]["/debug/kv"]["get"]["parameters"]}
     assert params == {"family", "rank", "layer"}
     assert "SourceModel" in comps and "BufferModel" in comps
+
+
+def test_debug_html_hook_serves_browsers_the_same_document(small):
+    src = Sources()
+    src.add_ledger(small.ledger)
+    seen = []
+
+    def page(doc) -> str:
+        seen.append(doc)
+        return f"<html><body>{doc.sources[0].epoch}</body></html>"
+
+    client = TestClient(create_app(src, debug_html=page))
+    browser = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
+    r = client.get("/debug/kv", headers={"accept": browser})
+    assert r.headers["content-type"].startswith("text/html")
+    assert str(seen[0].sources[0].epoch) in r.text
+    assert client.get("/debug/kv", headers={"accept": "application/json"}).json()["sources"]
+    assert client.get("/debug/kv").json()["sources"]
+    # without the hook a browser gets the JSON
+    r = TestClient(create_app(src)).get("/debug/kv", headers={"accept": browser})
+    assert r.headers["content-type"].startswith("application/json")

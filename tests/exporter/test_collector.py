@@ -6,7 +6,7 @@ from accounting.figures import FIGURES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from exporter import metrics as m
 from exporter.collector import GIB, build_families, engine_labels, registry_for
-from exporter.sources import Sources
+from exporter.sources import Published, Sources
 from tests.ledgers import small_ledger
 
 ENG = {
@@ -42,7 +42,7 @@ def test_values_come_from_the_snapshot():
         acc = next(a for a in snap.accounts if a.family == "swa_kv")
         assert reg.get_sample_value("kvledger_pages_mapped_total", swa) == acc.pages_mapped_total
         assert reg.get_sample_value("kvledger_handle_pages", swa) == acc.handle_pages > 0
-        assert reg.get_sample_value("kvledger_map_page_seconds_count", swa) == acc.map_calls
+        assert reg.get_sample_value("kvledger_map_calls_total", swa) == acc.map_calls
         assert (
             reg.get_sample_value("kvledger_map_page_seconds_bucket", {**swa, "le": "+Inf"})
             == acc.map_calls
@@ -73,9 +73,8 @@ def test_histogram_buckets_are_cumulative():
             view.snapshot,
             accounts=tuple(fake if a is acc else a for a in view.snapshot.accounts),
         )
-        view = dataclasses.replace(
-            view, published=dataclasses.replace(view.published, snapshot=snap)
-        )
+        published = Published.from_snapshot(snap, source="s", pid=1, host="h", sequence=1)
+        view = dataclasses.replace(view, published=published)
         samples = [
             (lab["le"], v)
             for name, lab, v in _samples(build_families([view]))

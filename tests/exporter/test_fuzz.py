@@ -19,16 +19,20 @@ from exporter.app import create_app  # noqa: E402
 from exporter.sources import Sources  # noqa: E402
 from tests.ledgers import small_ledger  # noqa: E402
 
-_ledger = small_ledger({"model_name": "fuzz", "tp_rank": "0"})
-_ledger.allocate(300)
+# The apps exist at import (schemathesis reads the schema then); the ledger they serve is
+# built for this module's tests only and closed after them.
 _sources = Sources()
-_sources.add_ledger(_ledger.ledger)
 APP = create_app(_sources, token=None)
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 
-def teardown_module() -> None:
-    _ledger.close()
+@pytest.fixture(scope="module", autouse=True)
+def served_ledger():
+    with small_ledger({"model_name": "fuzz", "tp_rank": "0"}) as sl:
+        sl.allocate(300)
+        name = _sources.add_ledger(sl.ledger)
+        yield sl
+        _sources.remove_ledger(name)
 
 
 @schema.parametrize()

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from accounting.publisher import Publisher
+from accounting.publisher import Publisher, parse
 from exporter.sources import Sources
 from tests.ledgers import small_ledger
 
@@ -27,6 +27,7 @@ def test_reads_published_files_and_caches_by_file_identity(tmp_path):
             pub.publish()
             [v] = src.read()
             assert src.parses == 2
+            assert v.summary["totals"]["occupied_slots"] == 10
             assert v.snapshot.rollup("family")[("swa_kv",)]["occupied_slots"] == 10
         assert src.read() == []  # closed publisher: its file and its source are gone
 
@@ -47,7 +48,7 @@ def test_old_heartbeat_marks_stale_with_reason(tmp_path):
     now = [1000.0]
     with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
         pub.publish()
-        d = json.loads(Path(pub.path).read_bytes())
+        d, _ = parse(Path(pub.path).read_bytes())
         src = Sources(tmp_path, stale_after=5, clock=lambda: now[0])
         now[0] = d["published_at"] + 4
         [v] = src.read()
@@ -59,15 +60,29 @@ def test_old_heartbeat_marks_stale_with_reason(tmp_path):
         assert v.age_seconds >= 6
 
 
+def test_stale_sources_are_forgotten_after_the_bound(tmp_path):
+    now = [0.0]
+    with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
+        pub.publish()
+        d, _ = parse(Path(pub.path).read_bytes())
+        src = Sources(tmp_path, stale_after=5, forget_after=60, clock=lambda: now[0])
+        now[0] = d["published_at"] + 30
+        [v] = src.read()
+        assert not v.up
+        now[0] = d["published_at"] + 61
+        assert src.read() == []
+        assert os.path.exists(pub.path)  # forgotten, not deleted
+
+
 def test_dead_pid_marks_stale_at_once(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
         pub.publish()
-        d = json.loads(Path(pub.path).read_bytes())
+        d, rows = parse(Path(pub.path).read_bytes())
         d["pid"] = child.pid
         d["source"] = "dead"
-        (tmp_path / "dead.json").write_text(json.dumps(d))
+        (tmp_path / "dead.json").write_bytes(json.dumps(d).encode() + b"\n" + rows)
         views = {v.source: v for v in Sources(tmp_path).read()}
         assert views[pub.source].up
         assert not views["dead"].up
@@ -77,10 +92,10 @@ def test_dead_pid_marks_stale_at_once(tmp_path):
 def test_reused_pid_marks_stale(tmp_path):
     with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
         pub.publish()
-        d = json.loads(Path(pub.path).read_bytes())
+        d, rows = parse(Path(pub.path).read_bytes())
         d["process_start"] -= 1  # same pid, another process
         d["source"] = "reused"
-        (tmp_path / "reused.json").write_text(json.dumps(d))
+        (tmp_path / "reused.json").write_bytes(json.dumps(d).encode() + b"\n" + rows)
         views = {v.source: v for v in Sources(tmp_path).read()}
         assert "another process" in views["reused"].stale_reason
 

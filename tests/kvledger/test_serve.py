@@ -130,6 +130,22 @@ def test_sigterm_is_clean_too(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_busy_port_exits_2_naming_it(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _serve("--port", str(port), "--snapshot-dir", str(tmp_path))
+        try:
+            _, err = proc.communicate(timeout=30)
+        finally:
+            stop(proc)
+    assert proc.returncode == 2, err
+    assert f"--port {port}" in err and "cannot bind" in err
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

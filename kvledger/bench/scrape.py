@@ -1,0 +1,437 @@
+"""`kvledger bench scrape`: what the exporter costs, measured side by side in one run.
+
+1. Scrape latency, 8 ranks x 43 layers x 7 families (DeepSeek-V4-Flash buffer maps, one
+   published snapshot file per rank): the exposition built in-process (collector +
+   text rendering), and a full `GET /metrics` over loopback from `kvledger serve
+   --no-demo` in its own process (uvicorn; the exporter as deployed); once with every
+   file unchanged since the last scrape (cache hits) and once with every rank
+   republished before each scrape (8 files parsed again). Wall-clock and CPU: this
+   process's per scrape, and the exporter process's mean from /proc.
+2. Allocation-path overhead of accounting plus publishing: the same SWA pool
+   geometry on the host backend, one pool with no observer and one whose observer
+   is its ledger `Account` while a `Publisher` snapshots that ledger every
+   `--publish-interval`; decode-like steps (alloc a batch, free the previous one) on
+   pages already mapped, the two pools alternating round by round (a publisher is
+   started and closed with each accounted round, so only those rounds pay for it).
+   Ratio = mean step time with accounting and publishing / without - 1; every
+   snapshot published during the accounted rounds is inside the measured time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from accounting.buffers import Owner
+from accounting.dsv4 import Knobs, load_config, plan
+from accounting.events import PoolEvent
+from accounting.ledger import Ledger
+from accounting.publisher import Publisher
+from allocator import HostBackend, SlotLayout, SwaPool
+
+GIB = 1 << 30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--budget", default="80GiB", help="per-rank KV budget for the buffer maps")
+    p.add_argument("--scrapes", type=int, default=300, help="scrapes per scrape measurement")
+    p.add_argument(
+        "--batch",
+        type=_batches,
+        default=(256, 16, 1),
+        help="slots per decode step (one per running request), comma-separated (default 256,16,1)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="decode steps per round (default: about 0.5 M slots per round, at least 2000)",
+    )
+    p.add_argument("--rounds", type=int, default=10, help="rounds per pool, alternating")
+    p.add_argument(
+        "--publish-interval",
+        type=float,
+        default=1.0,
+        help="publisher interval during the overhead run (default 1 s, the Publisher default)",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON too")
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes like 256,16,1") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected batch sizes >= 1")
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def _summary(seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in seconds]
+    return {"p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "max_ms": max(ms), "n": len(ms)}
+
+
+# -- 1. scrape latency -------------------------------------------------------------------------
+def rank_ledger(rank: int, budget: int) -> Ledger:
+    """A DeepSeek-V4-Flash-shaped ledger for one rank with every figure non-zero."""
+    from kvledger.demo import default_config_path
+
+    shape = load_config(default_config_path())
+    bm = plan(shape, Knobs(), budget_bytes=budget)
+    ledger = Ledger({"model_name": "deepseek-v4-flash", "tp_rank": str(rank)})
+    by_family: dict[str, list[Any]] = {}
+    for s in bm.specs(pool="dsv4", owner_of={"swa_kv": Owner.VMM}):
+        by_family.setdefault(s.family, []).append(s)
+    for family, specs in by_family.items():
+        vmm = family == "swa_kv"
+        acc = ledger.add_account(specs, page_bytes=2 << 20 if vmm else 0)
+        if vmm:
+            acc.on_pool_event(PoolEvent.HANDLES_CREATED, 12)
+            for _ in range(12):
+                acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1, 0.0016)
+            acc.on_pool_event(PoolEvent.PAGES_UNMAPPED, 2, 0.001)
+        acc.occupy(min(acc.capacity_slots, 1000 + rank))
+    return ledger
+
+
+class _ExporterProcess:
+    """`kvledger serve --no-demo` over the snapshot directory, in its own process, as deployed."""
+
+    def __init__(self, directory: str) -> None:
+        import subprocess
+        import sys
+
+        import kvledger
+
+        # The child imports the same kvledger as this process, installed or not.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(kvledger.__file__)))
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvledger",
+                "serve",
+                "--no-demo",
+                "--port",
+                "0",
+                "--snapshot-dir",
+                directory,
+                "--log-interval",
+                "3600",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("kvledger serve: http://"):
+            self.close()
+            raise RuntimeError(f"exporter process did not start: {line!r}")
+        self.url = line.split()[2].removesuffix("/metrics")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the exporter process so far (clock-tick resolution)."""
+        with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> _ExporterProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
+    import httpx
+
+    from exporter.collector import registry_for
+    from exporter.exposition import Renderer
+    from exporter.sources import Sources
+
+    with contextlib.ExitStack() as stack:
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-"))
+        ledgers = [rank_ledger(r, budget) for r in range(ranks)]
+        pubs = [
+            stack.enter_context(Publisher(led, directory, interval=3600, source=f"rank{r}"))
+            for r, led in enumerate(ledgers)
+        ]
+        for pub in pubs:
+            pub.publish()
+        sources = Sources(directory)
+        renderer = Renderer(registry_for(sources))
+        accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+        body, _ = renderer.render(accept)
+        series = sum(1 for line in body.decode().splitlines() if line and line[0] != "#")
+        buffers = sum(len(p.last_snapshot.buffers) for p in pubs if p.last_snapshot)
+
+        def timed(
+            fn: Callable[[], Any], before: Callable[[], None] | None = None
+        ) -> dict[str, float]:
+            """Wall-clock and CPU of this process per scrape (for HTTP: the client's)."""
+            wall, cpu = [], []
+            for _ in range(scrapes):
+                if before is not None:
+                    before()
+                c0, t0 = time.process_time(), time.perf_counter()
+                fn()
+                wall.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+            out = _summary(wall)
+            out.update({f"cpu_{k}": v for k, v in _summary(cpu).items() if k != "n"})
+            return out
+
+        def republish() -> None:
+            for pub in pubs:
+                pub.publish()
+
+        for _ in range(20):  # warm up
+            renderer.render(accept)
+        results: dict[str, Any] = {
+            "ranks": ranks,
+            "buffers": buffers,
+            "series": series,
+            "exposition_bytes": len(body),
+        }
+        results["in_process_cached"] = timed(lambda: renderer.render(accept))
+        parses = sources.parses
+        results["in_process_republished"] = timed(lambda: renderer.render(accept), republish)
+        results["files_parsed_per_republished_scrape"] = (sources.parses - parses) / scrapes
+
+        server = stack.enter_context(_ExporterProcess(directory))
+        client = stack.enter_context(httpx.Client(headers={"accept": accept}))
+        for _ in range(20):  # warm up
+            client.get(f"{server.url}/metrics").raise_for_status()
+
+        def get() -> None:
+            r = client.get(f"{server.url}/metrics")
+            r.raise_for_status()
+
+        for key, before in (("http_cached", None), ("http_republished", republish)):
+            c0 = server.cpu_seconds()
+            results[key] = timed(get, before)
+            results[key]["server_cpu_mean_ms"] = (server.cpu_seconds() - c0) / scrapes * 1000
+    return results
+
+
+# -- 2. allocation-path overhead ------------------------------------------------------------------
+def swa_layout(full_tokens: int) -> tuple[int, SlotLayout]:
+    from kvledger.demo import default_config_path
+
+    bm = plan(load_config(default_config_path()), Knobs(), full_tokens=full_tokens)
+    first = bm.family_buffers("swa_kv")[0]
+    layers = len(bm.family_buffers("swa_kv"))
+    return layers, SlotLayout(
+        capacity_slots=first.capacity_slots,
+        slot_bytes=first.slot_bytes,
+        page_bytes=2 << 20,
+        slots_per_row=first.slots_per_row,
+        row_bytes=first.row_bytes,
+    )
+
+
+def bench_overhead(
+    *, batch: int, steps: int, rounds: int, publish_interval: float
+) -> dict[str, Any]:
+    # A pool big enough for two batches on a few pages: 3 pages of 2 MiB per layer.
+    layers, full = swa_layout(1 << 18)
+    layout = SlotLayout(
+        capacity_slots=min(
+            full.capacity_slots, 3 * (2 << 20) // full.row_bytes * full.slots_per_row
+        ),
+        slot_bytes=full.slot_bytes,
+        page_bytes=full.page_bytes,
+        slots_per_row=full.slots_per_row,
+        row_bytes=full.row_bytes,
+    )
+    if layout.capacity_slots < 2 * batch + 1:
+        raise ValueError(f"--batch {batch}: expected at most {(layout.capacity_slots - 1) // 2}")
+    with contextlib.ExitStack() as stack:
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-"))
+        backend = stack.enter_context(HostBackend())
+        keep = layout.num_pages  # every page stays mapped: the hot path only
+        bare = stack.enter_context(
+            SwaPool(backend, layers=layers, layout=layout, max_spare_pages=keep, name="bare")
+        )
+        ledger = Ledger({"model_name": "bench", "tp_rank": "0"})
+        from accounting.buffers import BufferSpec
+
+        specs = [
+            BufferSpec(
+                name=f"swa_kv.L{i}",
+                family="swa_kv",
+                pool="swa",
+                owner=Owner.VMM,
+                layer=i,
+                dtype="uint8",
+                shape=(layout.rows, layout.row_bytes),
+                slot_bytes=layout.slot_bytes,
+                capacity_slots=layout.capacity_slots,
+                tensor_bytes=layout.buffer_bytes,
+                reserved_bytes=layout.reserved_bytes,
+            )
+            for i in range(layers)
+        ]
+        account = ledger.add_account(
+            specs, page_bytes=layout.page_bytes, capacity_slots=layout.capacity_slots - 1
+        )
+        accounted = stack.enter_context(
+            SwaPool(
+                backend,
+                layers=layers,
+                layout=layout,
+                max_spare_pages=keep,
+                observer=account,
+                name="accounted",
+            )
+        )
+        for pool in (bare, accounted):  # map every page once, off the clock
+            pool.free(pool.alloc(pool.capacity_slots))
+
+        def round_of(pool: SwaPool) -> float:
+            """Seconds per step of one round. The accounted pool's round runs with its ledger
+            published every `publish_interval` (a publisher started with the round, so the
+            bare pool's rounds pay nothing for it)."""
+            publisher = (
+                Publisher(ledger, directory, interval=publish_interval, source="bench")
+                if pool is accounted
+                else None
+            )
+            try:
+                held = pool.alloc(batch)
+                c0, t0 = time.process_time(), time.perf_counter()
+                for _ in range(steps):
+                    nxt = pool.alloc(batch)
+                    pool.free(held)
+                    held = nxt
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                pool.free(held)
+            finally:
+                if publisher is not None:
+                    published[0] += publisher.sequence
+                    publisher.close()
+            cpu["accounted" if pool is accounted else "bare"].append(dc / steps)
+            return dt / steps
+
+        published = [0]
+        times: dict[str, list[float]] = {"bare": [], "accounted": []}
+        cpu: dict[str, list[float]] = {"bare": [], "accounted": []}
+        for _ in range(2):  # warm up
+            round_of(bare)
+            round_of(accounted)
+        published[0] = 0
+        cpu = {"bare": [], "accounted": []}
+        for i in range(rounds):
+            order = (bare, accounted) if i % 2 == 0 else (accounted, bare)
+            for pool in order:
+                times["bare" if pool is bare else "accounted"].append(round_of(pool))
+        bare_mean = statistics.fmean(times["bare"])
+        acc_mean = statistics.fmean(times["accounted"])
+        round_s = acc_mean * steps
+        return {
+            "layers": layers,
+            "batch": batch,
+            "steps_per_round": steps,
+            "rounds": rounds,
+            "round_seconds": round_s,
+            "publish_interval_s": publish_interval,
+            "snapshots_published": published[0],
+            "bare_step_us": bare_mean * 1e6,
+            "accounted_step_us": acc_mean * 1e6,
+            "bare_step_median_us": statistics.median(times["bare"]) * 1e6,
+            "accounted_step_median_us": statistics.median(times["accounted"]) * 1e6,
+            "overhead_pct": (acc_mean / bare_mean - 1) * 100,
+            "bare_cpu_step_us": statistics.fmean(cpu["bare"]) * 1e6,
+            "accounted_cpu_step_us": statistics.fmean(cpu["accounted"]) * 1e6,
+            "cpu_overhead_pct": (
+                statistics.fmean(cpu["accounted"]) / statistics.fmean(cpu["bare"]) - 1
+            )
+            * 100,
+        }
+
+
+def run(args: argparse.Namespace) -> int:
+    from accounting.units import parse_size
+
+    budget = parse_size(args.budget)
+    scrape = bench_scrape(args.ranks, budget, args.scrapes)
+    print(
+        f"scrape: {scrape['ranks']} ranks, {scrape['buffers']} buffers, {scrape['series']} series, "
+        f"{scrape['exposition_bytes']} bytes per scrape"
+    )
+    for key in ("in_process_cached", "in_process_republished", "http_cached", "http_republished"):
+        r = scrape[key]
+        extra = (
+            f"  server cpu mean {r['server_cpu_mean_ms']:.3f} ms"
+            if "server_cpu_mean_ms" in r
+            else ""
+        )
+        print(
+            f"  {key:24s} wall p50 {r['p50_ms']:7.3f} ms p99 {r['p99_ms']:7.3f} ms   "
+            f"cpu p50 {r['cpu_p50_ms']:7.3f} ms p99 {r['cpu_p99_ms']:7.3f} ms{extra}  (n={r['n']})"
+        )
+    worst = scrape["http_republished"]
+    print(
+        f"  target p99 <= 5 ms, GET over loopback with every rank republished: wall "
+        f"{'met' if worst['p99_ms'] <= 5 else 'NOT met'}; in-process cpu p99 "
+        f"{scrape['in_process_republished']['cpu_p99_ms']:.3f} ms"
+    )
+    overheads = []
+    for batch in args.batch:
+        steps = args.steps or max(2000, 500_000 // batch)
+        over = bench_overhead(
+            batch=batch, steps=steps, rounds=args.rounds, publish_interval=args.publish_interval
+        )
+        overheads.append(over)
+        print(
+            f"alloc path: {over['layers']} layers, decode steps of {over['batch']} slots "
+            f"(alloc + free), {over['rounds']} rounds x {over['steps_per_round']} steps "
+            f"(~{over['round_seconds']:.1f} s) per pool, publisher every "
+            f"{over['publish_interval_s']} s ({over['snapshots_published']} snapshots in the "
+            "accounted rounds)"
+        )
+        print(
+            f"  wall: no observer {over['bare_step_us']:8.2f} us/step   accounting + publishing "
+            f"{over['accounted_step_us']:8.2f} us/step   overhead {over['overhead_pct']:+.2f}%"
+        )
+        print(
+            f"  cpu:  no observer {over['bare_cpu_step_us']:8.2f} us/step   accounting + publishing "
+            f"{over['accounted_cpu_step_us']:8.2f} us/step   overhead "
+            f"{over['cpu_overhead_pct']:+.2f}%   (target <= 2%: wall "
+            f"{'met' if over['overhead_pct'] <= 2 else 'NOT met'}, cpu "
+            f"{'met' if over['cpu_overhead_pct'] <= 2 else 'NOT met'})"
+        )
+    if args.json:
+        print(json.dumps({"scrape": scrape, "overhead": overheads, "pid": os.getpid()}, indent=2))
+    return 0

@@ -1,0 +1,242 @@
+"""Ledger and Account: O(1) updates from allocator events, errors on impossible figures,
+accounts registered and removed, peaks, map-latency buckets, reconciliation readers."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from accounting.buffers import Owner, runtime_buffer
+from accounting.events import PoolEvent
+from accounting.ledger import MAP_SECONDS_BUCKETS, Ledger, LedgerError
+from tests.accounting.helpers import PAGE, runtime_specs, vmm_account, vmm_specs
+
+
+def test_events_move_the_figures_of_every_layer_buffer() -> None:
+    ledger = Ledger()
+    acc = vmm_account(ledger, layers=3)
+    acc.on_pool_event(PoolEvent.HANDLES_CREATED, 4)
+    acc.on_pool_event(PoolEvent.PAGES_MAPPED, 3, 0.003)
+    acc.on_pool_event(PoolEvent.SLOTS_OCCUPIED, 100)
+    snap = ledger.snapshot()
+    assert [b.physical_bytes for b in snap.buffers] == [4 * PAGE] * 3
+    assert [b.mapped_bytes for b in snap.buffers] == [3 * PAGE] * 3
+    assert [b.occupied_bytes for b in snap.buffers] == [100 * 584] * 3
+    assert snap.total("physical_bytes") == 12 * PAGE
+    assert snap.total("mapped_bytes") == 9 * PAGE
+    assert snap.total("occupied_slots") == 100  # slots count once per index space
+    assert snap.total("occupied_bytes") == 3 * 100 * 584
+    acc.on_pool_event(PoolEvent.SLOTS_FREED, 100)
+    acc.on_pool_event(PoolEvent.PAGES_UNMAPPED, 3, 0.002)
+    acc.on_pool_event(PoolEvent.HANDLES_RELEASED, 4)
+    snap = ledger.snapshot()
+    for name in ("physical_bytes", "mapped_bytes", "occupied_bytes", "occupied_slots"):
+        assert snap.total(name) == 0
+    row = snap.accounts[0]
+    assert (row.pages_mapped_total, row.pages_unmapped_total) == (3, 3)
+    assert (row.peak_handle_pages, row.peak_occupied_slots) == (4, 100)
+    assert row.map_seconds_total == pytest.approx(0.003)
+    assert row.unmap_seconds_total == pytest.approx(0.002)
+
+
+class _NoIteration(tuple):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        raise AssertionError("an event walked the buffers: updates must be O(1)")
+
+
+def test_event_updates_are_o1_they_never_walk_buffers_or_other_accounts() -> None:
+    ledger = Ledger()
+    accounts = [vmm_account(ledger, pool=f"p{i}", layers=40) for i in range(20)]
+    acc = accounts[7]
+    for other in accounts:
+        other.buffers = _NoIteration(other.buffers)
+    ledger._accounts = _ExplodingDict(ledger._accounts)  # type: ignore[assignment]
+    for event, n in [
+        (PoolEvent.HANDLES_CREATED, 2),
+        (PoolEvent.PAGES_MAPPED, 2),
+        (PoolEvent.SLOTS_OCCUPIED, 5),
+        (PoolEvent.SLOTS_FREED, 5),
+        (PoolEvent.PAGES_UNMAPPED, 2),
+        (PoolEvent.HANDLES_RELEASED, 2),
+    ]:
+        acc.on_pool_event(event, n)
+    assert acc.handle_pages == acc.mapped_pages == acc.occupied_slots == 0
+
+
+class _ExplodingDict(dict):  # type: ignore[type-arg]
+    def values(self) -> Any:
+        raise AssertionError("an event walked the accounts: updates must be O(1)")
+
+    def __iter__(self) -> Any:
+        raise AssertionError("an event walked the accounts: updates must be O(1)")
+
+
+@pytest.mark.parametrize(
+    ("setup", "event", "count", "match"),
+    [
+        ([], PoolEvent.SLOTS_FREED, 1, "occupied_slots=-1"),
+        ([], PoolEvent.HANDLES_RELEASED, 1, "handle_pages=-1"),
+        ([], PoolEvent.PAGES_UNMAPPED, 1, "mapped_pages=-1"),
+        ([], PoolEvent.SLOTS_OCCUPIED, -3, "count=-3"),
+        ([(PoolEvent.SLOTS_OCCUPIED, 4000)], PoolEvent.SLOTS_OCCUPIED, 97, "capacity_slots=4096"),
+    ],
+)
+def test_impossible_figures_raise_ledger_error_and_change_nothing(
+    setup: list[tuple[PoolEvent, int]], event: PoolEvent, count: int, match: str
+) -> None:
+    ledger = Ledger()
+    acc = vmm_account(ledger)
+    for e, n in setup:
+        acc.on_pool_event(e, n)
+    before, epoch = ledger.snapshot(), ledger.epoch
+    with pytest.raises(LedgerError, match=match):
+        acc.on_pool_event(event, count)
+    after = ledger.snapshot()
+    assert ledger.epoch == epoch
+    assert after.accounts == before.accounts and after.buffers == before.buffers
+
+
+def test_page_events_on_a_runtime_account_are_refused() -> None:
+    ledger = Ledger()
+    acc = ledger.add_account(runtime_specs("c4", "c4_kv", 2))
+    for event in (PoolEvent.HANDLES_CREATED, PoolEvent.PAGES_MAPPED):
+        with pytest.raises(LedgerError, match="runtime-owned"):
+            acc.on_pool_event(event, 1)
+
+
+def test_runtime_account_holds_its_storage_and_reports_occupancy() -> None:
+    ledger = Ledger()
+    t = torch.zeros(256, 2048, dtype=torch.float32)
+    spec = runtime_buffer(t, name="c4_state.0", family="c4_attn_state", pool="c4", layer=0)
+    assert spec.owner is Owner.RUNTIME
+    assert spec.tensor_bytes == spec.reserved_bytes == 256 * 2048 * 4
+    assert (spec.capacity_slots, spec.slot_bytes, spec.dtype) == (256, 2048 * 4, "float32")
+    acc = ledger.add_account([spec])
+    acc.occupy(10)
+    acc.occupy(6)
+    acc.release(4)
+    snap = ledger.snapshot()
+    assert snap.total("physical_bytes") == snap.total("tensor_bytes") == 256 * 2048 * 4
+    assert snap.total("occupied_slots") == 12
+    assert snap.total("occupied_bytes") == 12 * 2048 * 4
+    assert snap.violations == ()
+
+
+def test_epoch_counts_every_applied_change() -> None:
+    ledger = Ledger()
+    assert ledger.epoch == 0
+    acc = vmm_account(ledger)
+    assert ledger.epoch == 1
+    acc.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
+    acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1)
+    assert ledger.epoch == 3
+    s1 = ledger.snapshot()
+    assert s1.epoch == 3
+    assert ledger.snapshot().epoch == 3  # taking a snapshot changes nothing
+    acc.on_pool_event(PoolEvent.PAGES_UNMAPPED, 1)
+    acc.on_pool_event(PoolEvent.HANDLES_RELEASED, 1)
+    ledger.remove_account(acc)
+    assert ledger.epoch == 6
+    assert ledger.snapshot().epoch == 6
+
+
+def test_add_account_validation() -> None:
+    ledger = Ledger()
+    with pytest.raises(ValueError, match="empty"):
+        ledger.add_account([])
+    mixed = vmm_specs("swa", "swa_kv", 1) + vmm_specs("swa", "c4_kv", 1)
+    with pytest.raises(ValueError, match="c4_kv"):
+        ledger.add_account(mixed, page_bytes=PAGE)
+    with pytest.raises(ValueError, match="page_bytes=0"):
+        ledger.add_account(vmm_specs("swa", "swa_kv", 1))
+    vmm_account(ledger)
+    with pytest.raises(ValueError, match="already registered"):
+        vmm_account(ledger)
+    with pytest.raises(ValueError, match="already registered"):
+        ledger.add_account(vmm_specs("swa", "swa_kv", 1), key="other", page_bytes=PAGE)
+    assert len(ledger.accounts()) == 1
+
+
+def test_remove_account_refuses_one_that_still_holds_memory() -> None:
+    ledger = Ledger()
+    acc = vmm_account(ledger)
+    acc.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
+    with pytest.raises(LedgerError, match="handle_pages=1"):
+        ledger.remove_account(acc)
+    acc.on_pool_event(PoolEvent.HANDLES_RELEASED, 1)
+    ledger.remove_account(acc)
+    assert ledger.accounts() == ()
+    with pytest.raises(ValueError, match="not registered"):
+        ledger.remove_account(acc)
+    vmm_account(ledger)  # the same buffers may be registered again
+
+
+def test_map_latency_histogram_is_per_page_id() -> None:
+    ledger = Ledger()
+    acc = vmm_account(ledger)
+    acc.on_pool_event(PoolEvent.HANDLES_CREATED, 20)
+    acc.on_pool_event(PoolEvent.PAGES_MAPPED, 10, 0.016)  # 1.6 ms per page id
+    acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1, 0.00004)  # 40 us
+    acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1, 1.0)  # beyond the last bucket
+    counts = ledger.snapshot().accounts[0].map_bucket_counts
+    assert len(counts) == len(MAP_SECONDS_BUCKETS) + 1
+    assert counts[MAP_SECONDS_BUCKETS.index(0.0025)] == 1
+    assert counts[0] == 1
+    assert counts[-1] == 1
+    assert sum(counts) == 3
+    # a value on a bound falls in that bound's bucket (Prometheus "le")
+    acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1, 0.001)
+    assert ledger.snapshot().accounts[0].map_bucket_counts[MAP_SECONDS_BUCKETS.index(0.001)] == 1
+
+
+def test_snapshot_is_taken_at_one_moment_under_concurrent_events() -> None:
+    """Events from another thread never land half way through a snapshot: every buffer row
+    agrees with its account row, and no relation is broken at any moment."""
+    ledger = Ledger()
+    acc = vmm_account(ledger)
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            acc.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
+            acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1)
+            acc.on_pool_event(PoolEvent.SLOTS_OCCUPIED, 3)
+            acc.on_pool_event(PoolEvent.SLOTS_FREED, 3)
+            acc.on_pool_event(PoolEvent.PAGES_UNMAPPED, 1)
+            acc.on_pool_event(PoolEvent.HANDLES_RELEASED, 1)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(300):
+            snap = ledger.snapshot()
+            assert snap.violations == ()
+            row = snap.accounts[0]
+            for b in snap.buffers:  # buffer rows derive from the same counters as the account row
+                assert b.physical_bytes == row.handle_pages * PAGE
+                assert b.mapped_bytes == row.mapped_pages * PAGE
+                assert b.occupied_slots == row.occupied_slots
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_reconciliation_readers_run_per_snapshot_with_the_snapshot() -> None:
+    ledger = Ledger()
+    acc = vmm_account(ledger)
+    acc.on_pool_event(PoolEvent.HANDLES_CREATED, 2)
+    seen: list[int] = []
+
+    def reader(snap: Any) -> dict[str, Any]:
+        seen.append(snap.total("physical_bytes"))
+        return {"source": "test", "device_bytes": 2 * 3 * PAGE}
+
+    ledger.add_truth(reader)
+    snap = ledger.snapshot()
+    assert seen == [6 * PAGE]
+    assert snap.reconciliation == ({"source": "test", "device_bytes": 6 * PAGE},)
+    assert ledger.snapshot(reconcile=False).reconciliation == ()
+    assert seen == [6 * PAGE]

@@ -1,0 +1,168 @@
+"""BackgroundMapper: spare pages mapped ahead of demand and unmapped behind it, off the
+allocation path, with the accounting still exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from allocator.errors import CapacityError, SlotError
+from allocator.host import HostBackend
+from allocator.layout import SlotLayout
+from allocator.mapper import BackgroundMapper
+from tests.allocator.rigs import SMALL_GRANULARITY, Rig
+from tests.allocator.test_pool import _mapped_pages, _physical
+
+PAGE = SMALL_GRANULARITY
+SLOTS_PER_PAGE = 4
+
+MakeRig = Callable[..., Rig]
+
+
+def test_background_mapper_keeps_spares_between_the_watermarks(rig_factory: MakeRig) -> None:
+    rig = rig_factory(min_spare_pages=2, max_spare_pages=3, handle_pool_pages=0)
+    pool = rig.pool
+    with BackgroundMapper(pool, idle_seconds=0.01) as mapper:
+        assert mapper.wait_idle()
+        assert pool.stats()["spare_pages"] == 2  # mapped ahead of demand
+        assert _physical(rig) == (3 * 3 * PAGE,) * 3
+        created = rig.backend.stats()["handles"]
+        ids = pool.alloc(3 + SLOTS_PER_PAGE)  # page 0's rest and one spare page
+        assert rig.backend.stats()["handles"] >= created
+        assert mapper.wait_idle()
+        assert pool.stats()["spare_pages"] == 2  # refilled behind the allocation
+        more = pool.alloc(8 * SLOTS_PER_PAGE)
+        assert mapper.wait_idle()
+        pool.free(more)
+        pool.free(ids)
+        assert mapper.wait_idle()
+        assert pool.stats()["spare_pages"] == 3  # trimmed to the high watermark
+        mapped = len(_mapped_pages(pool))
+        assert mapped == 1 + 3
+        assert _physical(rig) == (mapped * 3 * PAGE,) * 3
+        assert mapper.errors == 0
+    # with the mapper gone the pool maps synchronously again
+    assert pool._mapper is None
+    pool.alloc(20)
+
+
+def test_background_mapper_respects_the_budget(rig_factory: MakeRig) -> None:
+    rig = rig_factory(min_spare_pages=5, max_spare_pages=6, physical_budget=3 * 3 * PAGE)
+    pool = rig.pool
+    with BackgroundMapper(pool, idle_seconds=0.01) as mapper:
+        assert mapper.wait_idle()
+        assert pool.stats()["live_handle_sets"] == 3
+        assert pool.stats()["spare_pages"] == 2
+        before = rig.state()
+        with pytest.raises(CapacityError, match="physical_budget"):
+            pool.alloc(3 + 2 * SLOTS_PER_PAGE + 1)
+        assert rig.state() == before
+
+
+def test_pool_close_stops_its_background_mapper(rig_factory: MakeRig) -> None:
+    rig = rig_factory(min_spare_pages=2, max_spare_pages=3)
+    mapper = BackgroundMapper(rig.pool, idle_seconds=0.01)
+    assert mapper.wait_idle()
+    rig.pool.close()
+    assert not mapper._thread.is_alive()
+    mapper.close()  # still idempotent
+
+
+def test_a_second_background_mapper_is_refused(rig_factory: MakeRig) -> None:
+    rig = rig_factory()
+    with BackgroundMapper(rig.pool), pytest.raises(ValueError, match="already has"):
+        BackgroundMapper(rig.pool)
+
+
+def test_no_driver_call_on_an_allocation_that_finds_a_spare_page(
+    rig_factory: MakeRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = rig_factory(min_spare_pages=2, max_spare_pages=4)
+    with BackgroundMapper(rig.pool, idle_seconds=0.01) as mapper:
+        assert mapper.wait_idle()
+    # the mapper is stopped so that every driver call below would be the allocation's own
+    calls: list[str] = []
+    for op in ("create", "map", "set_access", "unmap", "release"):
+        real = getattr(rig.backend, op)
+
+        def spy(*a: object, _op: str = op, _real: Callable[..., object] = real) -> object:
+            calls.append(_op)
+            return _real(*a)
+
+        monkeypatch.setattr(rig.backend, op, spy)
+    ids = rig.pool.alloc(3 + 2 * SLOTS_PER_PAGE)  # the null page's rest and both spares
+    assert calls == []
+    rig.pool.alloc(1)  # now a page must be mapped
+    assert calls.count("map") == rig.pool.layers
+    rig.pool.free(ids)
+
+
+def test_wait_idle_and_close_are_safe_to_repeat(rig_factory: MakeRig) -> None:
+    rig = rig_factory(min_spare_pages=1, max_spare_pages=1)
+    mapper = BackgroundMapper(rig.pool, idle_seconds=0.01)
+    assert mapper.wait_idle() and mapper.wait_idle()
+    mapper.close()
+    mapper.close()
+    assert rig.pool._mapper is None
+    assert not mapper._thread.is_alive()
+
+
+class _GatedBackend:
+    """Delegates to a host backend; `map` calls at `gate_address` wait for `release_gate`."""
+
+    def __init__(self, inner: Any, gate_address: int) -> None:
+        self.inner = inner
+        self.name = "gated"
+        self.granularity = inner.granularity
+        self.gate_address = gate_address
+        self.entered = threading.Event()
+        self.release_gate = threading.Event()
+
+    def map(self, address: int, size: int, handle: int) -> None:
+        if address == self.gate_address:
+            self.entered.set()
+            assert self.release_gate.wait(10)
+        self.inner.map(address, size, handle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_occupy_waiting_on_a_busy_page_rechecks_its_ids(host: HostBackend) -> None:
+    """occupy() waits while the mapper holds a page it needs; an id taken by alloc() in the
+    meantime must then be refused, not handed out twice."""
+    layout = SlotLayout(capacity_slots=64, slot_bytes=16 * 1024, page_bytes=PAGE)
+    gated = _GatedBackend(host, gate_address=-1)
+    rig = Rig(gated, layers=2, layout=layout, min_spare_pages=1, max_spare_pages=1)
+    gated.gate_address = rig.pool._pages.address(0, 1)  # the mapper maps page 1 first
+    errors: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            rig.pool.occupy([1, 4])  # slot 4 lies on page 1, which the mapper is mapping
+        except BaseException as e:
+            errors.append(e)
+
+    with BackgroundMapper(rig.pool, idle_seconds=0.01):
+        assert gated.entered.wait(10)
+        t = threading.Thread(target=follow)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not errors and t.is_alive() and time.monotonic() < deadline:
+            with rig.pool._lock:
+                waiting = len(rig.pool._cond._waiters) > 0  # type: ignore[attr-defined]
+            if waiting:
+                break
+            time.sleep(0.001)
+        taken = rig.pool.alloc(3).tolist()  # slots 1-3, beside the null slot, no page needed
+        assert sorted(taken) == [1, 2, 3]
+        gated.release_gate.set()
+        t.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], SlotError), errors
+    assert sorted(rig.pool.occupied_ids()) == [1, 2, 3]
+    assert rig.ledger.snapshot().total("occupied_slots") == 3
+    rig.close()

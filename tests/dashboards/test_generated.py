@@ -1,0 +1,124 @@
+"""The committed dashboard and rule files equal the generator's output, and the dashboard keeps
+the rules issue 5 sets: variables, descriptions, units, stacking, $__rate_interval."""
+
+from __future__ import annotations
+
+import re
+
+from accounting.figures import FIGURES
+from exporter import metrics as m
+from kvledger.dashboards import files, rules
+from kvledger.dashboards.promql import metric_names
+from tests.dashboards import names
+
+BYTE_FIGURE_METRICS = {m.figure_metric(f.name) for f in FIGURES if f.unit == "bytes"}
+SLOT_FIGURE_METRICS = {m.figure_metric(f.name) for f in FIGURES if f.unit == "slots"}
+GIB_METRICS = {m.HEADLINE, rules.FLEET_HEADLINE.record}
+
+
+def _panels() -> list[dict]:
+    return [p for p in names.dashboard()["panels"] if p["type"] != "row"]
+
+
+def test_committed_files_equal_the_generator():
+    assert files.stale() == [], "run: python -m kvledger.dashboards"
+
+
+def test_check_reports_a_hand_edit(tmp_path):
+    for rel, make in files.GENERATED.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(make(), encoding="utf-8")
+    assert files.stale(tmp_path) == []
+    target = tmp_path / "prometheus" / "alerts.yml"
+    target.write_text(target.read_text().replace("> 0.9", "> 0.5"), encoding="utf-8")
+    assert files.stale(tmp_path) == ["prometheus/alerts.yml"]
+
+
+def test_dashboard_is_importable_and_provisionable():
+    dash = names.dashboard()
+    assert isinstance(dash["schemaVersion"], int) and dash["schemaVersion"] >= 36
+    assert dash["uid"] == "kvledger-kv-cache" and len(dash["uid"]) <= 40
+    assert "id" not in dash  # an id would clash on import into another Grafana
+    variables = [v["name"] for v in dash["templating"]["list"]]
+    assert variables == ["datasource", "instance", "model_name", "tp_rank", "family"]
+    ds = dash["templating"]["list"][0]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+
+
+def test_every_panel_has_a_description_a_unit_and_the_datasource_variable():
+    for p in _panels():
+        assert len(p["description"]) > 40, p["title"]
+        assert p["fieldConfig"]["defaults"]["unit"], p["title"]
+        assert p["datasource"]["uid"] == "${datasource}"
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}"
+
+
+def test_rates_use_rate_interval():
+    for title, expr in names.panel_queries():
+        for window in re.findall(r"\b(?:rate|irate|increase)\([^\[]*\[([^\]]+)\]", expr):
+            assert window == "$__rate_interval", (title, expr)
+
+
+def _expected_unit(exprs: list[str]) -> str | None:
+    used = set().union(*(metric_names(e) for e in exprs))
+    text = " ".join(exprs)
+    if used & GIB_METRICS:
+        return "gbytes"
+    if "histogram_quantile" in text or any(n.endswith("_seconds_total") for n in used):
+        return "s"
+    if any(n.endswith(":ratio") for n in used) or " / " in text:
+        return "percentunit"
+    if used <= SLOT_FIGURE_METRICS:
+        return "short"
+    if all(n.endswith("_bytes") or n.endswith("_bytes:sum") for n in used):
+        return "bytes"
+    return None
+
+
+def test_units_follow_the_metrics():
+    checked = 0
+    for p in _panels():
+        expected = _expected_unit([t["expr"] for t in p["targets"]])
+        if expected is None:
+            continue
+        assert p["fieldConfig"]["defaults"]["unit"] == expected, p["title"]
+        checked += 1
+    assert checked >= 20
+    headline = [p for p in _panels() if m.HEADLINE in p["targets"][0]["expr"]]
+    assert headline and all(p["fieldConfig"]["defaults"]["unit"] == "gbytes" for p in headline)
+
+
+def test_stacking_never_sums_different_figures_or_slot_counts():
+    stacked = 0
+    for p in _panels():
+        custom = p["fieldConfig"]["defaults"].get("custom", {})
+        if custom.get("stacking", {}).get("mode", "none") == "none":
+            continue
+        stacked += 1
+        assert len(p["targets"]) == 1, f"{p['title']}: stacks more than one query"
+        used = metric_names(p["targets"][0]["expr"])
+        assert len(used) == 1, f"{p['title']}: stacks several metrics {used}"
+        assert not used & SLOT_FIGURE_METRICS, f"{p['title']}: stacks slot counts of families"
+    assert stacked >= len(BYTE_FIGURE_METRICS)
+
+
+def test_figures_side_by_side_per_family():
+    repeated = [p for p in _panels() if p.get("repeat") == "family"]
+    assert len(repeated) == 1
+    p = repeated[0]
+    assert p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "none"
+    shown = set().union(*(metric_names(t["expr"]) for t in p["targets"]))
+    assert shown == BYTE_FIGURE_METRICS
+
+
+def test_module_check_exits_zero_on_the_committed_files(capsys):
+    from kvledger.dashboards.__main__ import main
+
+    assert main(["--check"]) == 0
+    assert capsys.readouterr().out == ""

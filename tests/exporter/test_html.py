@@ -1,0 +1,139 @@
+"""/debug/kv for a person: content negotiation, the page's embedding, and the page itself rendered
+by headless Chromium against a running `kvledger serve` (its live numbers, its own refresh)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from exporter import html
+from exporter.app import wants_html
+from tests import browser
+from tests.dashboards.live import KvledgerServe
+
+
+@pytest.mark.parametrize(
+    ("accept", "expected"),
+    [
+        ("text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8", True),  # browsers
+        ("application/json", False),
+        ("*/*", False),  # curl
+        (None, False),
+    ],
+)
+def test_browsers_get_the_page_and_the_rest_json(accept, expected):
+    assert wants_html(accept) is expected
+
+
+def test_render_embeds_the_document_and_cannot_be_broken_out_of():
+    doc = {"sources": [], "note": "</script><script>alert(1)</script><!--"}
+    page = html.render(doc, refresh_seconds=1.5)
+    assert "__KVLEDGER" not in page
+    assert "</script><script>alert(1)" not in page
+    assert "REFRESH_MS = 1500;" in page
+    data = re.search(r'<script id="kv-data" type="application/json">(.*?)</script>', page, re.S)
+    assert data and json.loads(data.group(1)) == doc
+    for far in ("http://", "https://", "//cdn", "@import"):
+        assert far not in page.replace('href="/metrics"', ""), far
+
+
+def test_render_rejects_a_bad_refresh():
+    with pytest.raises(ValueError, match="refresh_seconds=0"):
+        html.render({}, refresh_seconds=0)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with KvledgerServe(tmp_path_factory.mktemp("snapshots")) as serve:
+        yield serve
+
+
+def _figures_in_page(parsed: browser.DataAttributes) -> dict[tuple[str, str], int]:
+    return {
+        (e["data-family"], e["data-figure"]): int(e["data-value"])
+        for e in parsed.elements
+        if "data-family" in e and "data-figure" in e
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not browser.available(), reason="needs Debian's chromium")
+def test_the_page_for_a_browser_and_json_for_the_rest(served):
+    page = httpx.get(f"{served.base}/debug/kv", headers={"Accept": "text/html"}, timeout=5)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    plain = httpx.get(f"{served.base}/debug/kv", timeout=5)
+    assert plain.headers["content-type"].startswith("application/json")
+    bad = httpx.get(f"{served.base}/debug/kv?family=nope", headers={"Accept": "text/html"})
+    assert bad.status_code == 400 and bad.json()["param"] == "family"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not browser.available(), reason="needs Debian's chromium")
+def test_chromium_renders_the_live_numbers_and_refreshes(served):
+    before = served.debug()
+    src = before["sources"][0]
+    parsed = browser.parse(browser.dump_dom(f"{served.base}/debug/kv", budget_ms=6000))
+    after = served.debug()
+    root = next(e for e in parsed.elements if e.get("id") == "root")
+    assert int(root["data-refreshes"]) >= 1, "the page did not refresh itself from the JSON"
+    page_epoch = int(next(e["data-epoch"] for e in parsed.elements if "data-epoch" in e))
+    assert src["epoch"] <= page_epoch <= after["sources"][0]["epoch"]
+    shown = _figures_in_page(parsed)
+    families = {f["family"]: f["figures"] for f in src["families"]}
+    assert len(families) == 7 and {fam for fam, _ in shown} == set(families)
+    for fam, figs in families.items():
+        for static in ("tensor_bytes", "reserved_bytes", "capacity_slots"):
+            assert shown[(fam, static)] == figs[static], (fam, static)
+        assert shown[(fam, "physical_bytes")] > 0, fam
+    text = " ".join(parsed.text)
+    assert "refresh failed" not in text
+    assert "every relation holds" in text
+    assert "host_memfd" in text  # the reconciliation table
+    ranks = [e for e in parsed.elements if "data-rank-source" in e]
+    assert [e["data-rank-source"] for e in ranks] == [src["source"]]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not browser.available(), reason="needs Debian's chromium")
+def test_chromium_screenshot(served, tmp_path):
+    png = browser.screenshot(f"{served.base}/debug/kv", tmp_path / "page.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not browser.available(), reason="needs Debian's chromium")
+def test_chromium_two_ranks_and_a_family_filter_that_survives_refresh():
+    from exporter.app import create_app
+    from exporter.sources import Sources
+    from tests.ledgers import small_ledger
+    from tests.servers import UvicornThread
+
+    with (
+        small_ledger({"model_name": "m", "tp_rank": "0"}) as r0,
+        small_ledger({"model_name": "m", "tp_rank": "1"}) as r1,
+    ):
+        r0.allocate(300)
+        r1.allocate(700)
+        sources = Sources()
+        sources.add_ledger(r0.ledger)
+        sources.add_ledger(r1.ledger)
+        with UvicornThread(create_app(sources, debug_html=html.page)) as server:
+            parsed = browser.parse(browser.dump_dom(f"{server.url}/debug/kv?family=swa_kv"))
+    root = next(e for e in parsed.elements if e.get("id") == "root")
+    assert int(root["data-refreshes"]) >= 1
+    sections = [e["data-source"] for e in parsed.elements if e.get("class") == "source"]
+    assert len(sections) == 2
+    shown = {
+        (e["data-source"], e["data-figure"]): int(e["data-value"])
+        for e in parsed.elements
+        if e.get("data-family") == "swa_kv" and "data-figure" in e
+    }
+    assert {f for e in parsed.elements if (f := e.get("data-family"))} == {"swa_kv"}
+    occupied = sorted(v for (_, fig), v in shown.items() if fig == "occupied_slots")
+    assert occupied == [300, 700]
+    assert "filtered: family=swa_kv" in " ".join(parsed.text)
+    assert len([e for e in parsed.elements if "data-rank-source" in e]) == 2

@@ -208,6 +208,7 @@ class TpCoordinator:
         if ledger is not None:
             have = ledger.labels.get("tp_rank")
             if have is not None and have != str(self.rank):
+                self._release_group()
                 raise ValueError(
                     f"ledger label tp_rank={have!r}, expected {str(self.rank)!r} (this rank)"
                 )

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from accounting import Ledger
-from accounting.buffers import BufferSpec, Owner
 from allocator import BackgroundMapper, SlotLayout, SwaPool
 from allocator.backend import Backend
+from allocator.specs import vmm_layer_specs
 
 # DeepSeek-V4 SWA geometry (DESIGN.md): 584-byte tokens, 256 per page, pages padded to 576 B multiples.
 SWA_SLOT_BYTES = 584
@@ -96,22 +96,7 @@ def _layout(capacity: int, page_bytes: int) -> SlotLayout:
 
 
 def _ledger_account(layout: SlotLayout, layers: int) -> Any:
-    specs = [
-        BufferSpec(
-            name=f"swa_kv.L{i}",
-            family="swa_kv",
-            pool="swa",
-            owner=Owner.VMM,
-            layer=i,
-            dtype="uint8",
-            shape=(layout.rows, layout.row_bytes),
-            slot_bytes=layout.slot_bytes,
-            capacity_slots=layout.capacity_slots - 1,
-            tensor_bytes=layout.buffer_bytes,
-            reserved_bytes=layout.reserved_bytes,
-        )
-        for i in range(layers)
-    ]
+    specs = vmm_layer_specs(layout, layers)
     return Ledger().add_account(specs, page_bytes=layout.page_bytes)
 
 

@@ -21,6 +21,8 @@ from allocator.tp import PLAN_WORDS, TpCoordinator
 sys.path.insert(0, str(Path(__file__).parent))
 import tp_worker
 
+from allocator.specs import vmm_layer_specs
+
 WORKER = Path(__file__).with_name("tp_worker.py")
 ROOT = WORKER.parents[2]
 OPS = 300
@@ -314,9 +316,7 @@ def test_rank0_refusal_is_a_capacity_error_and_changes_nothing(world1: Any) -> N
 def _ledger_pool(backend: HostBackend, **kw: Any) -> tuple[Ledger, Any, SwaPool]:
     layout = tp_worker.LAYOUT
     ledger = Ledger()
-    account = ledger.add_account(
-        tp_worker.layer_specs(layout, 2, layout.capacity_slots - 1), page_bytes=layout.page_bytes
-    )
+    account = ledger.add_account(vmm_layer_specs(layout, 2), page_bytes=layout.page_bytes)
     return ledger, account, SwaPool(backend, layers=2, layout=layout, observer=account, **kw)
 
 

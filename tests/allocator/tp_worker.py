@@ -23,32 +23,13 @@ if __package__ in (None, ""):  # run as a script: import the worktree's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from accounting import Ledger
-from accounting.buffers import BufferSpec, Owner
 from allocator import CapacityError, HostBackend, SlotLayout, SwaPool
+from allocator.specs import vmm_layer_specs
 from allocator.tp import TpCoordinator, TpError
 
 LAYERS = 3
 GRANULARITY = 4096
 LAYOUT = SlotLayout(capacity_slots=512, slot_bytes=584, page_bytes=GRANULARITY)
-
-
-def layer_specs(layout: SlotLayout, layers: int, capacity: int) -> list[BufferSpec]:
-    return [
-        BufferSpec(
-            name=f"swa_kv.{layer}",
-            family="swa_kv",
-            pool="swa",
-            owner=Owner.VMM,
-            layer=layer,
-            dtype="uint8",
-            shape=(layout.rows, layout.row_bytes),
-            slot_bytes=layout.slot_bytes,
-            capacity_slots=capacity,
-            tensor_bytes=layout.buffer_bytes,
-            reserved_bytes=layout.reserved_bytes,
-        )
-        for layer in range(layers)
-    ]
 
 
 def trace(seed: int, ops: int) -> list[tuple[str, int]]:
@@ -166,7 +147,7 @@ def main() -> int:
     ledger = Ledger(labels={"model_name": "test"})
     pool = None
     account = ledger.add_account(
-        layer_specs(LAYOUT, LAYERS, LAYOUT.capacity_slots - 1),
+        vmm_layer_specs(LAYOUT, LAYERS),
         page_bytes=LAYOUT.page_bytes,
     )
     spare = 3 if mine and args.mode == "config" else 2

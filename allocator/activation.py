@@ -29,7 +29,8 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def env_flag(env: Mapping[str, str], name: str) -> bool:
+    """A yes/no environment switch; anything else is an error naming the variable."""
     raw = env.get(name, "").strip().lower()
     if raw in _TRUE:
         return True
@@ -46,7 +47,7 @@ class Activation:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Activation:
         env = os.environ if env is None else env
-        return cls(enabled=_flag(env, ENV_ENABLE), require=_flag(env, ENV_REQUIRE))
+        return cls(enabled=env_flag(env, ENV_ENABLE), require=env_flag(env, ENV_REQUIRE))
 
 
 def incompatibilities(layout: SlotLayout, *, granularity: int, element_size: int) -> list[str]:

@@ -14,19 +14,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from allocator.activation import env_flag
+
 ENV_ENABLE = "KVLEDGER_SGLANG_DSV4_BRIDGE"
 ENV_REQUIRE = "KVLEDGER_SGLANG_DSV4_BRIDGE_REQUIRE"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
-
-
-def env_flag(env: Mapping[str, str], name: str) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{name}={env.get(name)!r}, expected one of 1/0/true/false/yes/no/on/off")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import bisect
 import contextlib
 import threading
 import time
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -124,8 +125,12 @@ class SwaPool:
         lay = self.layout
         cap = lay.capacity_slots
         starts = [self._first_slot_at(p * lay.page_bytes) for p in range(lay.num_pages)] + [cap]
+        # home[i]: the page holding slot i's first byte; a slot that straddles into home + 1 is
+        # that page's tail. Kept as a C array (4 bytes a slot) for the per-slot hot loops.
+        self._home_of = array("i")
         for p in range(lay.num_pages):
             a, b = starts[p], starts[p + 1]
+            self._home_of.extend(array("i", [p]) * (b - a))
             inner = set(range(a, b))
             if b > a and lay.slot_pages(b - 1)[1] != p:
                 inner.discard(b - 1)
@@ -402,14 +407,20 @@ class SwaPool:
 
     def _commit(self, taken: list[int]) -> None:
         touched = set()
+        occupied, refcount, home_of, tail = (
+            self._occupied,
+            self._refcount,
+            self._home_of,
+            self._tail,
+        )
         for i in taken:
-            self._occupied[i] = 1
-            a, b = self.layout.slot_pages(i)
-            self._refcount[a] += 1
+            occupied[i] = 1
+            a = home_of[i]
+            refcount[a] += 1
             touched.add(a)
-            if b != a:
-                self._refcount[b] += 1
-                touched.add(b)
+            if tail[a] == i:
+                refcount[a + 1] += 1
+                touched.add(a + 1)
         for p in touched:
             self._retier(p)
         self._occupied_count += len(taken)
@@ -465,32 +476,52 @@ class SwaPool:
     # -- free ---------------------------------------------------------------------------------
     def _validate(self, slots: list[int], op: str, *, want_occupied: bool) -> None:
         cap = self.layout.capacity_slots
+        occupied = self._occupied
+        want = int(want_occupied)
+        # One comprehension over the ids (the common case: all fine), then the details.
+        bad = [i for i in slots if not 0 <= i < cap or occupied[i] != want]
+        null = self.null_slot
+        if (
+            not bad
+            and len(set(slots)) == len(slots)
+            and (null is None or not occupied[null] or null not in slots)
+        ):
+            return
         seen: set[int] = set()
         for i in slots:
             if not 0 <= i < cap:
                 raise SlotError(
                     f"{self.name}.{op}: slot id {i} is out of range, expected 0 <= id < {cap}"
                 )
-            if i == self.null_slot and self._occupied[i]:
+            if i == null and occupied[i]:
                 raise SlotError(f"{self.name}.{op}: slot id {i} is the reserved null slot")
             if i in seen:
                 raise SlotError(f"{self.name}.{op}: slot id {i} appears twice in one call")
             seen.add(i)
-            if bool(self._occupied[i]) != want_occupied:
+            if occupied[i] != want:
                 state = "free (double free or foreign id)" if want_occupied else "already occupied"
                 raise SlotError(f"{self.name}.{op}: slot id {i} is {state}")
 
     def _free_locked(self, slots: list[int]) -> None:
         touched = set()
+        occupied, refcount, home_of, tail = (
+            self._occupied,
+            self._refcount,
+            self._home_of,
+            self._tail,
+        )
+        free_inner, tail_free = self._free_inner, self._tail_free
         for i in slots:
-            self._occupied[i] = 0
-            a, b = self.layout.slot_pages(i)
-            self._refcount[a] -= 1
+            occupied[i] = 0
+            a = home_of[i]
+            refcount[a] -= 1
             touched.add(a)
-            if b != a:
-                self._refcount[b] -= 1
-                touched.add(b)
-            self._return_slot(i)
+            if tail[a] == i:
+                refcount[a + 1] -= 1
+                touched.add(a + 1)
+                tail_free[a] = 1
+            else:
+                free_inner[a].add(i)
         for p in touched:
             self._retier(p)
         self._occupied_count -= len(slots)
@@ -841,7 +872,7 @@ class SwaPool:
 
     # -- tiers ------------------------------------------------------------------------------------
     def _home(self, i: int) -> int:
-        return self.layout.slot_offset(i) // self.page_bytes
+        return self._home_of[i]
 
     def _retier(self, p: int) -> None:
         if self._state[p] != MAPPED:
@@ -938,9 +969,20 @@ class _Ahead:
 
 
 def _as_list(ids: Any) -> list[int]:
-    if hasattr(ids, "tolist"):
+    dtype = getattr(ids, "dtype", None)
+    if dtype is not None and hasattr(ids, "tolist"):
+        # A tensor (or array): one check of its dtype instead of one per element.
+        if (
+            getattr(dtype, "is_floating_point", False)
+            or getattr(dtype, "is_complex", False)
+            or str(dtype) in ("torch.bool", "bool")
+        ):
+            raise SlotError(f"slot ids of dtype {dtype}, expected an integer dtype")
         out = ids.tolist()
-        out = out if isinstance(out, list) else [out]
+        if not isinstance(out, list):
+            out = [out]
+        if not out or type(out[0]) is int:
+            return out
     elif isinstance(ids, int):
         out = [ids]
     elif isinstance(ids, Iterable):

@@ -153,7 +153,7 @@ class Snapshot:
                 raise ValueError(f"rollup: unknown key {name!r}, expected one of {ROLLUP_KEYS}")
         cached = self._rollups.get(by)
         if cached is not None:
-            return cached
+            return {k: dict(v) for k, v in cached.items()}  # copies: the snapshot stays as taken
         out: dict[tuple[str, ...], dict[str, int]] = {}
         slot_figures = [f.name for f in FIGURES if f.per_account]
         byte_figures = [f.name for f in FIGURES if not f.per_account]
@@ -170,7 +170,7 @@ class Snapshot:
             sums["capacity_slots"] += acc.capacity_slots
         assert set(slot_figures) == {"occupied_slots", "capacity_slots"}
         self._rollups[by] = out
-        return out
+        return {k: dict(v) for k, v in out.items()}
 
     def total(self, figure_name: str) -> int:
         return self.rollup().get((), dict.fromkeys(FIGURE_NAMES, 0))[figure_name]

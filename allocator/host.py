@@ -134,7 +134,11 @@ class HostBackend:
             free = self._free_offsets.get(size)
             offset = free.pop() if free else self._arena_size
             if offset == self._arena_size:
-                os.ftruncate(fd, self._arena_size + size)
+                try:
+                    os.ftruncate(fd, self._arena_size + size)
+                except OSError as e:
+                    code = errno.errorcode.get(e.errno or 0, f"errno {e.errno}")
+                    raise DriverError("create", code, f"size={size}: {e.strerror}") from e
                 self._arena_size += size
             if _libc.fallocate(fd, 0, offset, size) != 0:
                 err = _errno_error("create", None, f"size={size}")
@@ -242,6 +246,12 @@ class HostBackend:
         with self._lock:
             fd = self._check_open("physical_bytes")
             return os.fstat(fd).st_blocks * 512
+
+    def is_mapped(self, address: int) -> bool:
+        """Whether the granule holding `address` is mapped (read-only query for tests)."""
+        granule = address - address % self.granularity
+        with self._lock:
+            return granule in self._granule_owner
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -67,7 +67,8 @@ class BackgroundMapper:
                         and (
                             len(pool._empty) >= pool.min_spare_pages
                             or not pool._unmapped
-                            or not pool._budget_allows_one()
+                            # no handle set to reuse and no budget for a fresh one
+                            or (not pool._spare_sets and not pool._budget_allows_one())
                         )
                     )
                 ),

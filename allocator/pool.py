@@ -109,6 +109,7 @@ class SwaPool:
             raise
         self._mapper: Any = None  # set by allocator.mapper.BackgroundMapper
         self._tp: Any = None  # set by allocator.tp.TpCoordinator (see the TP section below)
+        self._tp_reserve: dict[int, _Ahead] = {}  # TP pages announced ahead (see that section)
         self.null_slot = 0 if null_slot else None
         if null_slot:
             try:
@@ -296,13 +297,14 @@ class SwaPool:
         for p in touched:
             self._retier(p)
 
-    def _plan_pages(self, need: int) -> list[int] | None:
+    def _plan_pages(self, need: int, candidates: Iterable[int] | None = None) -> list[int] | None:
         """Unmapped pages whose mapping frees `need` usable slots; None if the mapper must finish
-        first. Raises CapacityError (nothing changed) when the pool or the budget cannot."""
+        first. Raises CapacityError (nothing changed) when the pool or the budget cannot.
+        `candidates` (TP: reserved pages first) replaces the unmapped pages in their order."""
         plan: list[int] = []
         planned: set[int] = set()
         gained = 0
-        for p in self._unmapped:
+        for p in self._unmapped if candidates is None else candidates:
             if gained >= need:
                 break
             plan.append(p)
@@ -322,7 +324,8 @@ class SwaPool:
                 f"{len(self._unmapped)} unmapped pages (capacity {self.capacity_slots} slots, "
                 f"{self._occupied_count} occupied)"
             )
-        new_sets = max(0, len(plan) - len(self._spare_sets))
+        unheld = sum(1 for p in plan if p not in self._tp_reserve)  # reserved pages hold a set
+        new_sets = max(0, unheld - len(self._spare_sets))
         self._check_budget(new_sets, f"allocate {need} slots ({len(plan)} new page ids)")
         return plan
 
@@ -345,6 +348,8 @@ class SwaPool:
 
     def _map_pages_locked(self, plan: list[int]) -> None:
         """Map every page of `plan` (sync, under the lock). All or nothing."""
+        if not plan:  # TP: rank 0 published pages mapped ahead and needs no new one
+            return
         done: list[tuple[int, list[int], bool]] = []
         created = 0
         t0 = time.perf_counter()
@@ -512,7 +517,7 @@ class SwaPool:
         return self._mapper is not None
 
     def _trim_locked(self) -> None:
-        """Unmap spare pages beyond max_spare_pages, highest page ids first (sync)."""
+        """Unmap spare pages beyond max_spare_pages, the most recently emptied first (sync)."""
         while len(self._empty) > self.max_spare_pages:
             self._unmap_spare_locked(next(reversed(self._empty)))
 
@@ -648,8 +653,9 @@ class SwaPool:
         self._cond.notify_all()
 
     # -- tensor parallelism (driven by allocator.tp; its docstring has the protocol) -----------
-    # Under TP the pool runs no background mapper: every page change happens inside an
-    # alloc or a free, where it is a function of the operation sequence. `self._tp` is the
+    # Under TP the pool runs no background mapper: every change of the allocatable pages
+    # happens inside an alloc or a free, where it is a function of the operation sequence
+    # (pages mapped ahead become allocatable only there, see below). `self._tp` is the
     # rank's coordinator: on rank 0 it lets this pool's policy plan and sends the plan to the
     # peers; on a peer it returns rank 0's plan instead of planning (the peer's policy is off).
     def _tp_run(self, op: str, n: int, body: Any) -> list[int]:
@@ -684,6 +690,7 @@ class SwaPool:
             "mapped_pages": self._state.count(MAPPED),
             "spare_pages": len(self._empty),
             "live_handle_sets": self._live_sets,
+            "reserved_pages": len(self._tp_reserve),
         }
 
     def tp_config(self) -> tuple[int, ...]:
@@ -702,12 +709,135 @@ class SwaPool:
         )
 
     def tp_page_state(self, page: int) -> str:
-        """'unmapped', 'spare' (mapped, no occupied slot), 'used' or 'busy'."""
+        """'unmapped', 'reserved' (announced ahead), 'spare' (mapped, no occupied slot), 'used'
+        or 'busy'."""
+        if page in self._tp_reserve:
+            return "reserved"
         if self._state[page] == BUSY:
             return "busy"
         if self._state[page] == UNMAPPED:
             return "unmapped"
         return "spare" if page in self._empty else "used"
+
+    # Pages mapped ahead (TpCoordinator(ahead_pages=k)). Rank 0 announces reserved pages at an
+    # exchange; every rank marks them at the same point of the operation sequence (out of
+    # `_unmapped`, state BUSY, a handle set counted: so every decision stays a function of
+    # the sequence), its coordinator's thread maps them off the allocation path, and a later
+    # exchange publishes them (MAPPED, in the tiers), mapping here any the thread has not.
+    def tp_reserve_locked(self, pages: list[int]) -> None:
+        for p in pages:
+            i = bisect.bisect_left(self._unmapped, p)
+            if i == len(self._unmapped) or self._unmapped[i] != p:
+                raise RuntimeError(f"{self.name}: page {p} to reserve is not unmapped")
+            del self._unmapped[i]
+            self._state[p] = BUSY
+            kept = self._spare_sets.pop() if self._spare_sets else None
+            if kept is None:
+                self._live_sets += 1  # created by whoever maps it
+            self._tp_reserve[p] = _Ahead(kept)
+        self._cond.notify_all()
+
+    def tp_ahead_job(self) -> tuple[int, list[int] | None] | None:
+        """(page, kept handle set or None) of the lowest reserved page nobody maps yet, now
+        marked in flight (call under the lock); None when there is none."""
+        for p in sorted(self._tp_reserve):
+            a = self._tp_reserve[p]
+            if not a.mapped and not a.in_flight:
+                a.in_flight = True
+                self._busy += 1
+                return p, a.handles
+        return None
+
+    def tp_ahead_map(self, p: int, handles: list[int] | None) -> None:
+        """Map reserved page `p` (a job from tp_ahead_job), driver calls outside the lock."""
+        fresh = handles is None
+        t0 = time.perf_counter()
+        try:
+            if handles is None:
+                handles = self._pages.create_set()
+            try:
+                self._pages.map_page(p, handles)
+            except BaseException:
+                if fresh:
+                    self._pages.release_set(handles)
+                raise
+        except BaseException:
+            with self._lock:
+                self._tp_reserve[p].in_flight = False
+                self._busy -= 1
+                self._cond.notify_all()
+            raise
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            a = self._tp_reserve[p]
+            a.handles, a.mapped, a.in_flight = handles, True, False
+            self._busy -= 1
+            if fresh:
+                self._observer.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
+            self._observer.on_pool_event(PoolEvent.PAGES_MAPPED, 1, seconds)
+            self._cond.notify_all()
+
+    def tp_publish_locked(self, pages: list[int]) -> None:
+        """Make reserved `pages` allocatable, in order; map here any not mapped yet."""
+        for p in pages:
+            while self._tp_reserve[p].in_flight:
+                self._cond.wait(timeout=1.0)
+            a = self._tp_reserve[p]
+            if not a.mapped:
+                self._tp_ahead_map_locked(p, a)
+            del self._tp_reserve[p]
+            assert a.handles is not None
+            self._set_mapped(p, a.handles)
+
+    def _tp_ahead_map_locked(self, p: int, a: _Ahead) -> None:
+        fresh = a.handles is None
+        t0 = time.perf_counter()
+        handles = self._pages.create_set() if a.handles is None else a.handles
+        try:
+            self._pages.map_page(p, handles)
+        except BaseException:
+            if fresh:
+                with contextlib.suppress(Exception):
+                    self._pages.release_set(handles)
+            raise
+        a.handles, a.mapped = handles, True
+        if fresh:
+            self._observer.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
+        self._observer.on_pool_event(PoolEvent.PAGES_MAPPED, 1, time.perf_counter() - t0)
+
+    def tp_ahead_idle(self) -> bool:
+        """Every reserved page mapped (call under the lock)."""
+        return all(a.mapped for a in self._tp_reserve.values())
+
+    def tp_drop_reserve_locked(self) -> None:
+        """Give every reserved page back (detach, close): unmapped, its set kept or released."""
+        while any(a.in_flight for a in self._tp_reserve.values()):
+            self._cond.wait(timeout=1.0)
+        first: BaseException | None = None
+        for p in sorted(self._tp_reserve):
+            a = self._tp_reserve.pop(p)
+            if a.mapped:
+                try:
+                    self._pages.unmap_page(p)
+                except BaseException as e:
+                    first = first or e
+                self._observer.on_pool_event(PoolEvent.PAGES_UNMAPPED, 1)
+            if a.handles is None:
+                self._live_sets -= 1  # counted, never created
+            elif len(self._spare_sets) < self.handle_pool_pages:
+                self._spare_sets.append(a.handles)
+            else:
+                try:
+                    self._pages.release_set(a.handles)
+                except BaseException as e:
+                    first = first or e
+                self._live_sets -= 1
+                self._observer.on_pool_event(PoolEvent.HANDLES_RELEASED, 1)
+            self._state[p] = UNMAPPED
+            bisect.insort(self._unmapped, p)
+        self._cond.notify_all()
+        if first is not None:
+            raise first
 
     # -- tiers ------------------------------------------------------------------------------------
     def _home(self, i: int) -> int:
@@ -745,6 +875,9 @@ class SwaPool:
         mapper = self._mapper
         if mapper is not None:
             mapper.close()
+        tp = self._tp
+        if tp is not None:  # a TP coordinator gives back its pages mapped ahead and detaches
+            tp.close()
         with self._lock:
             if self._closed:
                 return
@@ -791,6 +924,17 @@ class SwaPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Ahead:
+    """A TP page reserved ahead: its handle set (None: not created yet), mapped, in flight."""
+
+    __slots__ = ("handles", "in_flight", "mapped")
+
+    def __init__(self, handles: list[int] | None) -> None:
+        self.handles = handles
+        self.mapped = False
+        self.in_flight = False
 
 
 def _as_list(ids: Any) -> list[int]:

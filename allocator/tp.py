@@ -2,47 +2,59 @@
 
 What is deterministic, what is not
     SGLang's schedulers on all TP ranks run the same allocation sequence: the same
-    `alloc(n)` and `free(ids)` calls in the same order. A pool's choice of slot ids is a
-    function of that sequence and of its page state (which pages are mapped, in which
-    order they became spare). Same code on every rank (int sets and insertion-ordered
-    dicts evolve identically), so given the same page operations at the same points of
-    the sequence every rank hands out the same ids in the same order. A
-    `BackgroundMapper` is timing-dependent: it maps and unmaps when its thread gets to
-    it. Which spare pages exist when an alloc runs would then depend on thread timing on
-    rank 0, and no peer could reproduce rank 0's ids without an exchange on every alloc.
-    So a pool under TP takes no background mapper (attaching one is refused both ways):
-    every page change happens inside an alloc or a free.
+    `alloc(n)` and `free(ids)` calls in the same order, from one thread. A pool's choice
+    of slot ids is a function of that sequence and of its page state (which pages are
+    mapped, in which order they became spare). Same code on every rank (int sets and
+    insertion-ordered dicts evolve identically), so given the same page operations at the
+    same points of the sequence every rank hands out the same ids in the same order. A
+    `BackgroundMapper` is timing-dependent: it maps and unmaps when its thread gets to it,
+    so which spare pages exist when an alloc runs would depend on thread timing on rank 0,
+    and no peer could reproduce rank 0's ids without an exchange on every alloc. A pool
+    under TP therefore takes no BackgroundMapper (attaching one is refused both ways):
+    every change of the *allocatable* page state happens inside an alloc or a free.
 
 When ranks talk
     A page changes at exactly two points, and every rank sees from its own state that it
     has reached one:
-    - an alloc that the free slots of mapped pages cannot meet: pages must be mapped;
+    - an alloc that the free slots of allocatable pages cannot meet: pages must be added;
     - a free that leaves more than `max_spare_pages` spare pages: some must be unmapped.
     There every rank joins one exchange: an all_gather, over a CPU gloo group, of one
-    fixed-size int64 view per rank (`VIEW_WORDS` words). Rank 0's view carries its plan:
-    the page ids its own policy chose to map or unmap, or its refusal (CapacityError;
-    then every rank raises it and nothing changes). A peer applies that plan instead of
-    planning (its policy is off), mapping or unmapping the page in every layer on its own
-    backend, then finishes the operation with the same code rank 0 runs. An operation
-    that changes no page exchanges nothing; one that does costs one collective, never one
-    per layer. A plan longer than `PLAN_WORDS` pages takes extra rounds of the same size.
-    At attach, a first exchange compares the pools' configurations.
+    fixed-size int64 view per rank (`VIEW_WORDS` words). Rank 0's view carries its
+    decision: the page ids its own policy chose, or its refusal (CapacityError; then every
+    rank raises it and nothing changes). A peer applies those pages instead of planning
+    (its policy is off), mapping or unmapping each in every layer on its own backend, then
+    finishes the operation with the same code rank 0 runs. An operation that changes no
+    page exchanges nothing; one that does costs one collective, never one per layer.
+    Lists longer than `PLAN_WORDS` pages take extra rounds of the same size. The first
+    exchange, at attach, compares the pools' configurations.
+
+Mapping ahead (`ahead_pages=k`, off by default)
+    Timing may decide when a page is *mapped*, as long as it never decides when a page
+    becomes *allocatable*. Rank 0 announces up to k unmapped pages as reserved at an
+    exchange (at attach, then at each page-adding one); every rank marks them at the end
+    of that operation (out of the unmapped pages, a handle set counted, not allocatable),
+    and each rank's own thread maps them off the allocation path. At the next page-adding
+    exchange rank 0's plan takes reserved pages first: every rank publishes them (makes
+    them allocatable), mapping on the spot any its thread has not finished, so the
+    exchange is all that sits on the allocation path. Unmapping stays on the free path.
 
 Divergence
     Each view also carries the rank's position (operations done, exchanges done), the
     current operation (kind, size, slots short or pages over), its pool state (occupied
-    slots, mapped and spare pages, live handle sets) and a hash of every result so far
-    (the ids each alloc handed out and each free returned). Every rank compares every
-    view with rank 0's; on any difference every rank counts it (`TpStatus`), raises
-    `TpDivergenceError` naming each differing rank's view next to rank 0's, and refuses
-    every later operation. A divergence is caught at the first exchange after it;
-    operations between the two are not checked: `verify()` forces an exchange (call it
-    once per scheduler step for a strict mode, at one collective per step).
+    slots, mapped, spare and reserved pages, live handle sets) and a digest of every
+    result so far (the ids each alloc handed out and each free returned). Every rank
+    compares every view with rank 0's; on any difference every rank counts it
+    (`TpStatus.divergences_total`, in each ledger snapshot), raises `TpDivergenceError`
+    naming each differing rank's view next to rank 0's, and refuses every later
+    operation. A peer also checks that rank 0's page lists fit its own pool before
+    applying them. A divergence is caught at the first exchange after it; operations
+    between the two are not checked: `verify()` forces an exchange (call it once per
+    scheduler step for a strict mode, at one collective per step).
 
 A rank that dies or hangs
     Each exchange waits at most `timeout_s`; a dead peer's closed connection fails at
-    once. Either raises `TpPeerError` on the ranks still alive, counted in `TpStatus`,
-    and the coordinator refuses every later operation.
+    once. Either raises `TpPeerError` on the ranks still alive, counted in
+    `TpStatus.peer_failures_total`, and the coordinator refuses every later operation.
 """
 
 from __future__ import annotations
@@ -51,6 +63,8 @@ import array
 import contextlib
 import datetime
 import hashlib
+import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +72,8 @@ from typing import Any
 from accounting.tp_status import TpStatus
 from allocator.errors import CapacityError, KvAllocatorError
 from allocator.pool import SwaPool
+
+log = logging.getLogger(__name__)
 
 PLAN_WORDS = 48  # page ids carried in one view; more take extra rounds
 MAGIC = 0x6B764C_0001  # protocol tag and version: a rank running other code mismatches here
@@ -75,13 +91,17 @@ _FIELDS = (
     "mapped_pages",
     "spare_pages",
     "live_handle_sets",
+    "reserved_pages",
     "trace",
     "config",
     "refused",
+    "publish_len",
     "plan_len",
+    "reserve_len",
 )
 _IDX = {name: i for i, name in enumerate(_FIELDS)}
-_COMPARED = tuple(f for f in _FIELDS if f not in ("rank", "refused", "plan_len"))
+_LISTS = ("publish_len", "plan_len", "reserve_len")  # rank 0's page lists, in this order
+_COMPARED = tuple(f for f in _FIELDS if f not in ("rank", "refused", *_LISTS))
 VIEW_WORDS = len(_FIELDS) + PLAN_WORDS
 
 HELLO, MAP, UNMAP, VERIFY = 1, 2, 3, 4
@@ -132,8 +152,12 @@ class TpCoordinator:
         group: Any = None,
         timeout_s: float = 60.0,
         ledger: Any = None,
+        ahead_pages: int = 0,
     ) -> None:
         import torch.distributed as dist
+
+        if not isinstance(ahead_pages, int) or isinstance(ahead_pages, bool) or ahead_pages < 0:
+            raise ValueError(f"ahead_pages={ahead_pages!r}, expected an int >= 0")
 
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s={timeout_s!r}, expected a positive number of seconds")
@@ -175,10 +199,16 @@ class TpCoordinator:
         self._failed: TpError | None = None
         self._last_error = ""
         self._closed = False
-        self._config = _digest(0, pool.tp_config())
+        self.ahead_pages = ahead_pages
+        self._pending_reserve: list[int] = []
+        self._ahead_errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._config = _digest(0, (*pool.tp_config(), ahead_pages))
         if ledger is not None:
             have = ledger.labels.get("tp_rank")
             if have is not None and have != str(self.rank):
+                self._release_group()
                 raise ValueError(
                     f"ledger label tp_rank={have!r}, expected {str(self.rank)!r} (this rank)"
                 )
@@ -187,11 +217,19 @@ class TpCoordinator:
         with pool._lock:
             pool._tp = self
             try:
-                self._exchange(HELLO, 0)
+                mine = self._choose_reserve(0, []) if self.rank == 0 else []
+                _, _, reserve, _ = self._exchange(HELLO, 0, reserve=mine)
+                self._check_pages(reserve, "unmapped", "reserve", HELLO, 0)
+                pool.tp_reserve_locked(reserve)
             except BaseException:
                 pool._tp = None
                 self._release_group()
                 raise
+        if ahead_pages:
+            self._thread = threading.Thread(
+                target=self._ahead_loop, name=f"kvledger-tp-ahead-{pool.name}", daemon=True
+            )
+            self._thread.start()
 
     # -- called by the pool, under its lock -----------------------------------------------
     def op_started(self, op: str, n: int) -> None:
@@ -204,36 +242,52 @@ class TpCoordinator:
         self._trace = _digest(_digest(self._trace, (code, n)), ids)
         self._ops_done += 1
         self._op = (0, 0)
+        if self._pending_reserve:  # announced at this op's exchange: marked at its end
+            pages, self._pending_reserve = self._pending_reserve, []
+            self.pool.tp_reserve_locked(pages)
 
     def plan_map(self, need: int) -> list[int]:
-        """Page ids to map so that `need` more slots can be handed out."""
+        """Page ids to map so that `need` more slots can be handed out; reserved pages the
+        plan takes are published here first (mapped ahead, or now)."""
+        pool = self.pool
         if self.rank == 0:
+            reserved = sorted(pool._tp_reserve)
             try:
-                plan = self.pool._plan_pages(need)
+                while True:
+                    plan = pool._plan_pages(need, reserved + pool._unmapped if reserved else None)
+                    if plan is not None:
+                        break
+                    pool._cond.wait(timeout=1.0)  # an ahead map in flight; capacity is short
             except CapacityError as e:
                 self._exchange(MAP, need, refused=True)
                 raise CapacityError(f"{e} (TP rank 0 decides; every rank refuses)") from None
-            if plan is None:  # pragma: no cover - only a background mapper makes pages busy
-                raise RuntimeError(f"{self.pool.name}: pages busy under TP")
-            self._exchange(MAP, need, plan)
-            return plan
-        plan, refused = self._exchange(MAP, need)
-        if refused:
-            raise CapacityError(
-                f"{self.pool.name}: TP rank 0 could not allocate {need} more slots "
-                f"(CapacityError there); rank {self.rank} follows it, nothing changed"
-            )
-        self._check_plan(plan, "unmapped", MAP, need)
+            held = set(reserved)
+            publish = [p for p in plan if p in held]
+            plan = [p for p in plan if p not in held]
+            reserve = self._choose_reserve(len(reserved) - len(publish), plan)
+            self._exchange(MAP, need, publish, plan, reserve)
+        else:
+            publish, plan, reserve, refused = self._exchange(MAP, need)
+            if refused:
+                raise CapacityError(
+                    f"{pool.name}: TP rank 0 could not allocate {need} more slots "
+                    f"(CapacityError there); rank {self.rank} follows it, nothing changed"
+                )
+            self._check_pages(publish, "reserved", "publish", MAP, need)
+            self._check_pages(plan, "unmapped", "map", MAP, need)
+            self._check_pages(reserve, "unmapped", "reserve", MAP, need, exclude=plan)
+        pool.tp_publish_locked(publish)
+        self._pending_reserve = reserve
         return plan
 
     def plan_unmap(self, excess: int) -> list[int]:
         """Spare page ids to unmap, `excess` of them."""
         if self.rank == 0:
             plan = self.pool.tp_trim_plan(excess)
-            self._exchange(UNMAP, excess, plan)
+            self._exchange(UNMAP, excess, plan=plan)
             return plan
-        plan, _ = self._exchange(UNMAP, excess)
-        self._check_plan(plan, "spare", UNMAP, excess)
+        _, plan, _, _ = self._exchange(UNMAP, excess)
+        self._check_pages(plan, "spare", "unmap", UNMAP, excess)
         return plan
 
     # -- public ---------------------------------------------------------------------------
@@ -260,15 +314,73 @@ class TpCoordinator:
     def failed(self) -> TpError | None:
         return self._failed
 
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until every page reserved ahead is mapped (tests, benchmarks)."""
+        pool = self.pool
+        with pool._cond:
+            return pool._cond.wait_for(lambda: pool.closed or pool.tp_ahead_idle(), timeout)
+
     def close(self) -> None:
-        """Detach from the pool (it works alone again) and drop an own group. Idempotent."""
+        """Stop mapping ahead, give the reserved pages back, detach from the pool (it works
+        alone again) and drop an own group. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        with self.pool._lock:
-            if self.pool._tp is self:
-                self.pool._tp = None
-        self._release_group()
+        self._stop.set()
+        with self.pool._cond:
+            self.pool._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            with self.pool._lock:
+                if self.pool._tp is self:
+                    self.pool._tp = None
+                    self.pool.tp_drop_reserve_locked()
+        finally:
+            self._release_group()
+
+    # -- mapping ahead ---------------------------------------------------------------------
+    def _choose_reserve(self, kept: int, plan: list[int]) -> list[int]:
+        """Rank 0: unmapped pages to announce for mapping ahead, lowest first, so that
+        `ahead_pages` are reserved after `plan` is mapped, within the physical budget."""
+        pool = self.pool
+        want = self.ahead_pages - kept
+        if want <= 0:
+            return []
+        spare = len(pool._spare_sets)
+        live = pool._live_sets + max(0, len(plan) - spare)
+        spare = max(0, spare - len(plan))
+        budget = pool.physical_budget
+        skip = set(plan)
+        out: list[int] = []
+        for p in pool._unmapped:
+            if len(out) == want:
+                break
+            if p in skip:
+                continue
+            if spare:
+                spare -= 1
+            elif budget is None or (live + 1) * pool.set_bytes <= budget:
+                live += 1
+            else:
+                break
+            out.append(p)
+        return out
+
+    def _ahead_loop(self) -> None:
+        pool = self.pool
+        while not self._stop.is_set():
+            with pool._cond:
+                job = None if pool.closed else pool.tp_ahead_job()
+                if job is None:
+                    pool._cond.wait(timeout=0.05)
+                    continue
+            try:
+                pool.tp_ahead_map(*job)
+            except Exception:
+                self._ahead_errors += 1
+                log.exception("TP pool %r: mapping page %d ahead failed", pool.name, job[0])
+                self._stop.wait(1.0)  # the exchange that publishes it maps it, or raises
 
     def __enter__(self) -> TpCoordinator:
         return self
@@ -289,7 +401,7 @@ class TpCoordinator:
             with contextlib.suppress(Exception):
                 self._dist.destroy_process_group(group)
 
-    def _view(self, kind: int, short: int, plan: list[int], refused: bool) -> list[int]:
+    def _view(self, kind: int, short: int, lists: list[list[int]], refused: bool) -> list[int]:
         st = self.pool.tp_state()
         code, n = self._op
         op_seq = self._ops_done + (1 if code else 0)
@@ -305,31 +417,44 @@ class TpCoordinator:
             st["mapped_pages"],
             st["spare_pages"],
             st["live_handle_sets"],
+            st["reserved_pages"],
             _signed64(self._trace),
             _signed64(self._config),
             int(refused),
-            len(plan),
+            *(len(x) for x in lists),
         ]
-        return view + plan[:PLAN_WORDS] + [0] * (PLAN_WORDS - min(len(plan), PLAN_WORDS))
+        words = [p for x in lists for p in x]
+        return view + words[:PLAN_WORDS] + [0] * (PLAN_WORDS - min(len(words), PLAN_WORDS))
 
     def _exchange(
-        self, kind: int, short: int, plan: list[int] | None = None, *, refused: bool = False
-    ) -> tuple[list[int], bool]:
-        """One all_gather of every rank's view; returns rank 0's plan and refusal."""
-        plan = list(plan or [])
+        self,
+        kind: int,
+        short: int,
+        publish: list[int] | None = None,
+        plan: list[int] | None = None,
+        reserve: list[int] | None = None,
+        *,
+        refused: bool = False,
+    ) -> tuple[list[int], list[int], list[int], bool]:
+        """One all_gather of every rank's view; returns rank 0's page lists (publish, map,
+        reserve) and its refusal. Only rank 0's lists are read."""
+        lists = [list(publish or []), list(plan or []), list(reserve or [])]
         self._exchanges += 1
-        views = self._all_gather(self._view(kind, short, plan, refused), kind)
+        views = self._all_gather(self._view(kind, short, lists, refused), kind)
         self._compare(views)  # every rank sees the same views, so all raise here or none
         leader = views[0]
-        n_plan = leader[_IDX["plan_len"]]
+        lens = [leader[_IDX[f]] for f in _LISTS]
+        total = sum(lens)
         start = len(_FIELDS)
-        got = leader[start : start + min(n_plan, PLAN_WORDS)]
-        while len(got) < n_plan:  # a long plan: more rounds of the same size
-            rest = plan[len(got) : len(got) + PLAN_WORDS] if self.rank == 0 else []
+        got = leader[start : start + min(total, PLAN_WORDS)]
+        mine = [p for x in lists for p in x]
+        while len(got) < total:  # long lists: more rounds of the same size
+            rest = mine[len(got) : len(got) + PLAN_WORDS] if self.rank == 0 else []
             more = self._all_gather(rest + [0] * (VIEW_WORDS - len(rest)), kind)[0]
-            got += more[: min(PLAN_WORDS, n_plan - len(got))]
-        self._page_ops += n_plan
-        return got, bool(leader[_IDX["refused"]])
+            got += more[: min(PLAN_WORDS, total - len(got))]
+        self._page_ops += lens[0] + lens[1]
+        a, b = lens[0], lens[0] + lens[1]
+        return got[:a], got[a:b], got[b:], bool(leader[_IDX["refused"]])
 
     def _all_gather(self, words: list[int], kind: int) -> list[list[int]]:
         import torch
@@ -379,21 +504,32 @@ class TpCoordinator:
                 )
         self._fail(TpDivergenceError("\n".join(lines)))
 
-    def _check_plan(self, plan: list[int], want: str, kind: int, short: int) -> None:
+    def _check_pages(
+        self,
+        pages: list[int],
+        want: str,
+        what: str,
+        kind: int,
+        short: int,
+        exclude: list[int] | None = None,
+    ) -> None:
+        """A peer's check that rank 0's list fits its own pool before applying it."""
         pool = self.pool
         bad = [
             (p, "out of range" if not 0 <= p < pool.layout.num_pages else pool.tp_page_state(p))
-            for p in plan
+            for p in pages
         ]
-        bad = [(p, s) for p, s in bad if s != want]
-        if bad or len(set(plan)) != len(plan):
+        bad = [(p, st) for p, st in bad if st != want]
+        also = set(exclude or ())
+        bad += [(p, "also in the map list") for p in pages if p in also]
+        if bad or len(set(pages)) != len(pages):
             self._divergences += 1
             self._fail(
                 TpDivergenceError(
-                    f"{pool.name}: TP rank {self.rank}: rank 0's plan at exchange "
-                    f"#{self._exchanges} ({_KIND_NAMES[kind]} {plan} for {short}) does not "
+                    f"{pool.name}: TP rank {self.rank}: rank 0's {what} list at exchange "
+                    f"#{self._exchanges} ({_KIND_NAMES[kind]} {pages} for {short}) does not "
                     f"fit this rank: expected every page {want}, found "
-                    f"{', '.join(f'page {p} {s}' for p, s in bad) or 'a page twice'}"
+                    f"{', '.join(f'page {p} {st}' for p, st in bad) or 'a page twice'}"
                 )
             )
 
@@ -418,15 +554,14 @@ def _describe(v: list[int]) -> str:
         f"{_KIND_NAMES.get(kind, '?')} {op}{short.get(kind, '')}; "
         f"ops done {v[i['op_seq']] - (1 if code else 0)}, occupied {v[i['occupied_slots']]} "
         f"slots, mapped {v[i['mapped_pages']]} pages ({v[i['spare_pages']]} spare), "
-        f"{v[i['live_handle_sets']]} live handle sets, trace {v[i['trace']] & _MASK:#018x}, "
+        f"{v[i['live_handle_sets']]} live handle sets, {v[i['reserved_pages']]} reserved ahead, trace {v[i['trace']] & _MASK:#018x}, "
         f"config {v[i['config']] & _MASK:#018x}"
     )
     if v[i["magic"]] != MAGIC:
         text += f", protocol tag {v[i['magic']]:#x} (expected {MAGIC:#x})"
-    if v[i["plan_len"]]:
-        start = len(_FIELDS)
-        shown = v[start : start + min(v[i["plan_len"]], 8)]
-        text += f", plan {v[i['plan_len']]} pages {shown}{'...' if v[i['plan_len']] > 8 else ''}"
+    lens = {f.removesuffix("_len"): v[i[f]] for f in _LISTS}
+    if any(lens.values()):
+        text += ", rank 0 lists: " + ", ".join(f"{k} {n} pages" for k, n in lens.items() if n)
     if v[i["refused"]]:
         text += ", refused (CapacityError)"
     return text

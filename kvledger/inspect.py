@@ -2,7 +2,9 @@
 
     kvledger inspect --config CONFIG.json (--budget BYTES | --full-tokens N)
         [--state-dtype fp32|bf16] [--indexer-dtype fp8|fp4] [--max-running-requests N]
-        [--speculative-draft-tokens N] [--swa-full-tokens-ratio R] [--context-length N] [--json]
+        [--speculative-draft-tokens N] [--swa-full-tokens-ratio R] [--context-length N]
+        [--swa-sizing ratio|cap --chunked-prefill-size N [--swa-prefix-tails N]
+         [--disable-radix-cache] [--disable-overlap-schedule]] [--json]
 
 Prints one row per buffer family: buffers, shape of one layer's buffer, dtype,
 the planner's predicted bytes, the bytes really allocated, and the overhead.
@@ -38,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-draft-tokens", metavar="N", default="0")
     parser.add_argument("--swa-full-tokens-ratio", metavar="R", default="0.1")
     parser.add_argument("--context-length", metavar="N")
+    parser.add_argument("--swa-sizing", metavar="ratio|cap", default="ratio")
+    parser.add_argument("--chunked-prefill-size", metavar="N")
+    parser.add_argument("--swa-prefix-tails", metavar="N")
+    parser.add_argument("--disable-radix-cache", action="store_true")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--json", action="store_true", help="print a JSON document")
 
 
@@ -67,6 +74,11 @@ def build(args: argparse.Namespace) -> BufferMap:
             or 0,
             swa_full_tokens_ratio=_float(args.swa_full_tokens_ratio, "--swa-full-tokens-ratio"),
             context_length=_int(args.context_length, "--context-length", 1),
+            swa_sizing=args.swa_sizing,
+            chunked_prefill_size=_int(args.chunked_prefill_size, "--chunked-prefill-size", 1),
+            swa_prefix_tails=_int(args.swa_prefix_tails, "--swa-prefix-tails", 0),
+            disable_radix_cache=args.disable_radix_cache,
+            disable_overlap_schedule=args.disable_overlap_schedule,
         )
     except ValueError as e:
         raise UsageError(_flag_names(str(e))) from None
@@ -117,6 +129,8 @@ def _flag_names(message: str) -> str:
         "speculative_draft_tokens",
         "swa_full_tokens_ratio",
         "context_length",
+        "swa_sizing",
+        "chunked_prefill_size",
         "budget_bytes",
         "full_tokens",
     ):
@@ -163,13 +177,14 @@ def table(bm: BufferMap) -> str:
         f"DeepSeek-V4 buffer map (SGLang 0.5.23 layout) for {bm.shape.source}",
         f"  layers {bm.shape.num_hidden_layers}: {len(bm.shape.layers(0))} x SWA only, "
         f"{len(bm.shape.layers(4))} x C4, {len(bm.shape.layers(128))} x C128"
-        + (
-            f" ({len(bm.shape.mtp_ratios)} MTP entries not in this pool)"
-            if bm.shape.mtp_ratios
-            else ""
-        ),
+        + _mtp_note(len(bm.shape.mtp_ratios)),
         f"  knobs: page {k.page_size}, state {k.state_dtype}, indexer {k.indexer_dtype}, "
-        f"draft tokens {k.speculative_draft_tokens}, swa ratio {k.swa_full_tokens_ratio}",
+        f"draft tokens {k.speculative_draft_tokens}, "
+        + (
+            f"swa ratio {k.swa_full_tokens_ratio}"
+            if k.swa_sizing == "ratio"
+            else f"swa cap {bm.pricing.swa_cap_tokens} tokens"
+        ),
         f"  tokens: full {s.full_tokens}, swa {s.swa_tokens}, c4 {s.c4_tokens}, c128 {s.c128_tokens}; "
         f"state rows: c4 {s.c4_state_size}, c128 {s.c128_state_size}; "
         f"max running requests {s.max_running_requests}",
@@ -178,7 +193,9 @@ def table(bm: BufferMap) -> str:
         lines.append(
             f"  budget {bm.budget_bytes} B ({format_size(bm.budget_bytes)}): "
             f"{bm.pricing.bytes_per_full_token:.2f} B per full token, "
-            f"{bm.fixed_bytes} B fixed (c128 state for {bm.planning_max_running_requests} requests)"
+            f"{bm.fixed_bytes} B fixed (c128 state for {bm.planning_max_running_requests} requests"
+            + (", SWA cap" if bm.pricing.swa_cap_tokens is not None else "")
+            + ")"
             + (
                 f", {bm.draft_reserve_bytes} B left for the draft worker"
                 if bm.draft_reserve_bytes

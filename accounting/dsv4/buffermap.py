@@ -135,7 +135,7 @@ class BufferMap:
     families: dict[str, FamilyPlan]  # every family of FAMILIES, in that order
     budget_bytes: int | None = None
     planning_max_running_requests: int | None = None
-    fixed_bytes: int = 0
+    fixed_bytes: int = 0  # planned outside the per-token coefficient: c128 state, SWA cap
     _by_family: dict[str, tuple[Dsv4Buffer, ...]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -219,6 +219,8 @@ class BufferMap:
                 "speculative_draft_tokens": self.knobs.speculative_draft_tokens,
                 "max_running_requests": self.knobs.max_running_requests,
                 "swa_full_tokens_ratio": self.knobs.swa_full_tokens_ratio,
+                "swa_sizing": self.knobs.swa_sizing,
+                "chunked_prefill_size": self.knobs.chunked_prefill_size,
                 "context_length": planner.context_length(self.shape, self.knobs),
             },
             "sizes": {
@@ -238,6 +240,7 @@ class BufferMap:
                 "bytes_per_swa_token": self.pricing.bytes_per_swa_token,
                 "spec_inflation": self.pricing.spec_inflation,
                 "fixed_bytes": self.fixed_bytes,
+                "swa_cap_tokens": self.pricing.swa_cap_tokens,
                 "planning_max_running_requests": self.planning_max_running_requests,
                 "draft_reserve_bytes": self.draft_reserve_bytes,
             },
@@ -289,13 +292,15 @@ def plan(
         solution = planner.solve_budget(shape, knobs, price, budget_bytes)
         sizes = planner.sizes_for_full_tokens(shape, knobs, solution.full_tokens)
         planning_mrr = solution.planning_max_running_requests
-        fixed = solution.fixed_bytes
+        c128_fixed = solution.c128_state_fixed_bytes
     else:
         assert full_tokens is not None
         sizes = planner.sizes_for_full_tokens(shape, knobs, full_tokens)
-        fixed = planner.c128_state_fixed_bytes(shape, knobs, sizes.max_running_requests)
+        c128_fixed = planner.c128_state_fixed_bytes(shape, knobs, sizes.max_running_requests)
+    swa_fixed = (price.swa_cap_tokens or 0) * price.bytes_per_swa_token
+    fixed = round(c128_fixed + swa_fixed)
     buffers = _buffers(shape, knobs, sizes)
-    families = _families(shape, knobs, sizes, price, buffers, fixed, planning_mrr)
+    families = _families(shape, knobs, sizes, price, buffers, c128_fixed, planning_mrr)
     return BufferMap(
         shape=shape,
         knobs=knobs,
@@ -389,7 +394,7 @@ def _families(
     sizes: planner.PoolSizes,
     price: planner.Pricing,
     buffers: tuple[Dsv4Buffer, ...],
-    fixed: int,
+    c128_fixed: int,
     planning_mrr: int | None,
 ) -> dict[str, FamilyPlan]:
     usable = {
@@ -405,9 +410,12 @@ def _families(
     for family in FAMILIES:
         bufs = [b for b in buffers if b.family == family]
         if family == "c128_state":
-            planned = fixed
+            planned = c128_fixed
         else:
-            planned = round(sizes.full_tokens * price.family_bytes_per_full_token[family])
+            planned = round(
+                sizes.full_tokens * price.family_bytes_per_full_token[family]
+                + (price.swa_cap_tokens or 0) * price.family_bytes_per_swa_token.get(family, 0.0)
+            )
         first = bufs[0] if bufs else None
         out[family] = FamilyPlan(
             family=family,
@@ -433,7 +441,7 @@ def _reasons(
         out.append(f"one extra logical page ({p} tokens) reserved per buffer")
     if family in ("swa_kv", "c4_kv", "c128_kv"):
         out.append("pages padded to a multiple of 576 bytes (priced in the planner too)")
-    if family == "swa_kv":
+    if family == "swa_kv" and knobs.swa_sizing == "ratio":
         out.append("SWA tokens rounded down to whole pages from ratio x full tokens")
     if family == "c4_indexer" and knobs.indexer_dtype == "fp4":
         out.append("fp4 indexer (68 B) priced at its fp8 size (132 B) by the planner")

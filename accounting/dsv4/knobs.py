@@ -9,13 +9,25 @@
 | max_running_requests | --max-running-requests | c128 state rows (one ring per request slot) |
 | swa_full_tokens_ratio | --swa-full-tokens-ratio (DSV4 default 0.1) | SWA tokens = ratio x full tokens |
 | context_length | --context-length (else from the config) | the planner's max_running_requests estimate |
+| swa_sizing | "ratio", or "cap" (below) | how many SWA tokens there are |
+| chunked_prefill_size | --chunked-prefill-size | cap mode: prefill chunks in flight |
+| disable_overlap_schedule | --disable-overlap-schedule | cap mode: 1 chunk in flight instead of 2 |
+| disable_radix_cache | --disable-radix-cache | cap mode: no cached prefix tails |
+| swa_prefix_tails | --swa-prefix-tails (else 4 x max_running_requests) | cap mode: prefix tails kept |
+| swa_eviction_interval | SGLANG_SWA_EVICTION_INTERVAL (128) | cap mode: tokens per request |
+
+SWA sizing. "ratio": SWA tokens = swa_full_tokens_ratio x full tokens (what
+SGLang 0.5.23 does when --swa-full-tokens-ratio is given, or when there is no
+request cap or no chunked prefill). "cap": what it does when
+--max-running-requests and a chunked prefill size are set and the ratio is not
+(`DSV4PoolConfigurator._resolve_swa_cap_tokens`): the SWA pool is sized from
+the request cap as fixed bytes, and the rest of the budget goes to full tokens.
 
 Not modelled (each changes the layout or the sizing path): the unified-KV ring
 (SGLANG_DSV4_UNIFIED_KV*), V4.1 KV layouts (SGLANG_DSV4_KV_LAYOUT), the trtllm
 backend, HiSparse, online c128 compression, encoder replay, pipeline / DP
-attention splits, PD disaggregation, and SWA "cap mode" (SGLang 0.5.23 sizes
-SWA from the request cap when --max-running-requests and chunked prefill are
-set and --swa-full-tokens-ratio is not: pass the ratio explicitly there).
+attention splits and PD disaggregation. SWA cap mode is modelled without
+speculative decoding only.
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ INDEXER_DTYPES = ("fp8", "fp4")
 
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_SWA_FULL_TOKENS_RATIO = 0.1  # SGLang 0.5.23 DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO
+DEFAULT_SWA_EVICTION_INTERVAL = 128  # SGLang 0.5.23 envs.SGLANG_SWA_EVICTION_INTERVAL
+SWA_SIZINGS = ("ratio", "cap")
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,12 @@ class Knobs:
     max_running_requests: int | None = None
     swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO
     context_length: int | None = None  # None: from the config, as SGLang does
+    swa_sizing: str = "ratio"  # "ratio" or "cap"
+    chunked_prefill_size: int | None = None
+    disable_overlap_schedule: bool = False
+    disable_radix_cache: bool = False
+    swa_prefix_tails: int | None = None
+    swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
 
     def __post_init__(self) -> None:
         state = (
@@ -70,6 +90,26 @@ class Knobs:
         r = self.swa_full_tokens_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
             raise ValueError(f"swa_full_tokens_ratio={r!r}, expected a number in (0, 1]")
+        if self.swa_sizing not in SWA_SIZINGS:
+            raise ValueError(f"swa_sizing={self.swa_sizing!r}, expected one of ratio, cap")
+        if self.chunked_prefill_size is not None:
+            _int(self, "chunked_prefill_size", 1)
+        if self.swa_prefix_tails is not None:
+            _int(self, "swa_prefix_tails", 0)
+        _int(self, "swa_eviction_interval", 1)
+        if self.swa_sizing == "cap":
+            if self.max_running_requests is None or self.chunked_prefill_size is None:
+                raise ValueError(
+                    f"swa_sizing='cap' with max_running_requests={self.max_running_requests!r}, "
+                    f"chunked_prefill_size={self.chunked_prefill_size!r}: expected both set "
+                    "(SGLang 0.5.23 sizes SWA by the request cap only then)"
+                )
+            if self.speculative:
+                raise ValueError(
+                    f"swa_sizing='cap' with speculative_draft_tokens="
+                    f"{self.speculative_draft_tokens}: expected 0 (cap mode with speculative "
+                    "decoding is not modelled)"
+                )
 
     @property
     def speculative(self) -> bool:

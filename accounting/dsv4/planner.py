@@ -16,6 +16,18 @@ compression, one pipeline stage, no DP attention, no PD disaggregation):
                               * 2 * head_dim * s * n128,   slots = max_running_requests + 1
     full_tokens             = floor(int((budget - fixed) / bytes_per_full_token) / page) * page
 
+In SWA cap mode (`_resolve_swa_cap_tokens`, `compute_swa_request_cap`) the SWA
+term leaves the coefficient and becomes fixed bytes:
+
+    per_request             = window + eviction_interval + page_size + page_size
+    cap                     = per_request * max_running_requests
+                              + chunks_in_flight * chunked_prefill_size + page_size
+    swa_cap_tokens          = ceil_align(cap + prefix_tails * (window + page_size), page_size)
+    fixed                  += swa_cap_tokens * bytes_per_swa_token
+
+(chunks_in_flight 2, or 1 with --disable-overlap-schedule; prefix_tails from
+--swa-prefix-tails, else 0 with --disable-radix-cache, else 4 x requests.)
+
 (L layers, n4 / n128 layers of ratio 4 / 128, s the state element size; the
 indexer is priced at its fp8 size even with the fp4 indexer, as SGLang 0.5.23
 does on NVIDIA.) Sizes then follow `_compute_dsv4_sizes` and
@@ -65,6 +77,8 @@ class Pricing:
     bytes_per_full_token: float  # what the budget is divided by
     spec_inflation: float
     family_bytes_per_full_token: dict[str, float]  # token-scaled families, uninflated
+    family_bytes_per_swa_token: dict[str, float]  # the SWA-priced families, uninflated
+    swa_cap_tokens: int | None = None  # cap mode: SWA tokens, priced as fixed bytes
 
 
 def pricing(shape: Dsv4Shape, knobs: Knobs) -> Pricing:
@@ -77,26 +91,20 @@ def pricing(shape: Dsv4Shape, knobs: Knobs) -> Pricing:
     n4, n128 = len(shape.layers(4)), len(shape.layers(128))
     s = knobs.state_element_size
     ring4 = g.ring_size(4, knobs.speculative)
-    ratio = knobs.swa_full_tokens_ratio
     per_swa_state = ring4 / p * n4  # state rows per SWA token, summed over c4 layers
-    fam = {
-        "swa_kv": ratio * kvpt[0] * layers,
-        "c4_attn_state": ratio * per_swa_state * g.state_last_dim(shape.head_dim, True) * s,
-        "c4_indexer_state": ratio
-        * per_swa_state
-        * g.state_last_dim(shape.index_head_dim, True)
-        * s,
-        "c4_kv": n4 * kvpt[4] / 4,
-        # Priced at the fp8 size whatever the indexer dtype (NVIDIA path of 0.5.23).
-        "c4_indexer": n4 * g.indexer_entry_bytes(shape.index_head_dim, fp4=False) / 4,
-        "c128_kv": n128 * kvpt[128] / 128,
+    per_swa = {
+        "swa_kv": kvpt[0] * layers,
+        "c4_attn_state": per_swa_state * g.state_last_dim(shape.head_dim, True) * s,
+        "c4_indexer_state": per_swa_state * g.state_last_dim(shape.index_head_dim, True) * s,
     }
-    swa_token = (
-        kvpt[0] * layers
-        + per_swa_state
-        * (g.state_last_dim(shape.head_dim, True) + g.state_last_dim(shape.index_head_dim, True))
-        * s
-    )
+    cap = swa_cap_tokens(shape, knobs)
+    ratio = 0.0 if cap is not None else knobs.swa_full_tokens_ratio
+    fam = {f: ratio * v for f, v in per_swa.items()}
+    fam["c4_kv"] = n4 * kvpt[4] / 4
+    # Priced at the fp8 size whatever the indexer dtype (NVIDIA path of 0.5.23).
+    fam["c4_indexer"] = n4 * g.indexer_entry_bytes(shape.index_head_dim, fp4=False) / 4
+    fam["c128_kv"] = n128 * kvpt[128] / 128
+    swa_token = sum(per_swa.values())
     full_token = ratio * swa_token + fam["c4_kv"] + fam["c4_indexer"] + fam["c128_kv"]
     infl = (layers + 1) / layers if knobs.speculative else 1.0
     return Pricing(
@@ -105,7 +113,26 @@ def pricing(shape: Dsv4Shape, knobs: Knobs) -> Pricing:
         bytes_per_full_token=full_token * infl,
         spec_inflation=infl,
         family_bytes_per_full_token=fam,
+        family_bytes_per_swa_token=per_swa,
+        swa_cap_tokens=cap,
     )
+
+
+def swa_cap_tokens(shape: Dsv4Shape, knobs: Knobs) -> int | None:
+    """DSV4PoolConfigurator._resolve_swa_cap_tokens with compute_swa_request_cap (no
+    speculative decoding, not a PD decode server); None in ratio mode."""
+    if knobs.swa_sizing != "cap":
+        return None
+    assert knobs.max_running_requests is not None and knobs.chunked_prefill_size is not None
+    p, window = knobs.page_size, shape.sliding_window
+    per_request = window + knobs.swa_eviction_interval * 1 + p + p  # draft tokens 1, decode p
+    chunks = 1 if knobs.disable_overlap_schedule else 2
+    cap = per_request * knobs.max_running_requests + chunks * knobs.chunked_prefill_size + p
+    if knobs.swa_prefix_tails is not None:
+        tails = knobs.swa_prefix_tails
+    else:
+        tails = 0 if knobs.disable_radix_cache else 4 * knobs.max_running_requests
+    return g.ceil_div(cap + tails * (window + p), p) * p
 
 
 def c128_state_fixed_bytes(shape: Dsv4Shape, knobs: Knobs, max_running_requests: int) -> int:
@@ -143,8 +170,10 @@ def resolved_max_running_requests(shape: Dsv4Shape, knobs: Knobs, full_tokens: i
     return min(estimated, full_tokens // 2)
 
 
-def swa_tokens(full_tokens: int, knobs: Knobs) -> int:
-    """DSV4PoolConfigurator._get_swa_tokens (ratio mode)."""
+def swa_tokens(full_tokens: int, knobs: Knobs, cap: int | None = None) -> int:
+    """DSV4PoolConfigurator._get_swa_tokens: the cap in cap mode, else ratio x full tokens."""
+    if cap is not None:
+        return cap
     p = knobs.page_size
     return int(full_tokens * knobs.swa_full_tokens_ratio) // p * p
 
@@ -158,8 +187,11 @@ def sizes_for_full_tokens(shape: Dsv4Shape, knobs: Knobs, full_tokens: int) -> P
     """_compute_dsv4_sizes + finalize_with_max_running_requests for a full-token count."""
     p = knobs.page_size
     full = full_tokens // p * p
-    swa = swa_tokens(full, knobs)
-    if full <= 0 or not swa_admits_a_request(swa, shape, knobs):
+    cap = swa_cap_tokens(shape, knobs)
+    swa = swa_tokens(full, knobs, cap)
+    if full <= 0 and cap is not None:
+        raise ValueError(f"full_tokens={full_tokens}, expected at least one page ({p})")
+    if cap is None and (full <= 0 or not swa_admits_a_request(swa, shape, knobs)):
         need = min_full_tokens(shape, knobs)
         raise ValueError(
             f"full_tokens={full_tokens} gives {swa} SWA tokens (ratio "
@@ -183,6 +215,8 @@ def sizes_for_full_tokens(shape: Dsv4Shape, knobs: Knobs, full_tokens: int) -> P
 def min_full_tokens(shape: Dsv4Shape, knobs: Knobs) -> int:
     """The fewest full tokens (whole pages) whose SWA share admits one request."""
     p = knobs.page_size
+    if knobs.swa_sizing == "cap":
+        return p
     # swa_tokens grows with full_tokens; the first admitting SWA size is the next page
     # above window + page, reached at about that / ratio full tokens.
     target = (shape.sliding_window + p) // p * p + p
@@ -196,7 +230,31 @@ def min_full_tokens(shape: Dsv4Shape, knobs: Knobs) -> int:
 class BudgetSolution:
     full_tokens: int
     planning_max_running_requests: int
-    fixed_bytes: int  # c128 state, priced at the planning request count
+    c128_state_fixed_bytes: int  # priced at the planning request count
+    swa_fixed_bytes: float  # cap mode: swa_cap_tokens x bytes_per_swa_token
+
+    @property
+    def fixed_bytes(self) -> float:
+        return self.c128_state_fixed_bytes + self.swa_fixed_bytes
+
+
+def _solve(shape: Dsv4Shape, knobs: Knobs, price: Pricing, budget_bytes: int) -> BudgetSolution:
+    mrr = planning_max_running_requests(shape, knobs, price, budget_bytes)
+    c128 = c128_state_fixed_bytes(shape, knobs, max(mrr, 0))
+    swa_fixed = (
+        0.0 if price.swa_cap_tokens is None else price.swa_cap_tokens * price.bytes_per_swa_token
+    )
+    available = max(budget_bytes - (c128 + swa_fixed), 0)
+    full = int(available / price.bytes_per_full_token) // knobs.page_size * knobs.page_size
+    return BudgetSolution(full, mrr, c128, swa_fixed)
+
+
+def _usable(shape: Dsv4Shape, knobs: Knobs, price: Pricing, sol: BudgetSolution) -> bool:
+    if sol.full_tokens <= 0 or sol.planning_max_running_requests <= 0:
+        return False
+    if price.swa_cap_tokens is not None:
+        return True
+    return swa_admits_a_request(swa_tokens(sol.full_tokens, knobs), shape, knobs)
 
 
 def solve_budget(
@@ -204,47 +262,38 @@ def solve_budget(
 ) -> BudgetSolution:
     """DSV4PoolConfigurator.calculate_pool_sizes (the low-ratio padding loop is a no-op
     without ratio-1/2 layers)."""
-    mrr = planning_max_running_requests(shape, knobs, price, budget_bytes)
-    fixed = c128_state_fixed_bytes(shape, knobs, max(mrr, 0))
-    available = max(budget_bytes - fixed, 0)
-    full = int(available / price.bytes_per_full_token) // knobs.page_size * knobs.page_size
-    if full <= 0 or mrr <= 0 or not swa_admits_a_request(swa_tokens(full, knobs), shape, knobs):
+    sol = _solve(shape, knobs, price, budget_bytes)
+    if not _usable(shape, knobs, price, sol):
         need = min_budget_bytes(shape, knobs, price)
-        fixed_note = (
-            f"; {fixed} bytes of it go to c128 state for {mrr} running requests first"
-            if fixed
-            else ""
-        )
+        notes = []
+        if sol.c128_state_fixed_bytes:
+            notes.append(
+                f"{sol.c128_state_fixed_bytes} bytes of it go to c128 state for "
+                f"{sol.planning_max_running_requests} running requests first"
+            )
+        if sol.swa_fixed_bytes:
+            notes.append(
+                f"{round(sol.swa_fixed_bytes)} bytes to the {price.swa_cap_tokens}-token SWA cap"
+            )
         raise ValueError(
             f"budget_bytes={budget_bytes} is too small for one page per buffer: SGLang 0.5.23 "
-            f"sizes {max(full, 0)} full tokens from it, expected at least "
-            f"{min_full_tokens(shape, knobs)} (a budget of at least {need} bytes{fixed_note})"
+            f"sizes {max(sol.full_tokens, 0)} full tokens from it, expected at least "
+            f"{min_full_tokens(shape, knobs)} (a budget of at least {need} bytes"
+            + "".join(f"; {n}" for n in notes)
+            + ")"
         )
-    return BudgetSolution(full_tokens=full, planning_max_running_requests=mrr, fixed_bytes=fixed)
+    return sol
 
 
 def min_budget_bytes(shape: Dsv4Shape, knobs: Knobs, price: Pricing) -> int:
     """The smallest budget `solve_budget` accepts (found by bisection)."""
     lo, hi = 0, 1
-    while not _budget_ok(shape, knobs, price, hi):
+    while not _usable(shape, knobs, price, _solve(shape, knobs, price, hi)):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _budget_ok(shape, knobs, price, mid):
+        if _usable(shape, knobs, price, _solve(shape, knobs, price, mid)):
             hi = mid
         else:
             lo = mid
     return hi
-
-
-def _budget_ok(shape: Dsv4Shape, knobs: Knobs, price: Pricing, budget: int) -> bool:
-    mrr = planning_max_running_requests(shape, knobs, price, budget)
-    if mrr <= 0:
-        return False
-    fixed = c128_state_fixed_bytes(shape, knobs, mrr)
-    full = (
-        int(max(budget - fixed, 0) / price.bytes_per_full_token)
-        // knobs.page_size
-        * knobs.page_size
-    )
-    return full > 0 and swa_admits_a_request(swa_tokens(full, knobs), shape, knobs)

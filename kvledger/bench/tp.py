@@ -3,8 +3,11 @@
 One run measures, on the host backend with a DeepSeek-V4-shaped SWA pool (43 layers,
 2 MiB pages, 584-byte slots in 256-token rows padded to 576 B):
 - alone: one pool without TP, in this process;
-- two ranks (processes) over a gloo group on loopback, each timing a pool under a
-  TpCoordinator and, interleaved cycle by cycle, a pool without TP (same load).
+- two ranks (processes) over a gloo group on loopback, each timing, interleaved cycle
+  by cycle so that all see the same load: a pool without TP ("no TP"), a pool under a
+  TpCoordinator ("TP"), and one whose coordinator maps one page ahead ("ahead",
+  `ahead_pages=1`; before the timed alloc the bench waits until that page is mapped, as
+  a real step's gap between page changes would allow).
 The mapped pages are filled first, so each cycle is an alloc(1) that maps a page id
 (all its layers), the free of that slot, which unmaps it again (max_spare_pages=0;
 one handle set is kept, so no physical memory is created or released in the cycle),
@@ -65,18 +68,40 @@ def run(args: argparse.Namespace) -> int:
         f"{args.cycles} cycles; a page change maps or unmaps {pages} page id(s) "
         f"({pages * args.layers} layer pages); medians in microseconds"
     )
-    cols = ("1 rank", "no TP r0", "TP r0", "TP r1", "TP r0 / no TP r0")
-    print(f"{'operation':<20}" + "".join(f"{c:>18}" for c in cols))
+    cols = (
+        "1 rank",
+        "no TP r0",
+        "TP r0",
+        "TP r1",
+        "TP/no TP",
+        "ahead r0",
+        "ahead r1",
+        "ahead/no TP",
+    )
+    print(f"{'operation':<20}" + "".join(f"{c:>12}" for c in cols))
     for op in OPS:
         one = alone["alone"].get(op)
         base = ranks[0]["alone"].get(op)
         r0, r1 = ranks[0]["tp"].get(op), ranks[1]["tp"].get(op)
-        ratio = f"{r0 / base:.2f}x" if r0 and base else "-"
-        cells = (_us(one), _us(base), _us(r0), _us(r1), ratio)
-        print(f"{op:<20}" + "".join(f"{c:>18}" for c in cells))
+        a0, a1 = ranks[0]["tp_ahead"].get(op), ranks[1]["tp_ahead"].get(op)
+        cells = (
+            _us(one),
+            _us(base),
+            _us(r0),
+            _us(r1),
+            _ratio(r0, base),
+            _us(a0),
+            _us(a1),
+            _ratio(a0, base),
+        )
+        print(f"{op:<20}" + "".join(f"{c:>12}" for c in cells))
     if args.json:
         print(json.dumps({"alone": alone, "ranks": ranks}))
     return 0
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
 
 
 def _us(seconds: float | None) -> str:
@@ -107,7 +132,9 @@ def _layout(page_bytes: int) -> tuple[Any, int]:
 class _Cycle:
     """One pool filled so that alloc(1) maps a page id; `run` times one cycle."""
 
-    def __init__(self, stack: contextlib.ExitStack, params: dict[str, Any], tp: Any) -> None:
+    def __init__(
+        self, stack: contextlib.ExitStack, params: dict[str, Any], tp: Any, ahead: int = 0
+    ) -> None:
         from allocator import HostBackend, SwaPool
 
         layout, per_page = _layout(params["page_bytes"])
@@ -126,7 +153,7 @@ class _Cycle:
             from allocator.tp import TpCoordinator
 
             self.coordinator = stack.enter_context(
-                TpCoordinator(self.pool, group=tp, timeout_s=params["timeout"])
+                TpCoordinator(self.pool, group=tp, timeout_s=params["timeout"], ahead_pages=ahead)
             )
         self.held = _fill_mapped_pages(self.pool, per_page)
         self.pages = 0
@@ -134,10 +161,10 @@ class _Cycle:
     def run(self, sync: Callable[[], Any]) -> dict[str, float]:
         pool = self.pool
         before = pool.stats()["mapped_pages"]
-        sync()
+        self._settle(sync)
         t_map, one = _timed(lambda: pool.alloc(1))
         self.pages = pool.stats()["mapped_pages"] - before
-        sync()
+        self._settle(sync)
         t_unmap, _ = _timed(lambda: pool.free(one))
         if self.pages <= 0 or pool.stats()["mapped_pages"] != before:
             raise RuntimeError(
@@ -145,7 +172,7 @@ class _Cycle:
                 f"{pool.stats()['mapped_pages']} of {before} mapped; expected a page change "
                 "there and back"
             )
-        sync()
+        self._settle(sync)
 
         def free_alloc() -> Any:
             pool.free(self.held[-1:])
@@ -155,9 +182,15 @@ class _Cycle:
         self.held[-1] = int(again[0])
         out = {"alloc_map": t_map, "free_unmap": t_unmap, "free_alloc_no_page": t_small}
         if self.coordinator is not None:
-            sync()
+            self._settle(sync)
             out["exchange"], _ = _timed(self.coordinator.verify)
         return out
+
+    def _settle(self, sync: Callable[[], Any]) -> None:
+        """Let pages mapped ahead finish (a real step's gap would), then line the ranks up."""
+        if self.coordinator is not None:
+            self.coordinator.wait_idle()
+        sync()
 
     def release(self) -> None:
         self.pool.free(self.held)
@@ -166,7 +199,7 @@ class _Cycle:
 def _measure(params: dict[str, Any], rank_info: tuple[int, int, str] | None) -> dict[str, Any]:
     """Cycles on a pool without TP; with `rank_info` = (rank, size, store) also on a pool
     under TP, interleaved cycle by cycle so that both see the same machine load."""
-    times: dict[str, dict[str, list[float]]] = {"alone": {}, "tp": {}}
+    times: dict[str, dict[str, list[float]]] = {"alone": {}, "tp": {}, "tp_ahead": {}}
     dist: Any = None
     with contextlib.ExitStack() as stack:
         group = None
@@ -186,6 +219,7 @@ def _measure(params: dict[str, Any], rank_info: tuple[int, int, str] | None) -> 
         cycles = {"alone": _Cycle(stack, params, None)}
         if group is not None:
             cycles["tp"] = _Cycle(stack, params, group)
+            cycles["tp_ahead"] = _Cycle(stack, params, group, ahead=1)
         # Under TP every rank lines up before each timed operation, on both pools.
         tp_cycle = cycles.get("tp")
         sync = tp_cycle.coordinator.verify if tp_cycle and tp_cycle.coordinator else _noop

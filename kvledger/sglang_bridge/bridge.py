@@ -25,6 +25,7 @@ removed from the ledger. The pool can be attached again afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Mapping
@@ -268,6 +269,7 @@ def _refuse(bridge: Bridge, activation: BridgeActivation, reason: str) -> Bridge
 def _activate(
     bridge: Bridge, be: Backend, owns: bool, swa_alloc: Any, pool_options: Mapping[str, Any]
 ) -> None:
+    """Register, map, copy, swap and hook; a failure at any step undoes the steps before it."""
     import torch
 
     facts = bridge.facts
@@ -279,12 +281,18 @@ def _activate(
         page_bytes=be.granularity,
         slots_per_row=1,
     )
-    account = ledger.add_account(
-        swa_specs(pool, facts, pool_name=bridge.pool_name, vmm_layout=layout),
-        page_bytes=layout.page_bytes,
-        capacity_slots=facts.rows * facts.page_tokens,
-    )
-    try:
+    with contextlib.ExitStack() as undo:
+        runtime = registry.register_runtime(
+            pool, ledger, pool_name=bridge.pool_name, exclude=(FAMILY,)
+        )
+        for acc in runtime:
+            undo.callback(ledger.remove_account, acc)
+        account = ledger.add_account(
+            swa_specs(pool, facts, pool_name=bridge.pool_name, vmm_layout=layout),
+            page_bytes=layout.page_bytes,
+            capacity_slots=facts.rows * facts.page_tokens,
+        )
+        undo.callback(ledger.remove_account, account)
         swa_pool = SwaPool(
             be,
             layers=facts.layers,
@@ -294,42 +302,33 @@ def _activate(
             name=f"{bridge.pool_name}/{FAMILY}",
             **dict(pool_options),
         )
-    except BaseException:
-        ledger.remove_account(account)
-        raise
-    follower = PageFollower(swa_pool)
-    hooks = AllocatorHooks(
-        swa_alloc,
-        follower,
-        before_give_back=_device_sync(facts) if facts.devices[0].startswith("cuda") else None,
-    )
-    try:
+        undo.callback(swa_pool.close)  # runs before the account's removal: LIFO
+        follower = PageFollower(swa_pool)
+        sync = _device_sync(facts) if facts.devices[0].startswith("cuda") else None
+        hooks = AllocatorHooks(swa_alloc, follower, before_give_back=sync)
         live = hooks.held_by_engine()
         follower.take(live)
         bufs = pool.swa_kv_pool.kv_buffer
+        native = list(bufs)
         vmm = [
             swa_pool.buffer(i, torch.uint8, (facts.rows, facts.row_bytes))
             for i in range(facts.layers)
         ]
         for i, t in enumerate(vmm):
             for row in [0, *live]:
-                t[row].copy_(bufs[i][row])
+                t[row].copy_(native[i][row])
+        undo.callback(bufs.__setitem__, slice(None), native)  # SGLang's tensors back
         for i, t in enumerate(vmm):
             bufs[i] = t
+        undo.callback(hooks.remove)
         hooks.install()
-    except BaseException:
-        hooks.remove()
-        swa_pool.close()
-        ledger.remove_account(account)
-        raise
+        undo.pop_all()  # every step done: keep them
     bridge.backend, bridge.owns_backend = be, owns
     bridge.swa_pool, bridge.follower, bridge.hooks = swa_pool, follower, hooks
     bridge.swa_account = account
+    bridge.runtime_accounts = runtime
     bridge.active = True
     bridge.reason = ""
-    bridge.runtime_accounts = registry.register_runtime(
-        pool, ledger, pool_name=bridge.pool_name, exclude=(FAMILY,)
-    )
 
 
 def _register_native(bridge: Bridge) -> None:

@@ -16,7 +16,14 @@ from typing import Any
 V4_TOKEN_BYTES = 584
 V4_PAGE_ALIGN = 576
 # Instance methods the bridge wraps on the SWA sub-allocator (PagedTokenToKVPoolAllocator).
-WRAPPED_METHODS = ("alloc", "alloc_extend", "alloc_decode", "_release_page_ids", "clear")
+WRAPPED_METHODS = (
+    "alloc",
+    "alloc_extend",
+    "alloc_decode",
+    "merge_and_sort_free",
+    "_release_page_ids",
+    "clear",
+)
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,24 @@
 """The narrowest wrapping of SGLang's SWA page allocator that tells the follower what it did.
 
 SGLang 0.5.23's `SWATokenToKVPoolAllocator` keeps the SWA side in
-`swa_attn_allocator`, a `PagedTokenToKVPoolAllocator` whose free list holds
-whole pages. Pages leave that list only in `alloc`, `alloc_extend` and
-`alloc_decode`, and come back only through `_release_page_ids` (reached from
-`free`, `free_page_ids`, `free_segment` and `free_group_end`, hence from
+`swa_attn_allocator`, a `PagedTokenToKVPoolAllocator` whose free list
+(`free_pages`, a tensor of page ids) holds whole pages. Pages leave that list
+only in `alloc`, `alloc_extend` and `alloc_decode`, always from its front
+(`free_pages = free_pages[n:]`, after `merge_and_sort_free` when it had to fold
+the staged pages in), and come back only through `_release_page_ids` (reached
+from `free`, `free_page_ids`, `free_segment` and `free_group_end`, hence from
 `SWATokenToKVPoolAllocator.free`, `free_swa`, `free_swa_segment` for tokens
 leaving the window, and deferred free groups) or all at once in `clear`.
 
-`AllocatorHooks` replaces exactly those five methods *on the one instance*
+`AllocatorHooks` replaces exactly those six methods *on the one instance*
 (instance attributes shadowing the class's; the class and every other
-allocator are untouched), each calling the original first and then reporting:
+allocator are untouched), each calling the original and then reporting:
 
-- `alloc*`: the pages of the returned token ids that the follower does not
-  hold yet are the pages just taken from the free list;
+- `alloc*`: the front of the free list as it stood before the call (or after
+  the merge inside it) down to where the list starts now: the pages taken.
+  The count is host metadata (`len`), so a call that takes no page (most
+  decode steps) reads nothing back from the device;
+- `merge_and_sort_free`: records the merged list the slice is taken from;
 - `_release_page_ids`: the page ids passed in are the pages returned;
 - `clear`: every page is free again.
 
@@ -60,25 +65,28 @@ class AllocatorHooks:
             )
         self.allocator = allocator
         self.follower = follower
-        self.page_size = int(allocator.page_size)
         self._before_give_back = before_give_back
         self.installed = False
         orig = {m: getattr(allocator, m) for m in WRAPPED_METHODS}
         self._orig = orig
+        self._front: Any = None  # the free list pages are being taken from
 
-        def alloc(*args: Any, **kwargs: Any) -> Any:
-            out = orig["alloc"](*args, **kwargs)
-            self._took(out)
-            return out
+        def taking(name: str) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                self._front = allocator.free_pages
+                try:
+                    return orig[name](*args, **kwargs)
+                finally:
+                    front, self._front = self._front, None
+                    self._took(front, allocator.free_pages)
 
-        def alloc_extend(*args: Any, **kwargs: Any) -> Any:
-            out = orig["alloc_extend"](*args, **kwargs)
-            self._took(out)
-            return out
+            wrapper.__name__ = name
+            return wrapper
 
-        def alloc_decode(*args: Any, **kwargs: Any) -> Any:
-            out = orig["alloc_decode"](*args, **kwargs)
-            self._took(out)
+        def merge_and_sort_free(*args: Any, **kwargs: Any) -> Any:
+            out = orig["merge_and_sort_free"](*args, **kwargs)
+            if self._front is not None:
+                self._front = allocator.free_pages
             return out
 
         def release_page_ids(*page_ids: Any) -> Any:
@@ -94,10 +102,11 @@ class AllocatorHooks:
                 self._give_back_all()
             return out
 
-        self._wrappers = {
-            "alloc": alloc,
-            "alloc_extend": alloc_extend,
-            "alloc_decode": alloc_decode,
+        self._wrappers: dict[str, Callable[..., Any]] = {
+            "alloc": taking("alloc"),
+            "alloc_extend": taking("alloc_extend"),
+            "alloc_decode": taking("alloc_decode"),
+            "merge_and_sort_free": merge_and_sort_free,
             "_release_page_ids": release_page_ids,
             "clear": clear,
         }
@@ -124,15 +133,10 @@ class AllocatorHooks:
         return [p for p in range(1, int(a.num_pages) + 1) if p not in free]
 
     # -- reports ----------------------------------------------------------------------
-    def _took(self, out: Any) -> None:
-        if out is None or out.numel() == 0:
-            return
-        ps = self.page_size
-        pages = sorted({i // ps for i in _page_list(out)})
-        f = self.follower
-        new = [p for p in pages if not f.is_held(p)]
-        if new:
-            f.take(new)
+    def _took(self, front: Any, now: Any) -> None:
+        taken = len(front) - len(now)
+        if taken > 0:
+            self.follower.take(_page_list(front[:taken]))
 
     def _give_back(self, pages: list[int]) -> None:
         if self._before_give_back is not None:

@@ -41,13 +41,19 @@ def _server_fields(knobs: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "page_size": knobs.get("page_size", 256),
         "swa_full_tokens_ratio": knobs.get("swa_full_tokens_ratio", 0.1),
-        # As --swa-full-tokens-ratio given on the command line: ratio sizing, never the
-        # cap mode kvledger does not model.
-        "_swa_full_tokens_ratio_explicitly_set": True,
+        # Ratio sizing is what SGLang does with --swa-full-tokens-ratio on the command line;
+        # cap sizing what it does without it (given a request cap and chunked prefill).
+        "_swa_full_tokens_ratio_explicitly_set": knobs.get("swa_sizing", "ratio") == "ratio",
+        "disable_radix_cache": knobs.get("disable_radix_cache", False),
+        "disable_overlap_schedule": knobs.get("disable_overlap_schedule", False),
         "enable_deepseek_v4_fp4_indexer": knobs.get("indexer_dtype", "fp8") == "fp4",
     }
     if knobs.get("max_running_requests") is not None:
         fields["max_running_requests"] = knobs["max_running_requests"]
+    if knobs.get("chunked_prefill_size") is not None:
+        fields["chunked_prefill_size"] = knobs["chunked_prefill_size"]
+    if knobs.get("swa_prefix_tails") is not None:
+        fields["swa_prefix_tails"] = knobs["swa_prefix_tails"]
     if knobs.get("context_length") is not None:
         fields["context_length"] = knobs["context_length"]
     draft = knobs.get("speculative_draft_tokens", 0)

@@ -234,3 +234,56 @@ def test_specs_register_into_ledger() -> None:
     assert rollup[("c4_kv",)]["physical_bytes"] == bm.allocated_bytes("c4_kv")
     with pytest.raises(ValueError, match=r"expected an accounting\.buffers\.Owner"):
         bm.specs(owner_of=lambda f: "vmm")  # type: ignore[arg-type,return-value]
+
+
+def test_swa_cap_mode() -> None:
+    knobs = Knobs(max_running_requests=256, swa_sizing="cap", chunked_prefill_size=8192)
+    bm = plan(flash(), knobs, budget_bytes=80 << 30)
+    # per request 128 + 128 + 256 + 256 = 768; 768 x 256 + 2 x 8192 + 256 = 213,248;
+    # 4 x 256 prefix tails x (128 + 256) = 393,216; 606,464 is whole pages.
+    assert bm.pricing.swa_cap_tokens == 606_464
+    assert bm.sizes.swa_tokens == 606_464
+    assert bm.sizes.c4_state_size == 606_464 // 256 * 8
+    # The SWA term leaves the per-token coefficient and becomes fixed bytes.
+    assert bm.pricing.bytes_per_full_token == pytest.approx(21 * (585 + 132) / 4 + 20 * 864 / 128)
+    assert bm.fixed_bytes == bm.planned_bytes("c128_state") + 606_464 * 31_875
+    assert bm.total_planned_bytes <= 80 << 30
+    assert bm.planned_bytes("swa_kv") == 606_464 * 585 * 43
+    no_radix = plan(flash(), knobs.replace(disable_radix_cache=True), budget_bytes=80 << 30)
+    assert no_radix.sizes.swa_tokens == g.ceil_div(213_248, 256) * 256
+    tails = plan(
+        flash(),
+        knobs.replace(swa_prefix_tails=1, disable_overlap_schedule=True),
+        full_tokens=1 << 20,
+    )
+    assert tails.sizes.swa_tokens == g.ceil_div(768 * 256 + 8192 + 256 + 384, 256) * 256
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"swa_sizing": "fixed"}, "swa_sizing='fixed', expected one of ratio, cap"),
+        ({"swa_sizing": "cap", "chunked_prefill_size": 8192}, "expected both set"),
+        ({"swa_sizing": "cap", "max_running_requests": 8}, "expected both set"),
+        (
+            {
+                "swa_sizing": "cap",
+                "max_running_requests": 8,
+                "chunked_prefill_size": 8,
+                "speculative_draft_tokens": 2,
+            },
+            "cap mode with speculative decoding is not modelled",
+        ),
+        ({"chunked_prefill_size": 0}, "chunked_prefill_size=0"),
+        ({"swa_eviction_interval": 0}, "swa_eviction_interval=0"),
+    ],
+)
+def test_cap_knob_errors(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Knobs(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cap_budget_too_small_names_the_cap() -> None:
+    knobs = Knobs(max_running_requests=4096, swa_sizing="cap", chunked_prefill_size=8192)
+    with pytest.raises(ValueError, match="-token SWA cap"):
+        plan(flash(), knobs, budget_bytes=8 << 30)

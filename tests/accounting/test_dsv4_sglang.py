@@ -69,6 +69,24 @@ POOL_CASES: list[tuple[str, list[int] | None, Knobs, dict[str, int]]] = [
         Knobs(max_running_requests=5, swa_full_tokens_ratio=0.25),
         {"full_tokens": 4096},
     ),
+    (
+        "flash-cap-1GiB",
+        None,
+        Knobs(max_running_requests=4, swa_sizing="cap", chunked_prefill_size=2048),
+        {"budget_bytes": 1 << 30},
+    ),
+    (
+        "mixed-cap-no-radix-bf16",
+        [0, 4, 128, 4],
+        Knobs(
+            max_running_requests=6,
+            swa_sizing="cap",
+            chunked_prefill_size=1024,
+            disable_radix_cache=True,
+            state_dtype="bf16",
+        ),
+        {"full_tokens": 30000},
+    ),
 ]
 
 PLANNER_CASES: list[tuple[str, list[int] | None, Knobs, dict[str, int]]] = [
@@ -90,6 +108,30 @@ PLANNER_CASES: list[tuple[str, list[int] | None, Knobs, dict[str, int]]] = [
     ("c128-6GiB-auto", [0, 128, 4, 128], Knobs(), {"budget_bytes": 6 << 30}),
     ("flash-tokens-1M", None, Knobs(max_running_requests=128), {"full_tokens": 1_000_000}),
     ("flash-odd-budget", None, Knobs(max_running_requests=100), {"budget_bytes": 12_345_678_901}),
+    (
+        "flash-cap-80GiB",
+        None,
+        Knobs(max_running_requests=256, swa_sizing="cap", chunked_prefill_size=8192),
+        {"budget_bytes": 80 << 30},
+    ),
+    (
+        "flash-cap-tails-no-overlap",
+        None,
+        Knobs(
+            max_running_requests=64,
+            swa_sizing="cap",
+            chunked_prefill_size=16384,
+            swa_prefix_tails=10,
+            disable_overlap_schedule=True,
+        ),
+        {"budget_bytes": 20 << 30},
+    ),
+    (
+        "flash-cap-tokens",
+        None,
+        Knobs(max_running_requests=32, swa_sizing="cap", chunked_prefill_size=4096),
+        {"full_tokens": 2_000_000},
+    ),
 ]
 
 
@@ -111,6 +153,11 @@ def _case(
             "max_running_requests": knobs.max_running_requests,
             "swa_full_tokens_ratio": knobs.swa_full_tokens_ratio,
             "context_length": knobs.context_length,
+            "swa_sizing": knobs.swa_sizing,
+            "chunked_prefill_size": knobs.chunked_prefill_size,
+            "disable_radix_cache": knobs.disable_radix_cache,
+            "disable_overlap_schedule": knobs.disable_overlap_schedule,
+            "swa_prefix_tails": knobs.swa_prefix_tails,
         },
         "context_length": knobs.context_length or shape.context_length,
         "build": build,
@@ -181,7 +228,7 @@ def _check_sizes(bm: Any, ref: dict[str, Any]) -> None:
     assert _sizes(bm) == {k: got[k] for k in _sizes(bm)}
     assert bm.pricing.bytes_per_full_token == pytest.approx(got["bytes_per_full_token"], rel=1e-12)
     assert bm.pricing.bytes_per_swa_token == pytest.approx(got["bytes_per_swa_token"], rel=1e-12)
-    assert got["swa_cap_tokens"] is None  # ratio mode, as modelled
+    assert got["swa_cap_tokens"] == bm.pricing.swa_cap_tokens
     if bm.budget_bytes is not None:
         assert bm.planning_max_running_requests == got["planning_max_running_requests"]
     assert bm.planned_bytes("c128_state") == (

@@ -112,3 +112,14 @@ def test_from_dict_refuses_another_schema() -> None:
     d["schema"] = 99
     with pytest.raises(ValueError, match="schema=99"):
         Snapshot.from_dict(d)
+
+
+def test_what_a_snapshot_hands_out_cannot_change_it() -> None:
+    snap = _busy_ledger().snapshot()
+    physical = snap.total("physical_bytes")
+    snap.to_dict()["totals"]["physical_bytes"] = -1
+    snap.rollup()[()]["physical_bytes"] = -2
+    snap.rollup("family")[("swa_kv",)]["occupied_slots"] = -3
+    assert snap.total("physical_bytes") == physical
+    assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 57
+    assert snap.to_dict()["totals"]["physical_bytes"] == physical

@@ -3,12 +3,15 @@ is really the memfd's blocks, and close() leaves no fd, mapping or block behind.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,7 +199,56 @@ def test_close_leaves_no_memfd_no_mapping_and_no_reservation() -> None:
     ranges = [(base, base + 8 * g), (spare, spare + g)]
     for lo, hi, name in _maps_lines(inode):
         assert "kvledger-physical" not in name, f"memfd still mapped: {lo:x}-{hi:x} {name}"
-    for lo, hi, _ in _maps_lines():
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, perms = line.split()[:2]
+        if perms != "---p":  # a reservation's signature; anything else may reuse the range
+            continue
+        lo, hi = (int(x, 16) for x in span.split("-"))
         for rlo, rhi in ranges:
             assert hi <= rlo or lo >= rhi, f"{lo:x}-{hi:x} overlaps a freed reservation"
     assert be.stats() == {"reservations": 0, "reserved_bytes": 0, "handles": 0, "mappings": 0}
+
+
+class _NoSpaceLibc:
+    """Stands in for libc: fallocate fails with ENOSPC, everything else is the real call."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def fallocate(self, fd: int, mode: int, offset: int, size: int) -> int:
+        if mode == 0:
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        return int(self._real.fallocate(fd, mode, offset, size))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def test_create_out_of_memory_is_a_driver_error_and_holds_nothing(
+    host: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import allocator.host as host_module
+
+    g = host.granularity
+    kept = host.create(g)
+
+    def no_room(fd: int, length: int) -> None:
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(os, "ftruncate", no_room)  # growing the arena fails
+    with pytest.raises(DriverError) as info:
+        host.create(g)
+    assert info.value.op == "create" and info.value.error_name == "EFBIG"
+    monkeypatch.undo()
+    monkeypatch.setattr(host_module, "_libc", _NoSpaceLibc(host_module._libc))
+    with pytest.raises(DriverError) as info:  # committing the blocks fails
+        host.create(g)
+    assert info.value.op == "create" and info.value.error_name == "ENOSPC"
+    monkeypatch.undo()
+    assert host.stats()["handles"] == 1 and host.physical_bytes() == g
+    h = host.create(g)  # works again, and its blocks are really there
+    assert host.physical_bytes() == 2 * g
+    host.release(h)
+    host.release(kept)
+    assert host.physical_bytes() == 0

@@ -166,3 +166,78 @@ def test_occupy_waiting_on_a_busy_page_rechecks_its_ids(host: HostBackend) -> No
     assert sorted(rig.pool.occupied_ids()) == [1, 2, 3]
     assert rig.ledger.snapshot().total("occupied_slots") == 3
     rig.close()
+
+
+def test_wait_idle_waits_for_maps_with_kept_handle_sets_when_the_budget_is_spent(
+    rig_factory: MakeRig,
+) -> None:
+    rig = rig_factory(max_spare_pages=0, handle_pool_pages=2, physical_budget=3 * 3 * PAGE)
+    pool = rig.pool
+    pool.free(pool.alloc(3 + 2 * SLOTS_PER_PAGE))  # two page ids unmapped, their sets kept
+    assert pool.stats()["kept_handle_sets"] == 2 and pool.stats()["physical_bytes"] == 9 * PAGE
+    pool.min_spare_pages = pool.max_spare_pages = 2
+    with BackgroundMapper(pool, idle_seconds=0.01) as mapper:
+        assert mapper.wait_idle()
+        # the budget allows no fresh set, but the kept ones are mapped ahead
+        assert pool.stats()["spare_pages"] == 2
+        assert pool.stats()["kept_handle_sets"] == 0
+    assert _physical(rig) == (9 * PAGE,) * 3
+
+
+def test_threads_allocating_and_freeing_beside_the_mapper_keep_the_books(
+    rig_factory: MakeRig,
+) -> None:
+    """Four threads churn alloc/free while the mapper maps ahead and unmaps behind; no slot
+    is ever held twice and, once quiet, the pool, the memfd and the ledger agree."""
+    layout = SlotLayout(capacity_slots=256, slot_bytes=12 * 1024, page_bytes=PAGE)
+    rig = rig_factory(layers=2, layout=layout, min_spare_pages=2, max_spare_pages=4)
+    pool = rig.pool
+    owner: dict[int, int] = {}
+    owner_lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def churn(me: int) -> None:
+        held: list[int] = []
+        try:
+            for step in range(150):
+                if held and (step % 3 == 2 or len(held) > 40):
+                    k = 1 + step % len(held)
+                    out, held = held[:k], held[k:]
+                    with owner_lock:
+                        for i in out:
+                            assert owner.pop(i) == me
+                    pool.free(out)
+                else:
+                    try:
+                        got = pool.alloc(1 + (step * 7 + me) % 9).tolist()
+                    except CapacityError:
+                        continue
+                    with owner_lock:
+                        for i in got:
+                            assert i not in owner, f"slot {i} handed to {me} and {owner[i]}"
+                            owner[i] = me
+                    held += got
+            pool.free(held)
+            with owner_lock:
+                for i in held:
+                    owner.pop(i)
+        except BaseException as e:
+            failures.append(e)
+
+    with BackgroundMapper(pool, idle_seconds=0.001) as mapper:
+        threads = [threading.Thread(target=churn, args=(me,)) for me in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert failures == []
+        assert mapper.wait_idle()
+        assert mapper.errors == 0
+        assert pool.occupied_ids() == []
+        stats = pool.stats()
+        assert 2 <= stats["spare_pages"] <= 4
+        assert _physical(rig) == (stats["live_handle_sets"] * 2 * PAGE,) * 3
+        snap = rig.ledger.snapshot()
+        assert snap.violations == ()
+        assert snap.total("mapped_bytes") == stats["mapped_pages"] * 2 * PAGE
+        assert snap.total("occupied_slots") == 0

@@ -463,3 +463,42 @@ def test_construction_failing_after_reserving_frees_the_reservations(host: HostB
     with pytest.raises(RuntimeError, match="no tensors"):
         SwaPool(NoTensors(host), layers=3, layout=lay)
     assert host.stats()["reservations"] == 0
+
+
+def test_the_pool_runs_on_every_backend(backend: Any) -> None:
+    """The pool over each backend of the contract suite (CUDA under marker gpu): slots on
+    several pages, straddling ones included, written through fp8 and read back, then close()
+    holds nothing."""
+    g = backend.granularity
+    rows = -(-3 * g // DSV4_ROW_BYTES)  # about three pages
+    lay = SlotLayout(
+        capacity_slots=rows * DSV4_SLOTS_PER_ROW,
+        slot_bytes=DSV4_SLOT_BYTES,
+        page_bytes=g,
+        slots_per_row=DSV4_SLOTS_PER_ROW,
+        row_bytes=DSV4_ROW_BYTES,
+    )
+    rig = Rig(backend, layers=2, layout=lay, max_spare_pages=0, handle_pool_pages=0)
+    pool = rig.pool
+    ids = pool.alloc(pool.capacity_slots)
+    assert len(set(ids.tolist())) == pool.capacity_slots
+    assert _mapped_pages(pool) == list(range(lay.num_pages))
+    fp8 = pool.buffer(1, torch.float8_e4m3fn, (-1,))
+    dev = fp8.device
+    offsets = torch.tensor([lay.slot_offset(i) for i in ids.tolist()], device=dev)
+    cols = offsets[:, None] + torch.arange(DSV4_SLOT_BYTES, device=dev)
+    values = (ids.to(dev)[:, None] % 8 + 1).float().expand(-1, DSV4_SLOT_BYTES)
+    # scatter through the uint8 view of the fp8 view (index_put on fp8 is not on every device)
+    fp8.view(torch.uint8)[cols] = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    again = pool.buffer(1, torch.float8_e4m3fn, (-1,))
+    back = again.view(torch.uint8)[cols].view(torch.float8_e4m3fn).float()
+    assert torch.equal(back.cpu(), values.cpu())
+    snap = rig.ledger.snapshot()
+    assert snap.violations == ()
+    assert snap.total("physical_bytes") == lay.num_pages * 2 * g
+    pool.free(ids)
+    assert _mapped_pages(pool) == [0]
+    pool.close()
+    stats = backend.stats()
+    assert (stats["reservations"], stats["handles"], stats["mappings"]) == (0, 0, 0)
+    assert rig.ledger.snapshot().total("physical_bytes") == 0

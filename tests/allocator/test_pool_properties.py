@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -19,7 +20,7 @@ from hypothesis.stateful import (
 )
 
 from accounting.buffers import runtime_buffer
-from allocator.errors import CapacityError, SlotError
+from allocator.errors import CapacityError, DriverError, SlotError
 from allocator.host import HostBackend
 from allocator.layout import SlotLayout
 from allocator.mapper import BackgroundMapper
@@ -30,6 +31,7 @@ from tests.allocator.rigs import (
     DSV4_SLOTS_PER_ROW,
     KIB,
     SMALL_GRANULARITY,
+    FailingBackend,
     Rig,
 )
 
@@ -58,21 +60,25 @@ LAYOUTS = {
 }
 
 
-def _memfds() -> int:
-    n = 0
+def _fds_of(file: tuple[int, int]) -> list[str]:
+    """This process's fds open on `file` (st_dev, st_ino): other tests may hold backends."""
+    out = []
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            n += "kvledger-physical" in os.readlink(f"/proc/self/fd/{fd}")
-    return n
+            st = os.stat(f"/proc/self/fd/{fd}")
+            if (st.st_dev, st.st_ino) == file:
+                out.append(fd)
+    return out
 
 
 class PoolMachine(RuleBasedStateMachine):
+    faulty = False
+
     def __init__(self) -> None:
         super().__init__()
         self.rig: Rig | None = None
         self.mapper: BackgroundMapper | None = None
         self.held: set[int] = set()
-        self.memfds_before = _memfds()
 
     @initialize(
         layout=st.sampled_from(sorted(LAYOUTS)),
@@ -99,9 +105,13 @@ class PoolMachine(RuleBasedStateMachine):
     ) -> None:
         lay = LAYOUTS[layout]
         self.backend = HostBackend(G)
+        assert self.backend._fd is not None
+        st = os.fstat(self.backend._fd)
+        self.file = (st.st_dev, st.st_ino)
+        self.faults = FailingBackend(self.backend)  # armed only by FaultyPoolMachine.inject
         budget = None if budget_sets is None else budget_sets * layers * lay.page_bytes
         self.rig = Rig(
-            self.backend,
+            self.faults,
             layers=layers,
             layout=lay,
             null_slot=null_slot,
@@ -136,7 +146,8 @@ class PoolMachine(RuleBasedStateMachine):
         before = self._quiet_state()
         try:
             ids = self.pool.alloc(n).tolist()
-        except CapacityError:
+        except (CapacityError, DriverError) as e:
+            assert self.faulty or not isinstance(e, DriverError), e
             assert self._quiet_state() == before or self.mapper is not None
             assert set(self.pool.occupied_ids()) == self.held
             return
@@ -154,8 +165,12 @@ class PoolMachine(RuleBasedStateMachine):
             return
         held = sorted(self.held)
         ids = sorted({held[k % len(held)] for k in picks})
-        self.pool.free(torch.tensor(ids))
+        try:
+            self.pool.free(torch.tensor(ids))
+        except DriverError:  # a trim after the free failed; the free itself happened
+            assert self.faulty
         self.held.difference_update(ids)
+        assert set(self.pool.occupied_ids()) == self.held
 
     @rule(data=st.data())
     def occupy(self, data: st.DataObject) -> None:
@@ -168,7 +183,8 @@ class PoolMachine(RuleBasedStateMachine):
         before = self._quiet_state()
         try:
             self.pool.occupy(ids)
-        except CapacityError:
+        except (CapacityError, DriverError) as e:
+            assert self.faulty or not isinstance(e, DriverError), e
             assert self._quiet_state() == before or self.mapper is not None
             return
         self.held.update(ids)
@@ -232,7 +248,7 @@ class PoolMachine(RuleBasedStateMachine):
             for p in range(lay.num_pages):
                 for layer in range(pool.layers):
                     assert be.is_mapped(pool._pages.address(layer, p)) == (p in mapped)
-            if self.mapper is None:
+            if self.mapper is None and not self.faulty:  # a failed trim may leave extra spares
                 assert len(pool._empty) <= pool.max_spare_pages
             # physical: memfd blocks == pool's live handle sets == ledger (kept sets included)
             set_bytes = pool.layers * lay.page_bytes
@@ -279,6 +295,8 @@ class PoolMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.rig is None:
             return
+        self.faults.arm(None, None)
+        ranges = [(b, b + self.pool._pages.reserved_bytes) for b in self.pool._pages.bases]
         self.rig.close()
         assert self.mapper is None or not self.mapper._thread.is_alive()
         snap = self.rig.ledger.snapshot()
@@ -292,7 +310,14 @@ class PoolMachine(RuleBasedStateMachine):
             "mappings": 0,
         }
         self.backend.close()
-        assert _memfds() == self.memfds_before
+        assert _fds_of(self.file) == []
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            span, perms, _, _, inode = line.split()[:5]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            named = "kvledger-physical" in line
+            assert not (named and int(inode) == self.file[1]), f"memfd still mapped: {line}"
+            if perms == "---p":  # a reservation's signature (others may reuse the range)
+                assert all(hi <= a or lo >= b for a, b in ranges), f"reservation left: {line}"
 
 
 PoolMachine.TestCase.settings = settings(
@@ -302,3 +327,24 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPoolProperties = PoolMachine.TestCase
+
+
+class FaultyPoolMachine(PoolMachine):
+    """The same traffic with backend calls failing now and then (on the allocation path or the
+    mapper's thread): every invariant above still holds after each failure."""
+
+    faulty = True
+
+    @rule(op=st.sampled_from(["create", "map", "set_access", "unmap"]), k=st.integers(0, 6))
+    def inject(self, op: str, k: int) -> None:
+        if self.rig is not None:
+            self.faults.arm(op, k)
+
+
+FaultyPoolMachine.TestCase.settings = settings(
+    max_examples=30,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestFaultyPoolProperties = FaultyPoolMachine.TestCase

@@ -53,6 +53,7 @@ def test_tp_state_and_page_states(backend: HostBackend) -> None:
             "mapped_pages": stats["mapped_pages"],
             "spare_pages": stats["spare_pages"],
             "live_handle_sets": stats["live_handle_sets"],
+            "reserved_pages": 0,
         }
         assert pool.tp_page_state(0) == "used"
         assert pool.tp_page_state(LAYOUT.num_pages - 1) == "unmapped"

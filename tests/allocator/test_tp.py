@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ def run_ranks(
     fault_op: int = -1,
     timeout: float = 20.0,
     wait_s: float = 50.0,
+    ahead: int = 0,
 ) -> tuple[list[dict[str, Any] | None], list[int | None]]:
     """Start `size` ranks, wait up to `wait_s`, kill what is left; (results, exit codes)."""
     procs = []
@@ -52,6 +54,7 @@ def run_ranks(
             f"--fault-rank={fault_rank}",
             f"--fault-op={fault_op}",
             f"--timeout={timeout}",
+            f"--ahead={ahead}",
         ]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + wait_s
@@ -127,6 +130,31 @@ def test_ranks_follow_rank0_to_the_same_ids_pages_and_figures(tmp_path: Path, si
         assert rel["reservations"] == 0
     # hello + one per page-changing or refused op + the final verify
     assert r0["tp"]["exchanges_total"] == changed + refused + 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("size", "ahead"), [(2, 3), (4, 2)])
+def test_ranks_mapping_ahead_follow_rank0_to_the_same_ids_pages_and_figures(
+    tmp_path: Path, size: int, ahead: int
+) -> None:
+    results, codes = run_ranks(tmp_path, size, ahead=ahead)
+    assert codes == [0] * size, codes
+    r0 = results[0]
+    assert r0 is not None and "error" not in r0, r0
+    assert len(r0["reserved"]) == ahead
+    # Published pages mapped ahead: an exchange with no map on the allocation path.
+    assert any(ex == 1 and pages == 0 and not refused for ex, pages, refused in r0["ops"])
+    for r in results:
+        assert r is not None and "error" not in r, r
+        for key in ("allocs", "occupied", "mapped", "reserved", "stats", "totals"):
+            assert r[key] == r0[key], (r["rank"], key)
+        assert r["tp"]["exchanges_total"] == r0["tp"]["exchanges_total"]
+        assert r["tp"]["divergences_total"] == 0 and r["violations"] == 0
+        assert r["totals"]["physical_bytes"] == r["host_physical"] == r["stats"]["physical_bytes"]
+        assert r["stats"]["busy_pages"] == 0
+        rel = r["released"]
+        assert rel["physical_bytes"] == rel["mapped_bytes"] == rel["occupied_slots"] == 0
+        assert rel["host_physical"] == 0 and rel["mappings"] == 0 and rel["handles"] == 0
 
 
 @pytest.mark.slow
@@ -281,3 +309,76 @@ def test_rank0_refusal_is_a_capacity_error_and_changes_nothing(world1: Any) -> N
         assert p.stats() == before
         assert tp.failed is None
         assert len(p.alloc(3)) == 3  # the slots gathered before the refusal are still free
+
+
+def _ledger_pool(backend: HostBackend, **kw: Any) -> tuple[Ledger, Any, SwaPool]:
+    layout = tp_worker.LAYOUT
+    ledger = Ledger()
+    account = ledger.add_account(
+        tp_worker.layer_specs(layout, 2, layout.capacity_slots - 1), page_bytes=layout.page_bytes
+    )
+    return ledger, account, SwaPool(backend, layers=2, layout=layout, observer=account, **kw)
+
+
+def test_pages_mapped_ahead_are_published_without_a_map_on_the_allocation_path(
+    world1: Any,
+) -> None:
+    with HostBackend(granularity=tp_worker.GRANULARITY) as backend:
+        ledger, account, pool = _ledger_pool(backend, max_spare_pages=4)
+        with pool, TpCoordinator(pool, timeout_s=5, ahead_pages=2) as tp:
+            assert tp.wait_idle(5.0)
+            reserved = sorted(pool._tp_reserve)
+            assert (
+                len(reserved) == 2 and [pool.tp_page_state(p) for p in reserved] == ["reserved"] * 2
+            )
+            assert account.mapped_pages == 1 + 2  # the null slot's page and the two ahead
+            calls: list[tuple[str, int]] = []
+            real_map = pool._pages.map_page
+
+            def map_page(page: int, handles: Any) -> None:
+                calls.append((threading.current_thread().name, page))
+                real_map(page, handles)
+
+            pool._pages.map_page = map_page  # type: ignore[method-assign]
+            ids = pool.alloc(10)  # page 0 holds 6 more: it needs a reserved page
+            assert pool.is_page_mapped(reserved[0])
+            assert len(pool._tp_reserve) == 2  # topped up at the end of the op
+            assert tp.wait_idle(5.0)
+            main = threading.current_thread().name
+            assert [p for name, p in calls if name == main] == []  # published, not mapped here
+            assert [p for _, p in calls] == [max(pool._tp_reserve)]  # the top-up, by the thread
+            pool.free(ids)
+            assert pool.stats()["physical_bytes"] == account.handle_pages * pool.set_bytes
+        # pool.close() closed the coordinator first: the reserve is given back
+        totals = ledger.snapshot().to_dict()["totals"]
+        assert totals["physical_bytes"] == totals["mapped_bytes"] == 0
+        assert backend.physical_bytes() == 0 and backend.stats()["mappings"] == 0
+
+
+def test_detaching_gives_the_reserved_pages_back_and_the_pool_works_alone(world1: Any) -> None:
+    with HostBackend(granularity=tp_worker.GRANULARITY) as backend:
+        _, account, pool = _ledger_pool(backend, max_spare_pages=1, handle_pool_pages=0)
+        with pool:
+            with TpCoordinator(pool, timeout_s=5, ahead_pages=3) as tp:
+                tp.wait_idle(5.0)
+                assert account.mapped_pages == 4
+            assert pool._tp is None and not pool._tp_reserve
+            assert account.mapped_pages == 1 and account.handle_pages == 1
+            assert pool.stats()["live_handle_sets"] == 1
+            assert len(pool.alloc(20)) == 20
+        assert backend.physical_bytes() == 0
+
+
+def test_mapping_ahead_stays_within_the_physical_budget(world1: Any) -> None:
+    layout = tp_worker.LAYOUT
+    with HostBackend(granularity=tp_worker.GRANULARITY) as backend:
+        _, _, pool = _ledger_pool(backend, physical_budget=3 * 2 * layout.page_bytes)
+        with pool, TpCoordinator(pool, timeout_s=5, ahead_pages=5) as tp:
+            assert len(pool._tp_reserve) == 2  # the null slot's page holds the third set
+            tp.wait_idle(5.0)
+            assert pool.stats()["physical_bytes"] <= 3 * 2 * layout.page_bytes
+
+
+def test_ahead_pages_must_be_a_non_negative_int(world1: Any, pool: SwaPool) -> None:
+    with pytest.raises(ValueError, match="ahead_pages=-1, expected an int >= 0"):
+        TpCoordinator(pool, ahead_pages=-1)

@@ -148,6 +148,7 @@ def main() -> int:
     ap.add_argument("--fault-rank", type=int, default=-1)
     ap.add_argument("--fault-op", type=int, default=-1)
     ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--ahead", type=int, default=0)
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -173,7 +174,9 @@ def main() -> int:
     coordinator: TpCoordinator | None = None
     t0 = time.monotonic()
     try:
-        coordinator = TpCoordinator(pool, timeout_s=args.timeout, ledger=ledger)
+        coordinator = TpCoordinator(
+            pool, timeout_s=args.timeout, ledger=ledger, ahead_pages=args.ahead
+        )
         run_trace(
             pool,
             trace(args.seed, args.ops),
@@ -184,6 +187,8 @@ def main() -> int:
             result=result,
         )
         coordinator.verify()
+        if not coordinator.wait_idle(10.0):
+            raise RuntimeError("pages reserved ahead were not mapped within 10 s")
     except TpError as e:
         result["error"] = type(e).__name__
         result["message"] = str(e)
@@ -203,6 +208,7 @@ def main() -> int:
     result["occupied"] = pool.occupied_ids()
     result["mapped"] = [p for p in range(LAYOUT.num_pages) if pool.is_page_mapped(p)]
     result["stats"] = pool.stats()
+    result["reserved"] = sorted(pool._tp_reserve)
     result["host_physical"] = backend.physical_bytes()
     assert coordinator is not None
     coordinator.close()

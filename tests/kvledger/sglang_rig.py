@@ -66,7 +66,9 @@ def make_pool(*, ratios: list[int] | None = None, swa_pages: int = SWA_PAGES, **
     )
 
 
-def make_allocator(pool: Any, req_to_token: Any, *, page_size: int = PAGE) -> Any:
+def make_allocator(
+    pool: Any, req_to_token: Any, *, page_size: int = PAGE, need_sort: bool = False
+) -> Any:
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
     return SWATokenToKVPoolAllocator(
@@ -76,7 +78,7 @@ def make_allocator(pool: Any, req_to_token: Any, *, page_size: int = PAGE) -> An
         dtype=torch.float8_e4m3fn,
         device="cpu",
         kvcache=pool,
-        need_sort=False,
+        need_sort=need_sort,
         req_to_token_pool=req_to_token,
     )
 

@@ -71,6 +71,27 @@ def test_json_document() -> None:
     assert len(doc["buffers"]) == 167
 
 
+def test_cap_mode_flags() -> None:
+    r = kvledger(
+        "--config",
+        str(FLASH),
+        "--budget",
+        "80GiB",
+        "--max-running-requests",
+        "256",
+        "--swa-sizing",
+        "cap",
+        "--chunked-prefill-size",
+        "8192",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["planner"]["swa_cap_tokens"] == doc["sizes"]["swa_tokens"] == 606_464
+    r = kvledger("--config", str(FLASH), "--budget", "80GiB", "--swa-sizing", "cap")
+    assert r.returncode == 2 and "--swa-sizing 'cap' with max_running_requests=None" in r.stderr
+
+
 def test_size_units_and_knobs() -> None:
     r = kvledger(
         "--config",

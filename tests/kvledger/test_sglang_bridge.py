@@ -48,10 +48,10 @@ def _published() -> Iterator[None]:
 
 
 class Rig:
-    def __init__(self, **pool_kw: Any) -> None:
+    def __init__(self, *, need_sort: bool = False, **pool_kw: Any) -> None:
         self.pool = rig.make_pool(**pool_kw)
         self.r2t = rig.make_req_to_token()
-        self.alloc = rig.make_allocator(self.pool, self.r2t)
+        self.alloc = rig.make_allocator(self.pool, self.r2t, need_sort=need_sort)
         self.sched = rig.Scheduler(self.alloc, self.r2t)
         self.ledger = Ledger({"model_name": "dsv4-test"})
         self.backend = HostBackend(granularity=GRAN)
@@ -116,6 +116,35 @@ def usage_gb(snap: Any) -> float:
     return snap.total("physical_bytes") / GB
 
 
+def scrape(ledger: Ledger) -> dict[tuple[str, str | None], float]:
+    """What kvledger's exporter serves for `ledger`: (metric, family) -> value."""
+    from exporter.collector import registry_for
+    from exporter.metrics import HEADLINE, figure_metric
+    from exporter.sources import Sources
+
+    sources = Sources()
+    sources.add_ledger(ledger)
+    wanted = {HEADLINE, figure_metric("physical_bytes"), figure_metric("tensor_bytes")}
+    out: dict[tuple[str, str | None], float] = {}
+    for metric in registry_for(sources).collect():
+        for sample in metric.samples:
+            if sample.name in wanted:
+                out[(sample.name, sample.labels.get("family"))] = sample.value
+    return out
+
+
+def check_scrape(rg: Rig) -> float:
+    """The exporter's headline and swa_kv gauges; returns the headline."""
+    got = scrape(rg.ledger)
+    swa = rg.bridge.swa_pool
+    layers = len(rg.pool.swa_kv_pool.kv_buffer)
+    assert got[("sglang:kv_cache_tensor_bytes", "swa_kv")] == layers * swa.layout.rows * ROW
+    assert got[("sglang:kv_cache_physical_bytes", "swa_kv")] == swa.stats()["physical_bytes"]
+    headline = got[("sglang:kv_cache_memory_usage_gb", None)]
+    assert headline == pytest.approx(usage_gb(rg.ledger.snapshot(reconcile=False)))
+    return headline
+
+
 # -- attach --------------------------------------------------------------------------------------
 def test_attach_replaces_each_swa_buffer_in_place(r: Rig) -> None:
     import torch
@@ -141,6 +170,9 @@ def test_attach_replaces_each_swa_buffer_in_place(r: Rig) -> None:
     owners = {(a.family, a.owner.value) for a in r.ledger.accounts()}
     assert owners == {("swa_kv", "vmm")} | {(f, "runtime") for f in RUNTIME_FAMILIES}
     assert set(vars(r.alloc.swa_attn_allocator)) >= set(WRAPPED_METHODS)
+    # The full-token index space is logical: no buffer behind it, its allocator unwrapped.
+    assert getattr(r.pool, "full_kv_pool", None) is None
+    assert r.alloc.full_attn_allocator._kvcache is None
     assert not set(vars(r.alloc.full_attn_allocator)) & set(WRAPPED_METHODS)
     snap = check(r)
     # Only SGLang's padding page (row 0) is backed: one VMM page per layer.
@@ -162,12 +194,14 @@ def test_prefill_decode_window_eviction_and_finish_move_pages(r: Rig) -> None:
     s = r.sched
     base = check(r)
     g0 = usage_gb(base)
+    assert check_scrape(r) == pytest.approx(g0)
 
     a = s.prefill(300)  # 2 pages
     b = s.prefill(600)  # 3 pages
     snap = check(r)
     assert r.bridge.follower.held_pages == 5
     assert usage_gb(snap) > g0
+    assert check_scrape(r) == pytest.approx(usage_gb(snap))
 
     for _ in range(230):  # a: 300 -> 530 and b: 600 -> 830 each cross into one more page
         s.decode([a, b])
@@ -180,6 +214,7 @@ def test_prefill_decode_window_eviction_and_finish_move_pages(r: Rig) -> None:
     snap = check(r)
     assert r.bridge.follower.held_pages == 6
     assert usage_gb(snap) <= peak
+    assert check_scrape(r) == pytest.approx(usage_gb(snap))
 
     s.evict_window(b)  # b at 830: [0, 512) leaves the window
     assert s.evicted(b) == 512
@@ -193,6 +228,7 @@ def test_prefill_decode_window_eviction_and_finish_move_pages(r: Rig) -> None:
     assert r.bridge.follower.held_pages == 0
     assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 0
     assert usage_gb(snap) == g0  # back to the padding page and the runtime families
+    assert check_scrape(r) == pytest.approx(g0)
     assert r.alloc.swa_available_size() == r.alloc.size_swa
 
 
@@ -221,6 +257,30 @@ def test_free_group_returns_pages_at_group_end(r: Rig) -> None:
     r.alloc.free_group_end()
     assert r.bridge.follower.held_pages == 0
     check(r)
+
+
+def test_staged_frees_and_their_merge_are_followed() -> None:
+    """With need_sort (PD disaggregation), freed pages wait in SGLang's staged list and are
+    merged and sorted back into the free list when an allocation runs short."""
+    rg = Rig(need_sort=True)
+    try:
+        rg.attach(pool_options=EXACT)
+        s = rg.sched
+        reqs = [s.prefill(2 * rig.PAGE) for _ in range(3)]  # 6 of 8 pages
+        s.finish(reqs[0])
+        s.finish(reqs[2])
+        assert rg.alloc.swa_attn_allocator.num_staged_pages == 4
+        check(rg)
+        big = s.prefill(5 * rig.PAGE)  # 2 free pages left: forces the merge
+        assert rg.alloc.swa_attn_allocator.num_staged_pages == 0
+        assert rg.bridge.follower.held_pages == 7
+        check(rg)
+        s.finish(big)
+        s.finish(reqs[1])
+        check(rg)
+        assert rg.bridge.follower.held_pages == 0
+    finally:
+        rg.close()
 
 
 def test_clear_gives_every_page_back(r: Rig) -> None:
@@ -254,6 +314,43 @@ def test_attach_with_live_pages_copies_them_and_follows(r: Rig) -> None:
     r.sched.finish(a)
     assert r.bridge.follower.held_pages == 0
     check(r)
+
+
+def _nothing_changed(rg: Rig, buffers: list[Any]) -> None:
+    assert all(a is b for a, b in zip(buffers, rg.pool.swa_kv_pool.kv_buffer, strict=True))
+    assert not set(vars(rg.alloc.swa_attn_allocator)) & set(WRAPPED_METHODS)
+    assert rg.backend.stats() == {
+        "reservations": 0,
+        "reserved_bytes": 0,
+        "handles": 0,
+        "mappings": 0,
+    }
+    assert rg.backend.physical_bytes() == 0
+    assert bridge_of(rg.pool) is None
+
+
+def test_a_failure_half_way_undoes_every_step(r: Rig) -> None:
+    from allocator.errors import CapacityError
+
+    r.sched.prefill(2 * rig.PAGE)  # live pages to map at attach
+    buffers = list(r.pool.swa_kv_pool.kv_buffer)
+    one_page_id = GRAN * len(rig.RATIOS)  # room for the padding page only
+    with pytest.raises(CapacityError, match="physical_budget"):
+        r.attach(pool_options={"physical_budget": one_page_id})
+    _nothing_changed(r, buffers)
+    assert r.ledger.accounts() == ()
+
+
+def test_a_pool_already_in_the_ledger_is_refused_untouched(r: Rig) -> None:
+    from accounting.inventory import register_pool
+
+    register_pool(r.ledger, r.pool, name="dsv4")
+    accounts = r.ledger.accounts()
+    buffers = list(r.pool.swa_kv_pool.kv_buffer)
+    with pytest.raises(ValueError, match="already registered"):
+        r.attach()
+    _nothing_changed(r, buffers)
+    assert r.ledger.accounts() == accounts
 
 
 def test_attach_twice_is_a_no_op(r: Rig) -> None:

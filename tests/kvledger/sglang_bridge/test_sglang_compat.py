@@ -104,6 +104,7 @@ def test_wrapped_methods_are_the_page_free_list_entry_points() -> None:
         "alloc",
         "alloc_extend",
         "alloc_decode",
+        "merge_and_sort_free",
         "_release_page_ids",
         "clear",
     )

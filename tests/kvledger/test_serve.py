@@ -65,6 +65,7 @@ def test_serve_demo_moves_figures_and_sigint_cleans_up(tmp_path):
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
+        started = time.monotonic()  # the status reporter starts as the URL is printed
         assert line.startswith("kvledger serve: http://127.0.0.1:"), line
         url = line.split()[2]
         base = url.removesuffix("/metrics")
@@ -117,7 +118,7 @@ def test_serve_demo_moves_figures_and_sigint_cleans_up(tmp_path):
     )
     # one log line per interval, not a flood
     lines = [ln for ln in err.splitlines() if "kvledger.serve: t=" in ln]
-    assert 1 <= len(lines) <= elapsed / 0.5 + 2
+    assert 1 <= len(lines) <= elapsed / 0.5 + 2, err
 
 
 def test_sigterm_is_clean_too(tmp_path):

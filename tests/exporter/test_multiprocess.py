@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.servers import repo_env, stop, wait_until
 
 pytestmark = pytest.mark.slow
-INTERVAL = 0.5
+INTERVAL = 1.0
 
 
 def _start_publisher(directory, rank: int) -> tuple[subprocess.Popen, str]:

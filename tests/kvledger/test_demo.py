@@ -24,6 +24,10 @@ def test_demo_has_seven_families_and_close_releases_everything(tmp_path):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and demo.workload.stats().get("finished", 0) < 2:
             time.sleep(0.05)
+        # With the workload stopped and the mapper idle no allocator call is in flight: the
+        # memfd's blocks then equal the ledger's VMM physical bytes exactly.
+        demo.workload.close()
+        assert demo.mapper.wait_idle(10)
         snap = demo.ledger.snapshot()
         fams = snap.rollup("family")
         assert {f for (f,) in fams} == set(FAMILIES)

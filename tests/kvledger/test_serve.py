@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -12,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.dsv4 import FAMILIES
 from exporter import metrics as m
+from kvledger.demo import DEFAULT_HOST_GRANULARITY
 from tests.servers import repo_env, stop, wait_until
 
 pytestmark = pytest.mark.slow
@@ -59,9 +61,11 @@ def test_serve_demo_moves_figures_and_sigint_cleans_up(tmp_path):
         "--seed",
         "7",
     )
+    started = time.monotonic()
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
+        started = time.monotonic()  # the status reporter starts as the URL is printed
         assert line.startswith("kvledger serve: http://127.0.0.1:"), line
         url = line.split()[2]
         base = url.removesuffix("/metrics")
@@ -78,25 +82,28 @@ def test_serve_demo_moves_figures_and_sigint_cleans_up(tmp_path):
                 if now.get(("sglang:kv_cache_occupied_slots", fam))
                 != first.get(("sglang:kv_cache_occupied_slots", fam))
             }
-            if changed == set(FAMILIES) and now[("kvledger_pages_unmapped_total", "swa_kv")] > 0:
+            mapped = ("kvledger_pages_mapped_total", "swa_kv")
+            if (
+                changed == set(FAMILIES)
+                and now[("kvledger_pages_unmapped_total", "swa_kv")] > 0
+                and now[mapped] > first[mapped]
+            ):
                 return now
             return None
 
-        now = wait_until(moved, 20, "every family's occupied slots moved and SWA pages unmapped")
-        assert now[("kvledger_pages_mapped_total", "swa_kv")] > first[
-            ("kvledger_pages_mapped_total", "swa_kv")
-        ] or (
-            now[("sglang:kv_cache_physical_bytes", "swa_kv")]
-            != first[("sglang:kv_cache_physical_bytes", "swa_kv")]
-        )
+        wait_until(moved, 20, "every family's occupied slots moved, SWA pages mapped and unmapped")
         debug = httpx.get(f"{base}/debug/kv").json()
         [src] = debug["sources"]
         assert {f["family"] for f in src["families"]} == set(FAMILIES)
         assert src["violations"] == []
         assert src["reconciliation"][0]["source"] == "host_memfd"
-        assert src["reconciliation"][0]["unattributed_bytes"] == 0
+        # Live, a handle set can be created or released between the driver call and the
+        # ledger event: the difference is then whole host pages, never a stray byte count.
+        assert src["reconciliation"][0]["unattributed_bytes"] % DEFAULT_HOST_GRANULARITY == 0
         assert len(list(tmp_path.glob("*.json"))) == 1
+        time.sleep(max(0.0, 1.2 - (time.monotonic() - started)))  # at least 2 log intervals
     finally:
+        elapsed = time.monotonic() - started
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
         try:
@@ -111,7 +118,7 @@ def test_serve_demo_moves_figures_and_sigint_cleans_up(tmp_path):
     )
     # one log line per interval, not a flood
     lines = [ln for ln in err.splitlines() if "kvledger.serve: t=" in ln]
-    assert 1 <= len(lines) <= 80
+    assert 1 <= len(lines) <= elapsed / 0.5 + 2, err
 
 
 def test_sigterm_is_clean_too(tmp_path):

@@ -21,6 +21,9 @@ from accounting.events import PoolEvent
 from accounting.snapshot import AccountRow, BufferRow, Snapshot
 from accounting.tp_status import TpStatus
 
+_SLOTS_OCCUPIED = PoolEvent.SLOTS_OCCUPIED
+_SLOTS_FREED = PoolEvent.SLOTS_FREED
+
 # Upper bounds (seconds) of the map-latency histogram buckets for one page id.
 MAP_SECONDS_BUCKETS: tuple[float, ...] = (
     0.0001,
@@ -79,12 +82,20 @@ class Account:
     def on_pool_event(self, event: PoolEvent, count: int, seconds: float = 0.0) -> None:
         if count < 0:
             raise LedgerError(f"account {self.key!r}: {event.value} count={count}, expected >= 0")
-        with self._ledger._lock:
-            if event is PoolEvent.SLOTS_OCCUPIED:
-                self._set_occupied(self.occupied_slots + count, event)
-            elif event is PoolEvent.SLOTS_FREED:
-                self._set_occupied(self.occupied_slots - count, event)
-            elif event is PoolEvent.HANDLES_CREATED:
+        ledger = self._ledger
+        if event is _SLOTS_OCCUPIED or event is _SLOTS_FREED:
+            # The allocation path: one event per alloc/free call, kept to the arithmetic.
+            with ledger._lock:
+                value = self.occupied_slots + (count if event is _SLOTS_OCCUPIED else -count)
+                if value < 0 or value > self.capacity_slots:
+                    self._set_occupied(value, event)  # raises, naming the bound
+                self.occupied_slots = value
+                if value > self.peak_occupied_slots:
+                    self.peak_occupied_slots = value
+                ledger._epoch += 1
+            return
+        with ledger._lock:
+            if event is PoolEvent.HANDLES_CREATED:
                 self._require_vmm(event)
                 self.handle_pages += count
                 self.peak_handle_pages = max(self.peak_handle_pages, self.handle_pages)
@@ -163,25 +174,28 @@ class Account:
             map_bucket_counts=tuple(self.map_bucket_counts),
         )
 
-    def _buffer_rows(self) -> list[BufferRow]:
-        rows = []
-        for spec in self.buffers:
-            if self.owner is Owner.VMM:
-                physical = self.handle_pages * self.page_bytes
-                mapped = self.mapped_pages * self.page_bytes
-            else:
-                physical = mapped = spec.reserved_bytes
-            rows.append(
-                BufferRow(
-                    spec=spec,
-                    account=self.key,
-                    physical_bytes=physical,
-                    mapped_bytes=mapped,
-                    occupied_slots=self.occupied_slots,
-                    page_bytes=self.page_bytes,
-                )
+
+def buffer_rows(account: AccountRow, specs: tuple[BufferSpec, ...]) -> list[BufferRow]:
+    """The per-buffer figures of one account, derived from its counters and the buffers' sizes."""
+    vmm = account.owner is Owner.VMM
+    rows = []
+    for spec in specs:
+        if vmm:
+            physical = account.handle_pages * account.page_bytes
+            mapped = account.mapped_pages * account.page_bytes
+        else:
+            physical = mapped = spec.reserved_bytes
+        rows.append(
+            BufferRow(
+                spec=spec,
+                account=account.key,
+                physical_bytes=physical,
+                mapped_bytes=mapped,
+                occupied_slots=account.occupied_slots,
+                page_bytes=account.page_bytes,
             )
-        return rows
+        )
+    return rows
 
 
 TruthReader = Callable[[Snapshot], Mapping[str, Any]]
@@ -284,18 +298,23 @@ class Ledger:
             self._epoch += 1
 
     def snapshot(self, *, reconcile: bool = True) -> Snapshot:
+        # Under the lock only the account counters are copied (a handful of small rows), so
+        # an allocator event waits at most that long; rows, rollups and relation checks are
+        # built from the copy. Truth is read after: a backend call in flight can put the
+        # device ahead of the ledger by whole pages whether or not the lock is held.
         with self._lock:
-            accounts = list(self._accounts.values())
-            snap = Snapshot.build(
-                epoch=self._epoch,
-                taken_at=time.time(),
-                labels=dict(self.labels),
-                accounts=[a._row() for a in accounts],
-                buffers=[row for a in accounts for row in a._buffer_rows()],
-                tp=self._tp_status() if self._tp_status is not None else None,
-            )
-            if reconcile and self._truth:
-                # Read under the lock so no allocator event lands between the figures
-                # and the truth they are held against.
-                snap = snap.with_reconciliation([dict(r(snap)) for r in self._truth])
+            copied = [(a._row(), a.buffers) for a in self._accounts.values()]
+            epoch = self._epoch
+            labels = dict(self.labels)
+            tp = self._tp_status() if self._tp_status is not None else None
+        snap = Snapshot.build(
+            epoch=epoch,
+            taken_at=time.time(),
+            labels=labels,
+            accounts=[row for row, _ in copied],
+            buffers=[b for row, specs in copied for b in buffer_rows(row, specs)],
+            tp=tp,
+        )
+        if reconcile and self._truth:
+            snap = snap.with_reconciliation([dict(r(snap)) for r in self._truth])
         return snap

@@ -6,8 +6,9 @@
   sizing), its seven families registered in a `Ledger`;
 - the SWA family on an `allocator.SwaPool` with a `BackgroundMapper`, its ledger
   `Account` as the pool's observer; the six other families as runtime-owned
-  accounts (the engine's own tensors; the demo does not back them with memory,
-  it only occupies and releases their rows);
+  accounts over real tensors of the planned shapes and dtypes, on the CPU (host
+  backend) or on the GPU (CUDA backend), whose rows the workload occupies and
+  releases;
 - device truth for reconciliation (host memfd blocks, or NVML);
 - a `Publisher` writing the ledger to the snapshot directory, and the built-in
   `Workload`.
@@ -94,6 +95,8 @@ class DemoSource:
         self.pool = self._swa_pool(by_family.pop("swa_kv"))
         self.mapper = BackgroundMapper(self.pool)
         self._stack.callback(self.mapper.close)
+        self.runtime_tensors = self._runtime_tensors(o, by_family)
+        self._stack.callback(self.runtime_tensors.clear)
         for family, fspecs in by_family.items():
             usable = self.buffer_map.families[family].usable_slots
             self.accounts[family] = self.ledger.add_account(fspecs, capacity_slots=usable)
@@ -107,6 +110,26 @@ class DemoSource:
         if o.start_workload:
             self.workload.start()
 
+    def _runtime_tensors(
+        self, o: DemoOptions, by_family: Mapping[str, list[BufferSpec]]
+    ) -> dict[str, Any]:
+        """The runtime-owned buffers as the engine would hold them: real tensors, so their
+        storage is memory the device (and torch's reserved bytes) really holds."""
+        import torch
+
+        device = f"cuda:{o.device}" if o.backend == "cuda" else "cpu"
+        out: dict[str, Any] = {}
+        for specs in by_family.values():
+            for spec in specs:
+                t = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
+                got = t.numel() * t.element_size()
+                if got != spec.tensor_bytes:
+                    raise ValueError(
+                        f"buffer {spec.name!r}: a {spec.dtype} tensor of {spec.shape} is {got} bytes, the plan says {spec.tensor_bytes}"
+                    )
+                out[spec.name] = t
+        return out
+
     def _open_backend(self, o: DemoOptions) -> Any:
         if o.backend == "cuda":
             try:
@@ -116,7 +139,12 @@ class DemoSource:
                 raise ValueError(f"backend='cuda' is not available here: {e}") from e
             import torch
 
-            # NVML's baseline is taken before any pool memory exists.
+            # NVML's baseline is taken once the CUDA context and torch's kernels are loaded
+            # (they are the process's, not the KV cache's) and before any pool memory exists.
+            torch.cuda.init()
+            torch.ones(1, device=f"cuda:{o.device}").add_(1).item()
+            torch.cuda.synchronize(o.device)
+            torch.cuda.empty_cache()  # torch's reserved bytes then start at 0 with the baseline
             truth = nvml_truth(
                 o.device, torch_reserved=lambda: torch.cuda.memory_reserved(o.device)
             )

@@ -160,6 +160,15 @@ def _add_engine_series(fam: _Families, v: SourceView) -> None:
         for f in FIGURES:
             fam.add(m.figure_metric(f.name), labels, row[f.name])
     fam.add("kvledger_relation_violations", eng, len(d["violations"]))
+    tp = d.get("tp")
+    if tp:
+        for key in (
+            "exchanges_total",
+            "page_ops_total",
+            "divergences_total",
+            "peer_failures_total",
+        ):
+            fam.add(f"kvledger_tp_{key}", eng, tp[key])
     for r in d["reconciliation"]:
         labels = {**eng, "truth": str(r.get("source", "unknown"))}
         available = bool(r.get("available")) and r.get("device_bytes") is not None

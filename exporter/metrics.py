@@ -168,6 +168,32 @@ METRICS: tuple[MetricSpec, ...] = (
         (),
     ),
     MetricSpec(
+        "kvledger_tp_exchanges_total",
+        "counter",
+        "Collectives this TP rank took part in with the others (page changes and checks); "
+        "exported only by pools under tensor parallelism.",
+        (),
+    ),
+    MetricSpec(
+        "kvledger_tp_page_ops_total",
+        "counter",
+        "Page ids mapped or unmapped as rank 0 decided at those exchanges.",
+        (),
+    ),
+    MetricSpec(
+        "kvledger_tp_divergences_total",
+        "counter",
+        "Exchanges at which some rank's allocation sequence differed from rank 0's; the pool "
+        "refuses further work after one (the debug endpoint shows both views).",
+        (),
+    ),
+    MetricSpec(
+        "kvledger_tp_peer_failures_total",
+        "counter",
+        "Exchanges that failed because a rank died or did not answer within the timeout.",
+        (),
+    ),
+    MetricSpec(
         "kvledger_pages_mapped_total",
         "counter",
         "Page ids mapped by the VMM allocator (one page id is one page in every layer buffer "

@@ -231,6 +231,25 @@ ALERTS: tuple[Alert, ...] = (
         "<= reserved, whole pages, nothing negative): an allocator reported events the ledger "
         "cannot reconcile. /debug/kv on the exporter lists each violation.",
     ),
+    Alert(
+        "KvLedgerTpDivergence",
+        f"increase({metric('kvledger_tp_divergences_total')}[5m]) > 0",
+        "0m",
+        "critical",
+        "TP rank {{ $labels.tp_rank }} diverged from rank 0 (" + ENGINE + ")",
+        "A TP peer's allocation sequence no longer matched rank 0's at an exchange: the pool "
+        "refused further work rather than write into the wrong slots. The engine's log and "
+        "/debug/kv carry both ranks' views.",
+    ),
+    Alert(
+        "KvLedgerTpPeerFailure",
+        f"increase({metric('kvledger_tp_peer_failures_total')}[5m]) > 0",
+        "0m",
+        "critical",
+        "TP rank {{ $labels.tp_rank }} lost a peer (" + ENGINE + ")",
+        "An exchange between TP ranks failed: a rank died or did not answer within the "
+        "timeout, and the surviving ranks stopped with an error instead of hanging.",
+    ),
 )
 
 # Names Prometheus itself writes for every scrape, usable in rules next to the exporter's.

@@ -116,6 +116,22 @@ class ReconciliationModel(BaseModel):
     detail: dict[str, Any] = Field(default_factory=dict)
 
 
+class TpModel(BaseModel):
+    """This rank's control traffic with the other TP ranks (accounting.tp_status)."""
+
+    rank: int
+    size: int
+    exchanges_total: int = Field(description="collectives this rank took part in")
+    page_ops_total: int = Field(description="page ids mapped or unmapped as rank 0 decided")
+    divergences_total: int = Field(
+        description="exchanges at which a rank's view differed from rank 0's"
+    )
+    peer_failures_total: int = Field(description="exchanges that failed: a rank died or timed out")
+    last_error: str = Field(
+        "", description="the last divergence or peer failure, both views included"
+    )
+
+
 class SourceModel(BaseModel):
     source: str
     up: bool
@@ -138,6 +154,7 @@ class SourceModel(BaseModel):
     buffers: list[BufferModel]
     violations: list[ViolationModel]
     reconciliation: list[ReconciliationModel]
+    tp: TpModel | None = Field(None, description="present for a pool under tensor parallelism")
 
 
 class RankModel(BaseModel):
@@ -267,4 +284,5 @@ def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceMo
         buffers=[BufferModel(**b.to_dict()) for b in buffers],
         violations=[ViolationModel(**x.to_dict()) for x in violations],
         reconciliation=[ReconciliationModel(**r) for r in snap.reconciliation],
+        tp=TpModel(**snap.tp.to_dict()) if snap.tp is not None else None,
     )

@@ -40,3 +40,27 @@ def test_tp_counters_are_exported_per_rank_only_under_tp() -> None:
             ("kvledger_tp_divergences_total", "1"): 1,
             ("kvledger_tp_peer_failures_total", "1"): 0,
         }
+
+
+def test_debug_kv_shows_the_tp_status_with_the_last_error() -> None:
+    from fastapi.testclient import TestClient
+
+    from exporter.app import create_app
+
+    with small_ledger({"model_name": "m", "tp_rank": "1"}) as sl:
+        sources = Sources()
+        sources.add_ledger(sl.ledger)
+        client = TestClient(create_app(sources))
+        assert client.get("/debug/kv").json()["sources"][0]["tp"] is None
+        status = TpStatus(
+            rank=1,
+            size=2,
+            exchanges_total=3,
+            page_ops_total=4,
+            divergences_total=1,
+            peer_failures_total=0,
+            last_error="rank 1 view ... rank 0 view ...",
+        )
+        sl.ledger.set_tp_status(lambda: status)
+        tp = client.get("/debug/kv").json()["sources"][0]["tp"]
+        assert tp["divergences_total"] == 1 and tp["last_error"].startswith("rank 1 view")

@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=None,
-        help="decode steps per round (default: 100,000 slots per round, at least 2000 steps)",
+        help="decode steps per round (default: as many as fit in one publish interval, so each accounted round pays one interval's publishing)",
     )
     p.add_argument("--rounds", type=int, default=10, help="rounds per pool, alternating")
     p.add_argument(
@@ -331,20 +331,28 @@ def bench_overhead(
             try:
                 held = pool.alloc(batch)
                 c0, t0 = time.process_time(), time.perf_counter()
-                for _ in range(steps):
-                    nxt = pool.alloc(batch)
-                    pool.free(held)
-                    held = nxt
+                done = 0
+                # A round is `steps` steps, or (steps=0) as many as fit in one publish
+                # interval, so the accounted round pays exactly the publishing of one
+                # interval (one snapshot) and the ratio is the steady-state one.
+                while (done < steps) if steps else (time.perf_counter() - t0 < publish_interval):
+                    for _ in range(100 if not steps else 1):
+                        nxt = pool.alloc(batch)
+                        pool.free(held)
+                        held = nxt
+                    done += 100 if not steps else 1
                 dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 pool.free(held)
             finally:
                 if publisher is not None:
                     published[0] += publisher.sequence
                     publisher.close()
-            cpu["accounted" if pool is accounted else "bare"].append(dc / steps)
-            return dt / steps
+            cpu["accounted" if pool is accounted else "bare"].append(dc / done)
+            steps_done.append(done)
+            return dt / done
 
         published = [0]
+        steps_done: list[int] = []
         times: dict[str, list[float]] = {"bare": [], "accounted": []}
         cpu: dict[str, list[float]] = {"bare": [], "accounted": []}
         for _ in range(2):  # warm up
@@ -358,11 +366,11 @@ def bench_overhead(
                 times["bare" if pool is bare else "accounted"].append(round_of(pool))
         bare_mean = statistics.fmean(times["bare"])
         acc_mean = statistics.fmean(times["accounted"])
-        round_s = acc_mean * steps
+        round_s = acc_mean * statistics.median(steps_done)
         return {
             "layers": layers,
             "batch": batch,
-            "steps_per_round": steps,
+            "steps_per_round": int(statistics.median(steps_done)),
             "rounds": rounds,
             "round_seconds": round_s,
             "publish_interval_s": publish_interval,
@@ -409,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
     )
     overheads = []
     for batch in args.batch:
-        steps = args.steps or max(2000, 100_000 // batch)
+        steps = args.steps or 0  # 0: rounds of one publish interval
         over = bench_overhead(
             batch=batch, steps=steps, rounds=args.rounds, publish_interval=args.publish_interval
         )

@@ -26,18 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from accounting.buffers import BufferSpec, runtime_buffer
+from accounting.dsv4.buffermap import FAMILIES
 from accounting.ledger import Account, Ledger
 
-# Families of the DeepSeek-V4 pool (DESIGN.md), then the generic ones.
-DSV4_FAMILIES = (
-    "swa_kv",
-    "c4_kv",
-    "c128_kv",
-    "c4_indexer",
-    "c4_attn_state",
-    "c4_indexer_state",
-    "c128_state",
-)
+# Families of the DeepSeek-V4 pool (DESIGN.md, defined in accounting.dsv4), then the generic ones.
+DSV4_FAMILIES = FAMILIES
 GENERIC_FAMILIES = ("k", "v", "kv", "swa_k", "swa_v", "swa_kv", "other")
 
 

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accounting.buffers import BufferSpec, Owner, runtime_buffer
+from accounting.buffers import runtime_buffer
 from accounting.ledger import Account, Ledger
 from accounting.reconcile import host_memfd_truth
 from allocator import HostBackend, SlotLayout, SwaPool
+from allocator.specs import vmm_layer_specs
 
 PAGE = 2 << 20
 SWA_SLOT = 584
@@ -64,22 +65,7 @@ def small_ledger(
         slots_per_row=256,
         row_bytes=SWA_ROW,
     )
-    specs = [
-        BufferSpec(
-            name=f"swa_kv.{i}",
-            family="swa_kv",
-            pool="swa",
-            owner=Owner.VMM,
-            layer=i,
-            dtype="uint8",
-            shape=(layout.rows, layout.row_bytes),
-            slot_bytes=SWA_SLOT,
-            capacity_slots=slots,
-            tensor_bytes=layout.buffer_bytes,
-            reserved_bytes=layout.reserved_bytes,
-        )
-        for i in range(layers)
-    ]
+    specs = vmm_layer_specs(layout, layers, null_slot=False)
     swa = ledger.add_account(specs, page_bytes=PAGE, capacity_slots=slots - 1)
     ledger.add_truth(host_memfd_truth(backend.physical_bytes))
     pool = stack.enter_context(

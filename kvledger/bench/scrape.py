@@ -35,6 +35,7 @@ from accounting.events import PoolEvent
 from accounting.ledger import Ledger
 from accounting.publisher import Publisher
 from allocator import HostBackend, SlotLayout, SwaPool
+from allocator.specs import vmm_layer_specs
 
 GIB = 1 << 30
 
@@ -285,24 +286,7 @@ def bench_overhead(
             SwaPool(backend, layers=layers, layout=layout, max_spare_pages=keep, name="bare")
         )
         ledger = Ledger({"model_name": "bench", "tp_rank": "0"})
-        from accounting.buffers import BufferSpec
-
-        specs = [
-            BufferSpec(
-                name=f"swa_kv.L{i}",
-                family="swa_kv",
-                pool="swa",
-                owner=Owner.VMM,
-                layer=i,
-                dtype="uint8",
-                shape=(layout.rows, layout.row_bytes),
-                slot_bytes=layout.slot_bytes,
-                capacity_slots=layout.capacity_slots,
-                tensor_bytes=layout.buffer_bytes,
-                reserved_bytes=layout.reserved_bytes,
-            )
-            for i in range(layers)
-        ]
+        specs = vmm_layer_specs(layout, layers, null_slot=False)
         account = ledger.add_account(
             specs, page_bytes=layout.page_bytes, capacity_slots=layout.capacity_slots - 1
         )

@@ -106,7 +106,7 @@ def test_debug_kv_matches_the_snapshot_and_filters(small):
     assert fam["c4_kv"]["occupied_slots"] == 9
 
     only = client.get("/debug/kv", params={"family": "swa_kv", "layer": 1}).json()["sources"][0]
-    assert [b["name"] for b in only["buffers"]] == ["swa_kv.1"]
+    assert [b["name"] for b in only["buffers"]] == ["swa_kv.L1"]
     assert [f["family"] for f in only["families"]] == ["swa_kv"]
     assert [a["family"] for a in only["accounts"]] == ["swa_kv"]
     assert client.get("/debug/kv", params={"rank": 0}).json()["sources"]

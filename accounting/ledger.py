@@ -93,6 +93,8 @@ class Account:
                 if value > self.peak_occupied_slots:
                     self.peak_occupied_slots = value
                 ledger._epoch += 1
+            if ledger._event_hook is not None:
+                ledger._after_event()
             return
         with ledger._lock:
             if event is PoolEvent.HANDLES_CREATED:
@@ -119,7 +121,9 @@ class Account:
                 self.unmap_seconds_total += seconds
             else:  # pragma: no cover - exhaustive over PoolEvent
                 raise LedgerError(f"unknown event {event!r}")
-            self._ledger._epoch += 1
+            ledger._epoch += 1
+        if ledger._event_hook is not None:
+            ledger._after_event()
 
     # -- runtime-owned occupancy ---------------------------------------------
     def occupy(self, slots: int) -> None:
@@ -211,6 +215,11 @@ class Ledger:
         self._buffer_names: set[tuple[str, str]] = set()
         self._epoch = 0
         self._truth: list[TruthReader] = []
+        # Called (outside the lock) every `_hook_every` events by whichever thread reported
+        # them: how a publisher does its work on the allocating thread at a bounded rate.
+        self._event_hook: Callable[[], None] | None = None
+        self._hook_every = 64
+        self._hook_countdown = 64
         self._tp_status: Callable[[], TpStatus] | None = None
 
     @property
@@ -286,6 +295,24 @@ class Ledger:
     def accounts(self) -> tuple[Account, ...]:
         with self._lock:
             return tuple(self._accounts.values())
+
+    def set_event_hook(self, hook: Callable[[], None] | None, *, every: int = 64) -> None:
+        """Call `hook` after every `every`-th allocator event, on the reporting thread and
+        outside the ledger's lock (None removes it). It must be cheap when it has nothing to do."""
+        if not isinstance(every, int) or every <= 0:
+            raise ValueError(f"set_event_hook: every={every!r}, expected a positive int")
+        with self._lock:
+            self._event_hook = hook
+            self._hook_every = self._hook_countdown = every
+
+    def _after_event(self) -> None:
+        # A plain decrement under the GIL; a lost update only shifts when the hook runs.
+        self._hook_countdown -= 1
+        if self._hook_countdown <= 0:
+            self._hook_countdown = self._hook_every
+            hook = self._event_hook
+            if hook is not None:
+                hook()
 
     def add_truth(self, reader: TruthReader) -> None:
         """Add a reconciliation source, read once per snapshot (see accounting.reconcile)."""

@@ -165,3 +165,38 @@ def test_file_is_envelope_line_then_buffer_rows(tmp_path):
 
 def test_proc_stat_of_a_missing_pid_is_none():
     assert proc_stat(2**22 + 12345) is None
+
+
+def test_a_busy_engine_publishes_from_its_allocating_thread_and_an_idle_one_from_the_thread(
+    tmp_path, monkeypatch
+):
+    import threading
+
+    from accounting.buffers import BufferSpec, Owner
+
+    ledger = Ledger({"tp_rank": "0"})
+    account = ledger.add_account(
+        [BufferSpec("b", "c4_kv", "p", Owner.RUNTIME, 0, "uint8", (8,), 1, 1 << 30, 8, 8)]
+    )
+    who: list[str] = []
+    real = Publisher.publish
+
+    def recording(self):
+        who.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(Publisher, "publish", recording)
+    with Publisher(ledger, tmp_path, interval=0.05) as pub:
+        assert who == ["MainThread"]  # the first publish is the caller's
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:  # a busy engine: events all the time
+            account.occupy(1)
+            account.release(1)
+        busy = list(who)
+        assert busy.count("MainThread") >= 6  # about one per 50 ms interval
+        assert all(name == "MainThread" for name in busy)  # the thread never had to
+        seq = pub.sequence
+        time.sleep(0.4)  # idle: no events, so the thread keeps the heartbeat going
+        assert pub.sequence > seq
+        assert any(name.startswith("kvledger-publisher") for name in who[len(busy) :])
+    assert ledger._event_hook is None  # close() removed its hook

@@ -36,6 +36,7 @@ from accounting.ledger import Ledger
 from accounting.publisher import Publisher
 from allocator import HostBackend, SlotLayout, SwaPool
 from allocator.specs import vmm_layer_specs
+from kvledger.serve_process import ServeProcess
 
 GIB = 1 << 30
 
@@ -109,71 +110,6 @@ def rank_ledger(rank: int, budget: int) -> Ledger:
     return ledger
 
 
-class _ExporterProcess:
-    """`kvledger serve --no-demo` over the snapshot directory, in its own process, as deployed."""
-
-    def __init__(self, directory: str) -> None:
-        import subprocess
-        import sys
-
-        import kvledger
-
-        # The child imports the same kvledger as this process, installed or not.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(kvledger.__file__)))
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
-        }
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvledger",
-                "serve",
-                "--no-demo",
-                "--port",
-                "0",
-                "--snapshot-dir",
-                directory,
-                "--log-interval",
-                "3600",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("kvledger serve: http://"):
-            self.close()
-            raise RuntimeError(f"exporter process did not start: {line!r}")
-        self.url = line.split()[2].removesuffix("/metrics")
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU of the exporter process so far (clock-tick resolution)."""
-        with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def close(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(10)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> _ExporterProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
     import httpx
 
@@ -230,7 +166,11 @@ def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
         results["in_process_republished"] = timed(lambda: renderer.render(accept), republish)
         results["files_parsed_per_republished_scrape"] = (sources.parses - parses) / scrapes
 
-        server = stack.enter_context(_ExporterProcess(directory))
+        server = stack.enter_context(
+            ServeProcess(
+                ["--no-demo", "--port", "0", "--snapshot-dir", directory, "--log-interval", "3600"]
+            )
+        )
         client = stack.enter_context(httpx.Client(headers={"accept": accept}))
         for _ in range(20):  # warm up
             client.get(f"{server.url}/metrics").raise_for_status()

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from kvledger.serve_process import ServeProcess
 from tests.dashboards import names
-from tests.servers import Prometheus, repo_env, stop, wait_until
+from tests.servers import Prometheus, wait_until
 
 SERVE_ARGS = ("--interval", "0.2", "--rate", "40", "--step-ms", "5", "--seed", "7")
 
@@ -24,33 +23,27 @@ class KvledgerServe:
     def __init__(self, snapshot_dir: Path, *args: str) -> None:
         self.log_path = snapshot_dir.parent / f"{snapshot_dir.name}-serve.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvledger.cli",
-                "serve",
-                "--port",
-                "0",
-                "--snapshot-dir",
-                str(snapshot_dir),
-                "--log-interval",
-                "30",
-                *(args or SERVE_ARGS),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=repo_env(),
-            text=True,
-        )
         try:
-            assert self.proc.stdout is not None
-            line = self.proc.stdout.readline()
-            if not line.startswith("kvledger serve: http://127.0.0.1:"):
-                raise RuntimeError(
-                    f"kvledger serve printed {line!r}, expected its URL; log: {self.log_text()}"
-                )
-            self.base = line.split()[2].removesuffix("/metrics")
+            self.server = ServeProcess(
+                [
+                    "--port",
+                    "0",
+                    "--snapshot-dir",
+                    str(snapshot_dir),
+                    "--log-interval",
+                    "30",
+                    *(args or SERVE_ARGS),
+                ],
+                stderr=self._log,
+            )
+        except RuntimeError as e:
+            self._log.close()
+            raise RuntimeError(
+                f"{e}; log: {self.log_path.read_text(errors='replace')[-3000:]}"
+            ) from None
+        self.proc = self.server.proc
+        try:
+            self.base = self.server.url
             self.target = self.base.removeprefix("http://")
             wait_until(
                 lambda: httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200,
@@ -71,9 +64,7 @@ class KvledgerServe:
         return self.log_path.read_text(errors="replace")[-3000:]
 
     def close(self) -> None:
-        stop(self.proc)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        self.server.close()
         self._log.close()
 
     def __enter__(self) -> KvledgerServe:

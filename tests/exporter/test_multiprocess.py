@@ -10,6 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvledger.serve_process import ServeProcess
 from tests.servers import repo_env, stop, wait_until
 
 pytestmark = pytest.mark.slow
@@ -55,30 +56,13 @@ def _metrics(url: str) -> dict[tuple[str, str], float]:
 def test_two_ranks_one_exporter_and_a_killed_rank_goes_stale(tmp_path):
     p0, s0 = _start_publisher(tmp_path, 0)
     p1, s1 = _start_publisher(tmp_path, 1)
-    exporter = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvledger",
-            "serve",
-            "--no-demo",
-            "--port",
-            "0",
-            "--snapshot-dir",
-            str(tmp_path),
-            "--log-interval",
-            "60",
-        ],
-        stdout=subprocess.PIPE,
+    exporter = ServeProcess(
+        ["--no-demo", "--port", "0", "--snapshot-dir", str(tmp_path), "--log-interval", "60"],
         stderr=subprocess.PIPE,
-        env=repo_env(),
-        text=True,
     )
     try:
-        assert exporter.stdout is not None
-        line = exporter.stdout.readline()
-        url = line.split()[2]
-        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics"), line
+        url = exporter.url + "/metrics"
+        assert url.startswith("http://127.0.0.1:"), url
         m = wait_until(
             lambda: (
                 lambda d: (
@@ -117,8 +101,9 @@ def test_two_ranks_one_exporter_and_a_killed_rank_goes_stale(tmp_path):
         assert later[("kvledger_snapshot_age_seconds", s0)] > age0  # the dead one's age grows
         assert later[("kvledger_up", s1)] == 1
     finally:
-        for p in (p0, p1, exporter):
+        for p in (p0, p1):
             stop(p)
-    assert exporter.returncode == 0, exporter.stderr.read() if exporter.stderr else ""
+        status = exporter.close()
+    assert status == 0, exporter.proc.stderr.read() if exporter.proc.stderr else ""
     # p1 closed cleanly on SIGTERM: its file is gone; p0 was killed: its file stays (and is stale)
     assert sorted(f.name for f in tmp_path.iterdir()) == [f"{s0}.json"]

@@ -1,0 +1,75 @@
+"""`kvledger serve` in a child process, as deployed: started, its URL read, stopped cleanly.
+
+Used by `kvledger bench scrape` and by the tests that need the exporter in a process of
+its own. The child imports the same kvledger as the caller, installed or not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import IO, Any
+
+_URL_PREFIX = "kvledger serve: http://"
+
+
+class ServeProcess:
+    """`python -m kvledger serve ARGS`; `.url` is its base URL (no `/metrics`), `.proc` the child.
+
+    Raises RuntimeError, with what the child printed, when it does not announce its URL.
+    `close()` (idempotent, also the context manager's exit) sends SIGINT, waits, and kills
+    it if it does not stop; it returns the exit status.
+    """
+
+    def __init__(
+        self, args: Sequence[str], *, stderr: int | IO[Any] | None = subprocess.DEVNULL
+    ) -> None:
+        import kvledger
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(kvledger.__file__)))
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvledger", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
+        assert self.proc.stdout is not None  # stdout=PIPE above
+        line = self.proc.stdout.readline()
+        if not line.startswith(_URL_PREFIX):
+            self.close()
+            raise RuntimeError(
+                f"kvledger serve printed {line!r}, expected its URL ({_URL_PREFIX}...)"
+            )
+        self.url = line.split()[2].removesuffix("/metrics")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the child so far (clock-tick resolution; Linux /proc)."""
+        with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self, timeout: float = 10) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

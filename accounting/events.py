@@ -1,14 +1,27 @@
 """The narrow interface through which an allocator reports what it really did.
 
-An allocator calls ``on_pool_event`` after each change has happened (a driver
-call returned, a slot left the free list), never before, so the ledger counts
-facts rather than intentions. ``count`` is in page ids for page events (one page
-id is one page in every layer buffer of the pool) and in slots for slot events.
+An allocator calls ``on_pool_event`` after each change of physical memory or
+mappings has happened (a driver call returned), never before, so the ledger
+counts facts rather than intentions. ``count`` is in page ids for page events
+(one page id is one page in every layer buffer of the pool) and in slots for
+slot events.
+
+Slots change on every allocation, so an allocator does not report each change:
+it keeps its own count and reports the figure itself with ``on_slots`` (the
+occupied count now, and the highest it reached since the last report), at the
+latest before its next page event, every few calls, and whenever the observer
+asks through the ``flush`` callable the allocator attached. So the observer
+always holds a state the allocator was really in, and the allocation path
+pays an integer update rather than a call. ``at_safe_point`` is called outside
+the allocator's locks, every few calls, for bounded work such as publishing.
+``SLOTS_OCCUPIED`` / ``SLOTS_FREED`` events remain for owners that report
+changes one by one (runtime-owned buffers).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -23,3 +36,15 @@ class PoolEvent(enum.Enum):
 
 class PoolObserver(Protocol):
     def on_pool_event(self, event: PoolEvent, count: int, seconds: float = 0.0) -> None: ...
+
+    def on_slots(self, occupied: int, peak: int) -> None:
+        """`occupied` slots are held now; `peak` is the most held since the last report."""
+
+    def attach(self, flush: Callable[[], None]) -> None:
+        """`flush()` makes the allocator report its slots now (call it outside its locks)."""
+
+    def detach(self, flush: Callable[[], None]) -> None:
+        """The allocator attached with `flush` is closed."""
+
+    def at_safe_point(self) -> None:
+        """Called outside the allocator's locks every few calls: bounded work may run here."""

@@ -68,7 +68,7 @@ class Account:
         self.capacity_slots = capacity_slots
         self.handle_pages = 0
         self.mapped_pages = 0
-        self.occupied_slots = 0
+        self._occupied_slots = 0  # read it through `occupied_slots` (flushes the allocator)
         self.peak_occupied_slots = 0
         self.peak_handle_pages = 0
         self.pages_mapped_total = 0
@@ -77,6 +77,16 @@ class Account:
         self.unmap_seconds_total = 0.0
         self.map_calls = 0
         self.map_bucket_counts = [0] * (len(MAP_SECONDS_BUCKETS) + 1)
+        self._flush: Callable[[], None] | None = None  # the attached allocator's, if any
+
+    @property
+    def occupied_slots(self) -> int:
+        """Slots held now (an attached allocator reports its count first). Not to be read
+        under the ledger's lock: the allocator's lock comes first."""
+        flush = self._flush
+        if flush is not None:
+            flush()
+        return self._occupied_slots
 
     # -- PoolObserver ---------------------------------------------------------
     def on_pool_event(self, event: PoolEvent, count: int, seconds: float = 0.0) -> None:
@@ -84,18 +94,20 @@ class Account:
             raise LedgerError(f"account {self.key!r}: {event.value} count={count}, expected >= 0")
         ledger = self._ledger
         if event is _SLOTS_OCCUPIED or event is _SLOTS_FREED:
-            # The allocation path: one event per alloc/free call, kept to the arithmetic.
+            # Reported one change at a time (runtime-owned buffers): kept to the arithmetic.
             with ledger._lock:
-                value = self.occupied_slots + (count if event is _SLOTS_OCCUPIED else -count)
+                value = self._occupied_slots + (count if event is _SLOTS_OCCUPIED else -count)
                 if value < 0 or value > self.capacity_slots:
                     self._set_occupied(value, event)  # raises, naming the bound
-                self.occupied_slots = value
+                self._occupied_slots = value
                 if value > self.peak_occupied_slots:
                     self.peak_occupied_slots = value
                 ledger._epoch += 1
             if ledger._event_hook is not None:
                 ledger._after_event()
             return
+        # Page events come from an allocator holding its own lock: no hook runs here (a
+        # publisher's snapshot would ask that allocator to flush); see `at_safe_point`.
         with ledger._lock:
             if event is PoolEvent.HANDLES_CREATED:
                 self._require_vmm(event)
@@ -122,8 +134,37 @@ class Account:
             else:  # pragma: no cover - exhaustive over PoolEvent
                 raise LedgerError(f"unknown event {event!r}")
             ledger._epoch += 1
-        if ledger._event_hook is not None:
-            ledger._after_event()
+
+    def on_slots(self, occupied: int, peak: int) -> None:
+        """The allocator's own slot count (see accounting.events): set, not added."""
+        with self._ledger._lock:
+            if not 0 <= occupied <= peak <= self.capacity_slots:
+                raise LedgerError(
+                    f"account {self.key!r}: slots reported occupied={occupied} peak={peak}, "
+                    f"expected 0 <= occupied <= peak <= capacity_slots={self.capacity_slots}"
+                )
+            self._occupied_slots = occupied
+            if peak > self.peak_occupied_slots:
+                self.peak_occupied_slots = peak
+            self._ledger._epoch += 1
+
+    def attach(self, flush: Callable[[], None]) -> None:
+        with self._ledger._lock:
+            if self._flush is not None and self._flush != flush:
+                raise LedgerError(
+                    f"account {self.key!r}: an allocator is already attached, expected one "
+                    "allocator per account"
+                )
+            self._flush = flush
+
+    def detach(self, flush: Callable[[], None]) -> None:
+        with self._ledger._lock:
+            if self._flush == flush:
+                self._flush = None
+
+    def at_safe_point(self) -> None:
+        if self._ledger._event_hook is not None:
+            self._ledger._run_hook()
 
     # -- runtime-owned occupancy ---------------------------------------------
     def occupy(self, slots: int) -> None:
@@ -141,7 +182,7 @@ class Account:
                 f"account {self.key!r}: {event.value} makes occupied_slots={value}, "
                 f"expected <= capacity_slots={self.capacity_slots}"
             )
-        self.occupied_slots = value
+        self._occupied_slots = value
         self.peak_occupied_slots = max(self.peak_occupied_slots, value)
 
     def _check_nonnegative(self, value: int, name: str, event: PoolEvent) -> None:
@@ -165,7 +206,7 @@ class Account:
             owner=self.owner,
             page_bytes=self.page_bytes,
             capacity_slots=self.capacity_slots,
-            occupied_slots=self.occupied_slots,
+            occupied_slots=self._occupied_slots,
             peak_occupied_slots=self.peak_occupied_slots,
             handle_pages=self.handle_pages,
             peak_handle_pages=self.peak_handle_pages,
@@ -224,7 +265,14 @@ class Ledger:
 
     @property
     def epoch(self) -> int:
+        """Changes applied so far: the epoch a snapshot taken now would carry (attached
+        allocators report their slots first, as for a snapshot)."""
+        self._flush_allocators()
         return self._epoch
+
+    def _flush_allocators(self) -> None:
+        for flush in [a._flush for a in self.accounts() if a._flush is not None]:
+            flush()
 
     def add_account(
         self,
@@ -283,10 +331,14 @@ class Ledger:
         with self._lock:
             if self._accounts.get(account.key) is not account:
                 raise ValueError(f"remove_account: {account.key!r} is not registered here")
-            if account.handle_pages or account.mapped_pages or account.occupied_slots:
+            if account._flush is not None:
+                raise LedgerError(
+                    f"remove_account: {account.key!r} is still attached to an open allocator"
+                )
+            if account.handle_pages or account.mapped_pages or account._occupied_slots:
                 raise LedgerError(
                     f"remove_account: {account.key!r} still holds handle_pages={account.handle_pages} "
-                    f"mapped_pages={account.mapped_pages} occupied_slots={account.occupied_slots}"
+                    f"mapped_pages={account.mapped_pages} occupied_slots={account._occupied_slots}"
                 )
             del self._accounts[account.key]
             self._buffer_names.difference_update((s.pool, s.name) for s in account.buffers)
@@ -297,8 +349,10 @@ class Ledger:
             return tuple(self._accounts.values())
 
     def set_event_hook(self, hook: Callable[[], None] | None, *, every: int = 64) -> None:
-        """Call `hook` after every `every`-th allocator event, on the reporting thread and
-        outside the ledger's lock (None removes it). It must be cheap when it has nothing to do."""
+        """Call `hook` on the reporting thread, outside the ledger's lock, after every
+        `every`-th slot change reported one by one and at every safe point of an attached
+        allocator (which comes every few of its calls). None removes it. It must be cheap
+        when it has nothing to do."""
         if not isinstance(every, int) or every <= 0:
             raise ValueError(f"set_event_hook: every={every!r}, expected a positive int")
         with self._lock:
@@ -313,6 +367,11 @@ class Ledger:
             hook = self._event_hook
             if hook is not None:
                 hook()
+
+    def _run_hook(self) -> None:
+        hook = self._event_hook
+        if hook is not None:
+            hook()
 
     def add_truth(self, reader: TruthReader) -> None:
         """Add a reconciliation source, read once per snapshot (see accounting.reconcile)."""
@@ -329,6 +388,9 @@ class Ledger:
         # an allocator event waits at most that long; rows, rollups and relation checks are
         # built from the copy. Truth is read after: a backend call in flight can put the
         # device ahead of the ledger by whole pages whether or not the lock is held.
+        # Attached allocators report their slots first (each under its own lock, taken
+        # before the ledger's as on the allocation path), so the copy is as of now.
+        self._flush_allocators()
         with self._lock:
             copied = [(a._row(), a.buffers) for a in self._accounts.values()]
             epoch = self._epoch

@@ -8,8 +8,10 @@ alive, mapped or kept, counts against `physical_budget`.
 
 Allocation takes slots from partly occupied pages first, then from spare pages,
 and only then maps new pages. Nothing changes unless the whole request can be
-met. Every change of handles, mappings and occupied slots is reported to the
-observer after it happened.
+met. Every change of handles and mappings is reported to the observer after it
+happened; the occupied-slot figure is reported as the pool's own count (before
+the next page event, every `REPORT_EVERY` calls, and when the observer flushes),
+so an allocation costs the observer nothing (accounting.events).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import contextlib
 import threading
 import time
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from accounting.events import PoolEvent, PoolObserver
@@ -30,9 +32,24 @@ from allocator.pages import LayerSet
 
 UNMAPPED, MAPPED, BUSY = 0, 1, 2
 
+# alloc/free/occupy calls between two slot reports and safe points (accounting.events).
+REPORT_EVERY = 64
+
 
 class _NullObserver:
     def on_pool_event(self, event: PoolEvent, count: int, seconds: float = 0.0) -> None:
+        pass
+
+    def on_slots(self, occupied: int, peak: int) -> None:
+        pass
+
+    def attach(self, flush: Callable[[], None]) -> None:
+        pass
+
+    def detach(self, flush: Callable[[], None]) -> None:
+        pass
+
+    def at_safe_point(self) -> None:
         pass
 
 
@@ -76,7 +93,9 @@ class SwaPool:
         self.max_spare_pages = max_spare_pages
         self.handle_pool_pages = max_spare_pages if handle_pool_pages is None else handle_pool_pages
         self._observer: PoolObserver = observer or _NullObserver()
-        self._lock = threading.Lock()
+        # Reentrant: a ledger snapshot taken by a thread that holds it (to read the pool and
+        # the ledger at one instant) flushes the slot figure through `report_slots`.
+        self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._closed = False
 
@@ -89,6 +108,9 @@ class SwaPool:
         self._tail_free = bytearray(n_pages)
         self._occupied = bytearray(layout.capacity_slots)
         self._occupied_count = 0
+        self._slot_peak = 0  # the most occupied since the last report to the observer
+        self._reported_slots = 0  # the occupied count that report carried
+        self._calls = 0  # alloc/free/occupy calls since the last safe point
         self._partial: dict[int, None] = {}  # mapped, refcount > 0, maybe usable free slots
         self._empty: dict[int, None] = {}  # mapped, refcount == 0: spares
         self._unmapped: list[int] = list(range(n_pages))  # min-heap-free: kept sorted
@@ -97,16 +119,23 @@ class SwaPool:
         self._busy = 0
         self._build_page_index()
 
-        self._pages = LayerSet(
-            backend,
-            layers=layers,
-            reserved_bytes=layout.reserved_bytes,
-            page_bytes=layout.page_bytes,
-        )
+        # First, so an observer that refuses (an account another pool follows) costs nothing.
+        self._observer.attach(self.report_slots)
+        try:
+            self._pages = LayerSet(
+                backend,
+                layers=layers,
+                reserved_bytes=layout.reserved_bytes,
+                page_bytes=layout.page_bytes,
+            )
+        except BaseException:
+            self._observer.detach(self.report_slots)
+            raise
         try:
             self.tensors = [self._pages.byte_tensor(i, layout.buffer_bytes) for i in range(layers)]
         except BaseException:
             self._pages.free_reservations()
+            self._observer.detach(self.report_slots)
             raise
         self._mapper: Any = None  # set by allocator.mapper.BackgroundMapper
         self._tp: Any = None  # set by allocator.tp.TpCoordinator (see the TP section below)
@@ -166,6 +195,9 @@ class SwaPool:
                 taken = self._alloc_locked(n)
             else:
                 taken = self._tp_run("alloc", n, lambda: self._alloc_locked(n))
+            self._calls += 1
+        if self._calls >= REPORT_EVERY:
+            self._safe_point()
         return torch.tensor(taken, dtype=torch.int64)
 
     def free(self, ids: Any) -> None:
@@ -179,6 +211,9 @@ class SwaPool:
                 self._after_free_locked()
             else:
                 self._tp_run("free", len(slots), lambda: self._tp_free_locked(slots))
+            self._calls += 1
+        if self._calls >= REPORT_EVERY:
+            self._safe_point()
 
     def occupy(self, ids: Any) -> None:
         """Follow ids chosen elsewhere (an engine's allocator, TP rank 0): mark them occupied,
@@ -192,6 +227,32 @@ class SwaPool:
                     "(allocator.tp); use alloc/free on every rank"
                 )
             self._occupy_locked_entry(slots, count=True)
+            self._calls += 1
+        if self._calls >= REPORT_EVERY:
+            self._safe_point()
+
+    def report_slots(self) -> None:
+        """Report the occupied-slot figure to the observer now (its `flush`); a no-op once
+        closed."""
+        with self._lock:
+            if not self._closed:
+                self._report_slots_locked()
+
+    def _report_slots_locked(self) -> None:
+        count = self._occupied_count
+        if count != self._reported_slots or self._slot_peak != count:
+            self._observer.on_slots(count, max(self._slot_peak, count))
+            self._reported_slots = self._slot_peak = count
+
+    def _safe_point(self) -> None:
+        self._calls = 0
+        self.report_slots()
+        self._observer.at_safe_point()
+
+    def _emit(self, event: PoolEvent, count: int, seconds: float = 0.0) -> None:
+        """Report a page or handle event (under the lock), the slots it follows first."""
+        self._report_slots_locked()
+        self._observer.on_pool_event(event, count, seconds)
 
     def buffer(self, layer: int, dtype: Any = None, shape: tuple[int, ...] | None = None) -> Any:
         """Layer `layer`'s buffer viewed as `dtype` in `shape` (default: rows x row bytes)."""
@@ -381,10 +442,10 @@ class SwaPool:
             raise
         seconds = time.perf_counter() - t0
         if created:
-            self._observer.on_pool_event(PoolEvent.HANDLES_CREATED, created)
+            self._emit(PoolEvent.HANDLES_CREATED, created)
         for p, handles, _ in done:
             self._set_mapped(p, handles)
-        self._observer.on_pool_event(PoolEvent.PAGES_MAPPED, len(done), seconds)
+        self._emit(PoolEvent.PAGES_MAPPED, len(done), seconds)
 
     def _put_back_set(self, handles: list[int], fresh: bool) -> None:
         """Undo the taking of a handle set for a map that failed."""
@@ -423,9 +484,9 @@ class SwaPool:
                 touched.add(a + 1)
         for p in touched:
             self._retier(p)
-        self._occupied_count += len(taken)
-        if taken:
-            self._observer.on_pool_event(PoolEvent.SLOTS_OCCUPIED, len(taken))
+        count = self._occupied_count = self._occupied_count + len(taken)
+        if count > self._slot_peak:
+            self._slot_peak = count
         if len(self._empty) < self.min_spare_pages:
             self._cond.notify_all()
 
@@ -525,8 +586,6 @@ class SwaPool:
         for p in touched:
             self._retier(p)
         self._occupied_count -= len(slots)
-        if slots:
-            self._observer.on_pool_event(PoolEvent.SLOTS_FREED, len(slots))
 
     def _return_slot(self, i: int) -> None:
         a = self._home(i)
@@ -624,10 +683,10 @@ class SwaPool:
         seconds = time.perf_counter() - t0
         with self._lock:
             if fresh:
-                self._observer.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
+                self._emit(PoolEvent.HANDLES_CREATED, 1)
             self._busy -= 1
             self._set_mapped(p, handles)
-            self._observer.on_pool_event(PoolEvent.PAGES_MAPPED, 1, seconds)
+            self._emit(PoolEvent.PAGES_MAPPED, 1, seconds)
             self._cond.notify_all()
 
     def _background_unmap(self, p: int) -> None:
@@ -669,7 +728,7 @@ class SwaPool:
         self._handles[p] = None
         self._state[p] = UNMAPPED
         bisect.insort(self._unmapped, p)
-        self._observer.on_pool_event(PoolEvent.PAGES_UNMAPPED, 1, seconds)
+        self._emit(PoolEvent.PAGES_UNMAPPED, 1, seconds)
         self._cond.notify_all()
         if len(self._spare_sets) < self.handle_pool_pages:
             self._spare_sets.append(handles)
@@ -680,7 +739,7 @@ class SwaPool:
     def _released_set(self) -> None:
         self._busy -= 1
         self._live_sets -= 1
-        self._observer.on_pool_event(PoolEvent.HANDLES_RELEASED, 1)
+        self._emit(PoolEvent.HANDLES_RELEASED, 1)
         self._cond.notify_all()
 
     # -- tensor parallelism (driven by allocator.tp; its docstring has the protocol) -----------
@@ -804,8 +863,8 @@ class SwaPool:
             a.handles, a.mapped, a.in_flight = handles, True, False
             self._busy -= 1
             if fresh:
-                self._observer.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
-            self._observer.on_pool_event(PoolEvent.PAGES_MAPPED, 1, seconds)
+                self._emit(PoolEvent.HANDLES_CREATED, 1)
+            self._emit(PoolEvent.PAGES_MAPPED, 1, seconds)
             self._cond.notify_all()
 
     def tp_publish_locked(self, pages: list[int]) -> None:
@@ -833,8 +892,8 @@ class SwaPool:
             raise
         a.handles, a.mapped = handles, True
         if fresh:
-            self._observer.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
-        self._observer.on_pool_event(PoolEvent.PAGES_MAPPED, 1, time.perf_counter() - t0)
+            self._emit(PoolEvent.HANDLES_CREATED, 1)
+        self._emit(PoolEvent.PAGES_MAPPED, 1, time.perf_counter() - t0)
 
     def tp_ahead_idle(self) -> bool:
         """Every reserved page mapped (call under the lock)."""
@@ -852,7 +911,7 @@ class SwaPool:
                     self._pages.unmap_page(p)
                 except BaseException as e:
                     first = first or e
-                self._observer.on_pool_event(PoolEvent.PAGES_UNMAPPED, 1)
+                self._emit(PoolEvent.PAGES_UNMAPPED, 1)
             if a.handles is None:
                 self._live_sets -= 1  # counted, never created
             elif len(self._spare_sets) < self.handle_pool_pages:
@@ -863,7 +922,7 @@ class SwaPool:
                 except BaseException as e:
                     first = first or e
                 self._live_sets -= 1
-                self._observer.on_pool_event(PoolEvent.HANDLES_RELEASED, 1)
+                self._emit(PoolEvent.HANDLES_RELEASED, 1)
             self._state[p] = UNMAPPED
             bisect.insort(self._unmapped, p)
         self._cond.notify_all()
@@ -917,10 +976,9 @@ class SwaPool:
             while self._busy:  # a background step is calling the driver; let it finish
                 self._cond.wait(timeout=1.0)
             errors: list[BaseException] = []
-            occupied = self._occupied_count
-            if occupied:
-                self._occupied_count = 0
-                self._observer.on_pool_event(PoolEvent.SLOTS_FREED, occupied)
+            self._occupied_count = 0
+            self._report_slots_locked()
+            self._observer.detach(self.report_slots)
             mapped = [p for p, s in enumerate(self._state) if s == MAPPED]
             for p in mapped:
                 try:
@@ -929,7 +987,7 @@ class SwaPool:
                     errors.append(e)
                 self._state[p] = UNMAPPED
             if mapped:
-                self._observer.on_pool_event(PoolEvent.PAGES_UNMAPPED, len(mapped))
+                self._emit(PoolEvent.PAGES_UNMAPPED, len(mapped))
             sets = [h for h in self._handles if h is not None] + self._spare_sets
             self._handles = [None] * len(self._handles)
             self._spare_sets = []
@@ -941,7 +999,7 @@ class SwaPool:
             released = self._live_sets
             self._live_sets = 0
             if released:
-                self._observer.on_pool_event(PoolEvent.HANDLES_RELEASED, released)
+                self._emit(PoolEvent.HANDLES_RELEASED, released)
             self.tensors = []
             try:
                 self._pages.free_reservations()

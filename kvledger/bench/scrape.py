@@ -7,14 +7,9 @@
    file unchanged since the last scrape (cache hits) and once with every rank
    republished before each scrape (8 files parsed again). Wall-clock and CPU: this
    process's per scrape, and the exporter process's mean from /proc.
-2. Allocation-path overhead of accounting plus publishing: the same SWA pool
-   geometry on the host backend, one pool with no observer and one whose observer
-   is its ledger `Account` while a `Publisher` snapshots that ledger every
-   `--publish-interval`; decode-like steps (alloc a batch, free the previous one) on
-   pages already mapped, the two pools alternating round by round (a publisher is
-   started and closed with each accounted round, so only those rounds pay for it).
-   Ratio = mean step time with accounting and publishing / without - 1; every
-   snapshot published during the accounted rounds is inside the measured time.
+2. Allocation-path overhead of accounting plus publishing, against the same
+   allocator with no observer and with a second no-observer pool as the noise
+   floor, block by block in one run (`kvledger.bench.overhead` says how).
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,8 +28,7 @@ from accounting.dsv4 import Knobs, load_config, plan
 from accounting.events import PoolEvent
 from accounting.ledger import Ledger
 from accounting.publisher import Publisher
-from allocator import HostBackend, SlotLayout, SwaPool
-from allocator.specs import vmm_layer_specs
+from kvledger.bench.overhead import bench_overhead, report
 from kvledger.serve_process import ServeProcess
 
 GIB = 1 << 30
@@ -52,12 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="slots per decode step (one per running request), comma-separated (default 256,16,1)",
     )
     p.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="decode steps per round (default: as many as fit in one publish interval, so each accounted round pays one interval's publishing)",
+        "--seconds",
+        type=float,
+        default=5.0,
+        help="measured seconds per pool and batch size in the overhead run (default 5)",
     )
-    p.add_argument("--rounds", type=int, default=10, help="rounds per pool, alternating")
+    p.add_argument(
+        "--block-ms",
+        type=float,
+        default=5.0,
+        help="length of one block of decode steps; the pools take turns block by block",
+    )
     p.add_argument(
         "--publish-interval",
         type=float,
@@ -186,136 +184,6 @@ def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
     return results
 
 
-# -- 2. allocation-path overhead ------------------------------------------------------------------
-def swa_layout(full_tokens: int) -> tuple[int, SlotLayout]:
-    from kvledger.demo import default_config_path
-
-    bm = plan(load_config(default_config_path()), Knobs(), full_tokens=full_tokens)
-    first = bm.family_buffers("swa_kv")[0]
-    layers = len(bm.family_buffers("swa_kv"))
-    return layers, SlotLayout(
-        capacity_slots=first.capacity_slots,
-        slot_bytes=first.slot_bytes,
-        page_bytes=2 << 20,
-        slots_per_row=first.slots_per_row,
-        row_bytes=first.row_bytes,
-    )
-
-
-def bench_overhead(
-    *, batch: int, steps: int, rounds: int, publish_interval: float
-) -> dict[str, Any]:
-    # A pool big enough for two batches on a few pages: 3 pages of 2 MiB per layer.
-    layers, full = swa_layout(1 << 18)
-    layout = SlotLayout(
-        capacity_slots=min(
-            full.capacity_slots, 3 * (2 << 20) // full.row_bytes * full.slots_per_row
-        ),
-        slot_bytes=full.slot_bytes,
-        page_bytes=full.page_bytes,
-        slots_per_row=full.slots_per_row,
-        row_bytes=full.row_bytes,
-    )
-    if layout.capacity_slots < 2 * batch + 1:
-        raise ValueError(f"--batch {batch}: expected at most {(layout.capacity_slots - 1) // 2}")
-    with contextlib.ExitStack() as stack:
-        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-"))
-        backend = stack.enter_context(HostBackend())
-        keep = layout.num_pages  # every page stays mapped: the hot path only
-        bare = stack.enter_context(
-            SwaPool(backend, layers=layers, layout=layout, max_spare_pages=keep, name="bare")
-        )
-        ledger = Ledger({"model_name": "bench", "tp_rank": "0"})
-        specs = vmm_layer_specs(layout, layers, null_slot=False)
-        account = ledger.add_account(
-            specs, page_bytes=layout.page_bytes, capacity_slots=layout.capacity_slots - 1
-        )
-        accounted = stack.enter_context(
-            SwaPool(
-                backend,
-                layers=layers,
-                layout=layout,
-                max_spare_pages=keep,
-                observer=account,
-                name="accounted",
-            )
-        )
-        for pool in (bare, accounted):  # map every page once, off the clock
-            pool.free(pool.alloc(pool.capacity_slots))
-
-        def round_of(pool: SwaPool) -> float:
-            """Seconds per step of one round. The accounted pool's round runs with its ledger
-            published every `publish_interval` (a publisher started with the round, so the
-            bare pool's rounds pay nothing for it)."""
-            publisher = (
-                Publisher(ledger, directory, interval=publish_interval, source="bench")
-                if pool is accounted
-                else None
-            )
-            try:
-                held = pool.alloc(batch)
-                c0, t0 = time.process_time(), time.perf_counter()
-                done = 0
-                # A round is `steps` steps, or (steps=0) as many as fit in two publish
-                # intervals, so an accounted round pays for the snapshots its interval
-                # calls for (the publisher's first one happens when it is created, before
-                # the clock starts) and the ratio is the steady-state one.
-                while (
-                    (done < steps) if steps else (time.perf_counter() - t0 < 2 * publish_interval)
-                ):
-                    for _ in range(100 if not steps else 1):
-                        nxt = pool.alloc(batch)
-                        pool.free(held)
-                        held = nxt
-                    done += 100 if not steps else 1
-                dt, dc = time.perf_counter() - t0, time.process_time() - c0
-                pool.free(held)
-            finally:
-                if publisher is not None:
-                    published[0] += publisher.sequence
-                    publisher.close()
-            cpu["accounted" if pool is accounted else "bare"].append(dc / done)
-            steps_done.append(done)
-            return dt / done
-
-        published = [0]
-        steps_done: list[int] = []
-        times: dict[str, list[float]] = {"bare": [], "accounted": []}
-        cpu: dict[str, list[float]] = {"bare": [], "accounted": []}
-        for _ in range(2):  # warm up
-            round_of(bare)
-            round_of(accounted)
-        published[0] = 0
-        cpu = {"bare": [], "accounted": []}
-        for i in range(rounds):
-            order = (bare, accounted) if i % 2 == 0 else (accounted, bare)
-            for pool in order:
-                times["bare" if pool is bare else "accounted"].append(round_of(pool))
-        bare_mean = statistics.fmean(times["bare"])
-        acc_mean = statistics.fmean(times["accounted"])
-        round_s = acc_mean * statistics.median(steps_done)
-        return {
-            "layers": layers,
-            "batch": batch,
-            "steps_per_round": int(statistics.median(steps_done)),
-            "rounds": rounds,
-            "round_seconds": round_s,
-            "publish_interval_s": publish_interval,
-            "snapshots_published": published[0],
-            "bare_step_us": bare_mean * 1e6,
-            "accounted_step_us": acc_mean * 1e6,
-            "bare_step_median_us": statistics.median(times["bare"]) * 1e6,
-            "accounted_step_median_us": statistics.median(times["accounted"]) * 1e6,
-            "overhead_pct": (acc_mean / bare_mean - 1) * 100,
-            "bare_cpu_step_us": statistics.fmean(cpu["bare"]) * 1e6,
-            "accounted_cpu_step_us": statistics.fmean(cpu["accounted"]) * 1e6,
-            "cpu_overhead_pct": (
-                statistics.fmean(cpu["accounted"]) / statistics.fmean(cpu["bare"]) - 1
-            )
-            * 100,
-        }
-
-
 def run(args: argparse.Namespace) -> int:
     from accounting.units import parse_size
 
@@ -344,29 +212,15 @@ def run(args: argparse.Namespace) -> int:
     )
     overheads = []
     for batch in args.batch:
-        steps = args.steps or 0  # 0: rounds of one publish interval
         over = bench_overhead(
-            batch=batch, steps=steps, rounds=args.rounds, publish_interval=args.publish_interval
+            batch=batch,
+            seconds=args.seconds,
+            publish_interval=args.publish_interval,
+            block_ms=args.block_ms,
         )
         overheads.append(over)
-        print(
-            f"alloc path: {over['layers']} layers, decode steps of {over['batch']} slots "
-            f"(alloc + free), {over['rounds']} rounds x {over['steps_per_round']} steps "
-            f"(~{over['round_seconds']:.1f} s) per pool, publisher every "
-            f"{over['publish_interval_s']} s ({over['snapshots_published']} snapshots in the "
-            "accounted rounds)"
-        )
-        print(
-            f"  wall: no observer {over['bare_step_us']:8.2f} us/step   accounting + publishing "
-            f"{over['accounted_step_us']:8.2f} us/step   overhead {over['overhead_pct']:+.2f}%"
-        )
-        print(
-            f"  cpu:  no observer {over['bare_cpu_step_us']:8.2f} us/step   accounting + publishing "
-            f"{over['accounted_cpu_step_us']:8.2f} us/step   overhead "
-            f"{over['cpu_overhead_pct']:+.2f}%   (target <= 2%: wall "
-            f"{'met' if over['overhead_pct'] <= 2 else 'NOT met'}, cpu "
-            f"{'met' if over['cpu_overhead_pct'] <= 2 else 'NOT met'})"
-        )
+        for line in report(over):
+            print(line)
     if args.json:
         print(json.dumps({"scrape": scrape, "overhead": overheads, "pid": os.getpid()}, indent=2))
     return 0

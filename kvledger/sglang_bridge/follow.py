@@ -9,7 +9,7 @@ The pool's reserved null slot is slot 0, SGLang's padding page, which stays
 mapped for the dummy writes of padded tokens.
 
 The ledger counts the SWA family in tokens (as SGLang's allocator reports its
-capacity), so `TokenObserver` scales the pool's slot events by `page_size`.
+capacity), so `TokenObserver` scales the pool's slot figures by `page_size`.
 
 A page the follower is told to take twice, or to give back while not held,
 means the engine and the follower disagree. It is not applied, it is counted in
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from accounting.events import PoolEvent, PoolObserver
 from allocator.pool import SwaPool
@@ -46,6 +46,18 @@ class TokenObserver:
         if event in (PoolEvent.SLOTS_OCCUPIED, PoolEvent.SLOTS_FREED):
             count *= self.tokens_per_slot
         self.target.on_pool_event(event, count, seconds)
+
+    def on_slots(self, occupied: int, peak: int) -> None:
+        self.target.on_slots(occupied * self.tokens_per_slot, peak * self.tokens_per_slot)
+
+    def attach(self, flush: Callable[[], None]) -> None:
+        self.target.attach(flush)
+
+    def detach(self, flush: Callable[[], None]) -> None:
+        self.target.detach(flush)
+
+    def at_safe_point(self) -> None:
+        self.target.at_safe_point()
 
 
 class PageFollower:

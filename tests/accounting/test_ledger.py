@@ -240,3 +240,51 @@ def test_reconciliation_readers_run_per_snapshot_with_the_snapshot() -> None:
     assert snap.reconciliation == ({"source": "test", "device_bytes": 6 * PAGE},)
     assert ledger.snapshot(reconcile=False).reconciliation == ()
     assert seen == [6 * PAGE]
+
+
+@pytest.mark.parametrize(
+    ("occupied", "peak", "match"),
+    [(-1, 0, "occupied=-1"), (5, 4, "occupied=5 peak=4"), (10, 4097, "capacity_slots=4096")],
+)
+def test_an_impossible_slot_report_raises_and_changes_nothing(
+    occupied: int, peak: int, match: str
+) -> None:
+    ledger = Ledger()
+    acc = vmm_account(ledger)
+    acc.on_slots(7, 9)
+    before, epoch = ledger.snapshot(), ledger.epoch
+    with pytest.raises(LedgerError, match=match):
+        acc.on_slots(occupied, peak)
+    assert ledger.epoch == epoch and ledger.snapshot().accounts == before.accounts
+
+
+def test_a_slot_report_sets_the_figure_and_raises_the_peak_only() -> None:
+    ledger = Ledger()
+    acc = vmm_account(ledger)
+    acc.on_slots(7, 9)
+    acc.on_slots(3, 5)
+    [row] = ledger.snapshot().accounts
+    assert (row.occupied_slots, row.peak_occupied_slots) == (3, 9)
+
+
+def test_one_allocator_attaches_to_an_account_and_the_snapshot_flushes_it() -> None:
+    ledger = Ledger()
+    acc = vmm_account(ledger)
+    pending = [5]
+
+    def flush() -> None:
+        if pending:
+            acc.on_slots(pending[0], pending.pop())
+
+    acc.attach(flush)
+    acc.attach(flush)  # the same allocator again: fine
+    with pytest.raises(LedgerError, match="already attached"):
+        acc.attach(lambda: None)
+    assert ledger.snapshot().accounts[0].occupied_slots == 5
+    with pytest.raises(LedgerError, match="still attached"):
+        ledger.remove_account(acc)
+    acc.detach(lambda: None)  # not the attached one: ignored
+    assert acc._flush is flush
+    acc.on_slots(0, 0)
+    acc.detach(flush)
+    ledger.remove_account(acc)

@@ -20,10 +20,10 @@ def test_bench_scrape_runs_and_reports_both_measurements(capsys):
             "5",
             "--batch",
             "16",
-            "--steps",
-            "20",
-            "--rounds",
-            "2",
+            "--seconds",
+            "0.05",
+            "--block-ms",
+            "1",
             "--publish-interval",
             "0.05",
             "--json",
@@ -38,7 +38,10 @@ def test_bench_scrape_runs_and_reports_both_measurements(capsys):
         assert data["scrape"][key]["n"] == 5
     assert data["scrape"]["files_parsed_per_republished_scrape"] == 2
     [over] = data["overhead"]
-    assert over["batch"] == 16 and over["rounds"] == 2 and over["snapshots_published"] >= 2
+    assert over["batch"] == 16 and over["snapshots_published"] >= 1
+    assert over["blocks_per_pool"] >= 1 and over["steps_per_block"] >= 1
+    for pool in ("bare", "control", "accounted"):
+        assert over[f"{pool}_step_us"] > 0
 
 
 def test_missing_benchmark_says_not_available(capsys):
@@ -48,3 +51,12 @@ def test_missing_benchmark_says_not_available(capsys):
         pytest.skip("kvledger.bench.tp is present in this build")
     assert main(["bench", "tp"]) == 2
     assert "not available" in capsys.readouterr().err
+
+
+def test_overhead_refuses_bad_arguments_naming_them():
+    from kvledger.bench.overhead import bench_overhead
+
+    with pytest.raises(ValueError, match="batch=0"):
+        bench_overhead(batch=0, seconds=0.01, publish_interval=1.0)
+    with pytest.raises(ValueError, match="seconds=0"):
+        bench_overhead(batch=1, seconds=0, publish_interval=1.0)

@@ -23,8 +23,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
 from exporter import debug
-from exporter.collector import registry_for
-from exporter.exposition import Renderer
+from exporter.collector import KvLedgerCollector
 from exporter.sources import Sources
 
 DEBUG_PARAMS = ("family", "rank", "layer")
@@ -79,7 +78,7 @@ def create_router(
 ) -> APIRouter:
     """The routes. `debug_html`, when given, renders `/debug/kv` for a browser (Accept:
     text/html) from the same `DebugKv` document the JSON carries."""
-    renderer = Renderer(registry_for(sources))
+    collector = KvLedgerCollector(sources)
     router = APIRouter()
     auth = _auth_dependency(token)
 
@@ -92,7 +91,7 @@ def create_router(
     async def metrics(request: Request) -> Response:
         # Built in the event loop: a scrape is a millisecond or two of work, less than a
         # hop to the thread pool and back.
-        body, content_type = renderer.render(request.headers.get("accept"))
+        body, content_type = collector.render(request.headers.get("accept"))
         return Response(content=body, media_type=content_type)
 
     @router.get(

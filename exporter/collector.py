@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -27,10 +28,13 @@ from accounting.buffers import Owner
 from accounting.figures import FIGURES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from exporter import metrics as m
+from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
 from exporter.sources import Published, Sources, SourceView
 
 log = logging.getLogger(__name__)
 GIB = 2**30
+_FIGURE_METRICS = tuple((f.name, m.figure_metric(f.name)) for f in FIGURES)
+_LE = tuple(floatToGoString(b) for b in (*MAP_SECONDS_BUCKETS, float("inf")))
 
 
 def engine_labels(labels: dict[str, str]) -> dict[str, str]:
@@ -63,6 +67,12 @@ def live_by_engine(views: Sequence[SourceView]) -> list[SourceView]:
     return sorted(best.values(), key=lambda v: v.source)
 
 
+class _Sink(Protocol):
+    def add(
+        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
+    ) -> None: ...
+
+
 class _Families:
     """One prometheus-client Metric per table entry, filled sample by sample."""
 
@@ -72,51 +82,114 @@ class _Families:
     def add(
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
-        self._by_name[name].samples.append(
-            Sample(sample or m.METRIC[name].name, labels, float(value), None, None)
-        )
+        self._by_name[name].samples.append(Sample(sample or name, labels, float(value), None, None))
 
-    def extend(self, series: dict[str, list[Sample]]) -> None:
+    def extend(self, series: dict[str, list[Any]]) -> None:
         for name, samples in series.items():
             self._by_name[name].samples.extend(samples)
+
+    def part(self) -> _Part:
+        return _Samples()
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._by_name.values())
 
 
-class _Series(_Families):
-    """Samples of one source's engine series, kept while its snapshot is unchanged."""
+class _Part:
+    """The engine series of one source, by table name: kept while its snapshot is unchanged."""
 
     def __init__(self) -> None:
-        self.by_name: dict[str, list[Sample]] = {}
+        self.by_name: dict[str, list[Any]] = {}
 
     def add(
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
+        raise NotImplementedError
+
+
+class _Samples(_Part):
+    def add(
+        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
+    ) -> None:
         self.by_name.setdefault(name, []).append(
-            Sample(sample or m.METRIC[name].name, labels, float(value), None, None)
+            Sample(sample or name, labels, float(value), None, None)
         )
 
 
-EngineCache = dict[str, tuple[Published, dict[str, list[Sample]]]]
+class _Lines(_Part):
+    """Sample lines written straight away: what a scrape of this exporter sends."""
+
+    def __init__(self, label_str: LabelMemo) -> None:
+        super().__init__()
+        self._label_str = label_str
+        # The series of one row share one labels dict: written once per row, not per series.
+        self._last: tuple[dict[str, str] | None, str] = (None, "")
+
+    def add(
+        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
+    ) -> None:
+        last, text = self._last
+        if labels is not last:
+            text = self._label_str(labels)
+            self._last = (labels, text)
+        line = f"{sample or name}{text} {number(value)}\n"
+        lines = self.by_name.get(name)
+        if lines is None:
+            self.by_name[name] = [line]
+        else:
+            lines.append(line)
+
+    def extend(self, series: dict[str, list[Any]]) -> None:
+        by_name = self.by_name
+        for name, lines in series.items():
+            by_name.setdefault(name, []).extend(lines)
+
+    def part(self) -> _Part:
+        return _Lines(self._label_str)
+
+    def blocks(self) -> list[Block]:
+        return [(s.family_name, s.type, s.help, self.by_name.get(s.name, ())) for s in m.METRICS]
+
+
+EngineCache = dict[str, tuple[Published, _Part]]
 
 
 class KvLedgerCollector(Collector):
     def __init__(self, sources: Sources) -> None:
         self.sources = sources
-        self._cache: EngineCache = {}
+        self._samples: EngineCache = {}  # for collect()
+        self._lines: EngineCache = {}  # for render()
+        self._label_str = LabelMemo()
         self._lock = threading.Lock()
 
     def describe(self) -> list[Metric]:
         return []  # built at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
+        """prometheus-client's interface (a registry of the caller's own can hold this)."""
         views = self.sources.read()
         with self._lock:
-            families = build_families(
-                views, unreadable=len(self.sources.unreadable), cache=self._cache
+            families = _build(
+                _Families(), views, unreadable=len(self.sources.unreadable), cache=self._samples
             )
         return iter(families)
+
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """(body, content type) of a scrape: the same series as `collect()` written by
+        `exporter.exposition`, without building prometheus-client objects on the way."""
+        openmetrics, ctype = content_type(accept)
+        views = self.sources.read()
+        with self._lock:
+            lines = _build(
+                _Lines(self._label_str),
+                views,
+                unreadable=len(self.sources.unreadable),
+                cache=self._lines,
+            )
+        return write_blocks(lines.blocks(), openmetrics=openmetrics), ctype
+
+
+_Top = TypeVar("_Top", _Families, _Lines)
 
 
 def build_families(
@@ -124,41 +197,45 @@ def build_families(
 ) -> list[Metric]:
     """Every metric family from `views`. With `cache`, a source's engine series are built
     once per published snapshot and reused while it is unchanged."""
-    fam = _Families()
+    return list(_build(_Families(), views, unreadable=unreadable, cache=cache))
+
+
+def _build(
+    top: _Top, views: Sequence[SourceView], *, unreadable: int, cache: EngineCache | None
+) -> _Top:
     for v in views:
         service = {**engine_labels(v.labels), "source": v.source}
-        fam.add("kvledger_up", service, 1 if v.up else 0)
-        fam.add("kvledger_snapshot_age_seconds", service, v.age_seconds)
-        fam.add("kvledger_snapshot_epoch", service, v.published.epoch)
-        fam.add("kvledger_publish_interval_seconds", service, v.published.interval)
+        top.add("kvledger_up", service, 1 if v.up else 0)
+        top.add("kvledger_snapshot_age_seconds", service, v.age_seconds)
+        top.add("kvledger_snapshot_epoch", service, v.published.epoch)
+        top.add("kvledger_publish_interval_seconds", service, v.published.interval)
     live = live_by_engine(views)
     for v in live:
         hit = cache.get(v.source) if cache is not None else None
         if hit is not None and hit[0] is v.published:
-            series = hit[1]
+            part = hit[1]
         else:
-            built = _Series()
-            _add_engine_series(built, v)
-            series = built.by_name
+            part = top.part()
+            _add_engine_series(part, v)
             if cache is not None:
-                cache[v.source] = (v.published, series)
-        fam.extend(series)
+                cache[v.source] = (v.published, part)
+        top.extend(part.by_name)
     if cache is not None:
         for source in set(cache) - {v.source for v in live}:
             del cache[source]
-    fam.add("kvledger_sources_unreadable", {}, unreadable)
-    return list(fam)
+    top.add("kvledger_sources_unreadable", {}, unreadable)
+    return top
 
 
-def _add_engine_series(fam: _Families, v: SourceView) -> None:
+def _add_engine_series(fam: _Sink, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     d = v.summary
     eng = engine_labels(v.labels)
     fam.add(m.HEADLINE, eng, d["totals"]["physical_bytes"] / GIB)
     for row in sorted(d["families"], key=lambda r: (r["family"], r["owner"])):
         labels = {**eng, "family": row["family"], "owner": row["owner"]}
-        for f in FIGURES:
-            fam.add(m.figure_metric(f.name), labels, row[f.name])
+        for figure, metric in _FIGURE_METRICS:
+            fam.add(metric, labels, row[figure])
     fam.add("kvledger_relation_violations", eng, len(d["violations"]))
     tp = d.get("tp")
     if tp:
@@ -192,19 +269,17 @@ def _add_engine_series(fam: _Families, v: SourceView) -> None:
         _add_histogram(fam, "kvledger_map_page_seconds", labels, acc["map_bucket_counts"])
 
 
-def _add_histogram(
-    fam: _Families, name: str, labels: dict[str, str], counts: Sequence[int]
-) -> None:
+def _add_histogram(fam: _Sink, name: str, labels: dict[str, str], counts: Sequence[int]) -> None:
     """Per-bucket counts (the last one past every bound) to cumulative `le` buckets."""
     if len(counts) != len(MAP_SECONDS_BUCKETS) + 1:
         raise ValueError(
             f"{name}: {len(counts)} bucket counts, expected {len(MAP_SECONDS_BUCKETS) + 1}"
         )
     running = 0
-    for bound, c in zip((*MAP_SECONDS_BUCKETS, float("inf")), counts, strict=True):
+    sample = f"{name}_bucket"
+    for le, c in zip(_LE, counts, strict=True):
         running += c
-        le = floatToGoString(bound)
-        fam.add(name, {**labels, "le": le}, running, sample=f"{name}_bucket")
+        fam.add(name, {**labels, "le": le}, running, sample=sample)
     # No _count (the +Inf bucket is the count) and no _sum (the ledger keeps no sum of the
     # per-page observations): OpenMetrics allows neither without the other.
 

@@ -19,9 +19,8 @@ ignored and the Content-Type names none.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,7 +53,11 @@ def _escape_value(v: str) -> str:
     return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
-def _number(v: float) -> str:
+def number(v: float) -> str:
+    """A sample value as both formats write it (integers without a fraction)."""
+    if type(v) is int and -(2**53) < v < 2**53:
+        return str(v)
+    v = float(v)
     if v != v:
         return "NaN"
     if math.isinf(v):
@@ -64,50 +67,79 @@ def _number(v: float) -> str:
     return repr(v)
 
 
-class Renderer:
-    """Writes a registry in either format. Keeps a bounded memo of label strings."""
+class LabelMemo:
+    """Label sets written as `{a="x",b="y"}` (sorted, escaped), memoised across scrapes up
+    to a bound (label sets repeat from one scrape to the next; values change)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self._labels: dict[tuple[tuple[str, str], ...], str] = {}
+    def __init__(self, bound: int = _LABEL_CACHE_MAX) -> None:
+        self.bound = bound
+        self._memo: dict[tuple[tuple[str, str], ...], str] = {}
 
-    def _label_str(self, labels: dict[str, str]) -> str:
+    def __call__(self, labels: dict[str, str]) -> str:
         key = tuple(labels.items())
-        s = self._labels.get(key)
+        s = self._memo.get(key)
         if s is None:
-            if len(self._labels) >= _LABEL_CACHE_MAX:
-                self._labels.clear()
+            if len(self._memo) >= self.bound:
+                self._memo.clear()
             s = (
                 "{" + ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(labels.items())) + "}"
                 if labels
                 else ""
             )
-            self._labels[key] = s
+            self._memo[key] = s
         return s
+
+
+# One metric family as text: (name, type, help, its sample lines, each ending in a newline).
+Block = tuple[str, str, str, Sequence[str]]
+
+
+def write_blocks(blocks: Iterable[Block], *, openmetrics: bool) -> bytes:
+    """The exposition of `blocks` in either format (headers differ, sample lines do not)."""
+    out: list[str] = []
+    for name, mtype, doc, lines in blocks:
+        if not openmetrics and mtype == "counter":
+            name += "_total"
+        doc = doc.replace("\\", r"\\").replace("\n", r"\n")
+        if openmetrics:
+            doc = doc.replace('"', r"\"")
+        elif mtype == "unknown":
+            mtype = "untyped"
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n")
+        out.extend(lines)
+    if openmetrics:
+        out.append("# EOF\n")
+    return "".join(out).encode()
+
+
+def content_type(accept: str | None) -> tuple[bool, str]:
+    """(write OpenMetrics?, the Content-Type) for a scrape with this Accept header."""
+    if prefers_openmetrics(accept):
+        return True, OPENMETRICS_CONTENT_TYPE
+    return False, TEXT_CONTENT_TYPE
+
+
+class Renderer:
+    """Writes any registry's metric families in either format."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._labels = LabelMemo()
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """(body, content type) for a scrape with this Accept header."""
-        metrics = self.registry.collect()
-        if prefers_openmetrics(accept):
-            return self._write(metrics, openmetrics=True), OPENMETRICS_CONTENT_TYPE
-        return self._write(metrics, openmetrics=False), TEXT_CONTENT_TYPE
-
-    def _write(self, metrics: Iterable[Metric], *, openmetrics: bool) -> bytes:
-        out: list[str] = []
-        for metric in metrics:
-            name = metric.name
-            if not openmetrics and metric.type == "counter":
-                name += "_total"
-            doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
-            if openmetrics:
-                doc = doc.replace('"', r"\"")
-            mtype = metric.type if openmetrics or metric.type != "unknown" else "untyped"
-            out.append(f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n")
-            for s in metric.samples:
-                out.append(f"{s.name}{self._label_str(s.labels)} {_number(float(s.value))}\n")
-        if openmetrics:
-            out.append("# EOF\n")
-        return "".join(out).encode()
+        openmetrics, ctype = content_type(accept)
+        label_str = self._labels
+        blocks = [
+            (
+                metric.name,
+                metric.type,
+                metric.documentation,
+                [f"{s.name}{label_str(s.labels)} {number(s.value)}\n" for s in metric.samples],
+            )
+            for metric in self.registry.collect()
+        ]
+        return write_blocks(blocks, openmetrics=openmetrics), ctype
 
 
 def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:

@@ -14,6 +14,7 @@ and exits 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -190,6 +191,10 @@ def run(args: argparse.Namespace) -> int:
             f"snapshots in {snapshot_dir})",
             flush=True,
         )
+        # Everything built so far lives as long as the process: out of the collector's way,
+        # so a collection a scrape triggers walks only the scrape's young objects (with the
+        # demo's torch loaded, a full collection over the rest took ~10 ms).
+        gc.freeze()
         stop = threading.Event()
         _install_signal_handlers(server, stop)
         reporter = threading.Thread(
@@ -241,6 +246,9 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise UsageError(f"--host {host} --port {port}: cannot bind: {e.strerror}") from None
+    # Listening from here on: a client that connects as soon as the URL is printed waits in
+    # the backlog until uvicorn accepts, instead of being refused.
+    sock.listen(socket.SOMAXCONN)
     sock.set_inheritable(False)
     return sock
 

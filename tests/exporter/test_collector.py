@@ -130,3 +130,35 @@ def test_every_sample_is_declared_with_its_labels_and_no_total_values():
                 expected.add("le")
             assert set(labels) == expected, name
             assert "total" not in labels.values()
+
+
+def test_render_writes_exactly_what_the_registry_path_writes(tmp_path):
+    """`KvLedgerCollector.render` (what GET /metrics sends) writes sample lines straight from
+    the snapshots; prometheus-client's path (`collect()`, then the generic writer) must give
+    the same bytes, on a first scrape, on cache hits, and after a rank republished."""
+    import time
+
+    from accounting.publisher import Publisher
+    from exporter.collector import KvLedgerCollector
+    from exporter.exposition import Renderer
+
+    with (
+        small_ledger({"model_name": "m", "tp_rank": "0"}) as a,
+        small_ledger({"model_name": "m", "tp_rank": "1"}) as b,
+        Publisher(a.ledger, tmp_path, interval=3600) as pa,
+        Publisher(b.ledger, tmp_path, interval=3600),
+    ):
+        a.allocate(300)
+        b.c4.occupy(5)
+        pa.publish()
+        now = time.time()
+        src = Sources(tmp_path, clock=lambda: now)
+        fast, generic = KvLedgerCollector(src), Renderer(registry_for(src))
+        for step in range(3):
+            for accept in ("text/plain", "application/openmetrics-text; version=1.0.0"):
+                got, ctype = fast.render(accept)
+                assert (got, ctype) == generic.render(accept), (step, accept)
+                assert b"sglang:kv_cache_memory_usage_gb{" in got
+            if step == 1:
+                a.allocate(10)
+                pa.publish()

@@ -6,14 +6,17 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.dsv4 import FAMILIES
+from accounting.publisher import Publisher
 from exporter import metrics as m
 from kvledger.demo import DEFAULT_HOST_GRANULARITY
+from tests.ledgers import small_ledger
 from tests.servers import repo_env, stop, wait_until
 
 pytestmark = pytest.mark.slow
@@ -135,6 +138,29 @@ def test_sigterm_is_clean_too(tmp_path):
         stop(proc)
     assert proc.returncode == 0, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_printed_url_answers_at_once(tmp_path):
+    """The socket listens before the URL is printed: a client connecting on the printed line
+    waits for the server instead of being refused. (Before, the first connection raced
+    uvicorn's start, which reads the snapshot directory first, and lost.)"""
+    import socket
+
+    for i in range(8):  # a directory of snapshots makes the start take a while
+        with small_ledger({"tp_rank": str(i)}) as sl, Publisher(sl.ledger, tmp_path / "s") as p:
+            data = Path(p.path).read_bytes()
+        (tmp_path / "s" / f"rank{i}.kvl.json").write_bytes(data)
+    for _ in range(3):
+        proc = _serve("--no-demo", "--port", "0", "--snapshot-dir", str(tmp_path / "s"))
+        try:
+            assert proc.stdout is not None
+            url = proc.stdout.readline().split()[2]
+            host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=20) as conn:
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                assert conn.recv(64).startswith(b"HTTP/1.1 200")
+        finally:
+            stop(proc)
 
 
 def test_busy_port_exits_2_naming_it(tmp_path):

@@ -140,7 +140,10 @@ class SourceModel(BaseModel):
     host: str | None
     labels: dict[str, str] = Field(description="the ledger's labels as published")
     engine_labels: dict[str, str] = Field(description="SGLang's labels on its metrics")
-    epoch: int = Field(description="ledger events applied when the snapshot was taken")
+    epoch: int = Field(
+        description="changes the ledger had applied when the snapshot was taken (page events, "
+        "slot-figure reports)"
+    )
     sequence: int
     taken_at: float = Field(description="Unix time the snapshot was taken")
     published_at: float = Field(description="Unix time of the publisher's heartbeat")

@@ -126,8 +126,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "kvledger_snapshot_epoch",
         "gauge",
-        "Ledger events the source had applied when its latest snapshot was taken (restarts at "
-        "0 with the process).",
+        "Changes the source's ledger had applied when its latest snapshot was taken: page "
+        "events and slot-figure reports (restarts at 0 with the process).",
         ("source",),
     ),
     MetricSpec(

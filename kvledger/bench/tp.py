@@ -1,7 +1,8 @@
 """`kvledger bench tp`: the cost of a page change with 2 TP ranks over CPU gloo next to one rank.
 
-One run measures, on the host backend with a DeepSeek-V4-shaped SWA pool (43 layers,
-2 MiB pages, 584-byte slots in 256-token rows padded to 576 B):
+One run measures, on the host backend (or `--backend cuda`, rank r on GPU r) with a
+DeepSeek-V4-shaped SWA pool (43 layers, 2 MiB pages, 584-byte slots in 256-token rows
+padded to 576 B):
 - alone: one pool without TP, in this process;
 - two ranks (processes) over a gloo group on loopback, each timing, interleaved cycle
   by cycle so that all see the same load: a pool without TP ("no TP"), a pool under a
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cycles", type=int, default=200, help="measured cycles (default 200)")
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured cycles first")
     parser.add_argument("--timeout", type=float, default=60.0, help="TP exchange timeout, s")
+    parser.add_argument(
+        "--backend",
+        choices=("host", "cuda"),
+        default="host",
+        help="host (memfd) or cuda: rank r on GPU r modulo the GPUs present (default host)",
+    )
     parser.add_argument("--json", action="store_true", help="print the medians as JSON too")
 
 
@@ -59,12 +66,21 @@ def run(args: argparse.Namespace) -> int:
         "cycles": args.cycles,
         "warmup": args.warmup,
         "timeout": args.timeout,
+        "backend": args.backend,
     }
+    if args.backend == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < 1:
+            raise _usage("--backend cuda: no CUDA device is visible")
+        params["gpus"] = gpus
     alone = _measure(params, None)
     ranks = _spawn_ranks(params, 2)
     pages = alone["pages_per_change"]
     print(
-        f"kvledger bench tp: {args.layers} layers, {args.page_mib} MiB pages, host backend, "
+        f"kvledger bench tp: {args.layers} layers, {args.page_mib} MiB pages, "
+        f"{_backend_words(params)}, "
         f"{args.cycles} cycles; a page change maps or unmaps {pages} page id(s) "
         f"({pages * args.layers} layer pages); medians in microseconds"
     )
@@ -98,6 +114,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"alone": alone, "ranks": ranks}))
     return 0
+
+
+def _backend_words(params: dict[str, Any]) -> str:
+    if params["backend"] != "cuda":
+        return "host backend"
+    gpus = params["gpus"]
+    where = "one GPU per rank" if gpus >= 2 else "both ranks on GPU 0"
+    return f"CUDA backend ({where}; 1 rank on GPU 0)"
+
+
+def _device(params: dict[str, Any], rank: int) -> int:
+    return rank % params["gpus"] if params["backend"] == "cuda" else 0
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -138,7 +166,13 @@ class _Cycle:
         from allocator import HostBackend, SwaPool
 
         layout, per_page = _layout(params["page_bytes"])
-        backend = stack.enter_context(HostBackend(granularity=params["page_bytes"]))
+        backend: Any
+        if params["backend"] == "cuda":
+            from allocator.cuda import CudaBackend
+
+            backend = stack.enter_context(CudaBackend(device=params["device"]))
+        else:
+            backend = stack.enter_context(HostBackend(granularity=params["page_bytes"]))
         self.pool = stack.enter_context(
             SwaPool(
                 backend,
@@ -200,6 +234,7 @@ def _measure(params: dict[str, Any], rank_info: tuple[int, int, str] | None) -> 
     """Cycles on a pool without TP; with `rank_info` = (rank, size, store) also on a pool
     under TP, interleaved cycle by cycle so that both see the same machine load."""
     times: dict[str, dict[str, list[float]]] = {"alone": {}, "tp": {}, "tp_ahead": {}}
+    params = {**params, "device": _device(params, rank_info[0] if rank_info else 0)}
     dist: Any = None
     with contextlib.ExitStack() as stack:
         group = None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -201,6 +200,7 @@ class DemoSource:
 
 
 def default_snapshot_dir() -> str:
-    import tempfile
+    """Kept for callers of the old name: `accounting.snapdir.default_snapshot_dir()`."""
+    from accounting.snapdir import default_snapshot_dir as default
 
-    return os.path.join(tempfile.gettempdir(), f"kvledger-{os.getuid()}")
+    return default()

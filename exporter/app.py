@@ -9,14 +9,23 @@ registry; nothing is global.
 
 With a `token`, `/debug/*` requires `Authorization: Bearer <token>`; `/metrics`
 and the health endpoints stay open, as Prometheus and probes expect.
+
+Nothing that touches the snapshot directory runs in the event loop: reads go
+through `SourceReader` (one scan at a time in a worker thread; requests that
+arrive while a scan runs share the next one), so `/healthz` answers at once
+whatever the directory holds. `/metrics` bodies are rendered once per scan and
+format, and gzipped (once) for a client that sends `Accept-Encoding: gzip`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -24,7 +33,8 @@ from pydantic import BaseModel
 
 from exporter import debug
 from exporter.collector import KvLedgerCollector
-from exporter.sources import Sources
+from exporter.exposition import content_type
+from exporter.sources import Sources, SourceView
 
 DEBUG_PARAMS = ("family", "rank", "layer")
 
@@ -42,6 +52,92 @@ class Readiness(BaseModel):
 class Problem(BaseModel):
     detail: str
     param: str | None = None
+
+
+GZIP_LEVEL = 6  # one rank's 19.7 KB body is ~2.9 KB; done once per scan, not per request
+
+
+class SourceReader:
+    """`sources.read()` off the event loop, one scan at a time: a request waits for a scan
+    that starts after it arrived, and every request that arrives while one runs shares
+    the next. Returns (generation, views); the generation numbers the scans."""
+
+    def __init__(self, sources: Sources) -> None:
+        self.sources = sources
+        self.generation = 0
+        self._pending: asyncio.Future[tuple[int, list[SourceView]]] | None = None
+        self._running = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def read(self) -> tuple[int, list[SourceView]]:
+        fut = self._pending
+        if fut is None:
+            fut = self._pending = asyncio.get_running_loop().create_future()
+            if not self._running:
+                self._start()
+        return await asyncio.shield(fut)
+
+    def _start(self) -> None:
+        fut, self._pending = self._pending, None
+        assert fut is not None
+        self._running = True
+        # Held here: the event loop keeps only a weak reference to a task.
+        self._task = asyncio.get_running_loop().create_task(self._scan(fut))
+
+    async def _scan(self, fut: asyncio.Future[tuple[int, list[SourceView]]]) -> None:
+        try:
+            views = await anyio.to_thread.run_sync(self.sources.read)
+        except Exception as e:
+            fut.set_exception(e)
+        else:
+            self.generation += 1
+            fut.set_result((self.generation, views))
+        finally:
+            self._running = False
+            if self._pending is not None:
+                self._start()
+
+
+def accepts_gzip(accept_encoding: str | None) -> bool:
+    """True when `Accept-Encoding` lists gzip (or x-gzip) with a non-zero q."""
+    for part in (accept_encoding or "").lower().split(","):
+        coding, _, params = part.partition(";")
+        if coding.strip() not in ("gzip", "x-gzip"):
+            continue
+        q = params.strip()
+        if q.startswith("q="):
+            try:
+                return float(q[2:]) > 0
+            except ValueError:
+                return False
+        return True
+    return False
+
+
+class MetricsBodies:
+    """The latest scan's `/metrics` bodies, per format and encoding, each built once."""
+
+    def __init__(self, collector: KvLedgerCollector) -> None:
+        self.collector = collector
+        self._generation = -1
+        self._bodies: dict[tuple[bool, bool], tuple[bytes, str]] = {}
+
+    def get(
+        self, generation: int, views: Sequence[SourceView], accept: str | None, gz: bool
+    ) -> tuple[bytes, str]:
+        if generation != self._generation:
+            self._generation, self._bodies = generation, {}
+        openmetrics = content_type(accept)[0]
+        got = self._bodies.get((openmetrics, gz))
+        if got is None:
+            plain = self._bodies.get((openmetrics, False))
+            if plain is None:
+                plain = self._bodies[(openmetrics, False)] = self.collector.render(accept, views)
+            got = plain
+            if gz:
+                got = (gzip.compress(plain[0], GZIP_LEVEL, mtime=0), plain[1])
+                self._bodies[(openmetrics, True)] = got
+        return got
 
 
 def _auth_dependency(token: str | None) -> Callable[..., None]:
@@ -79,6 +175,8 @@ def create_router(
     """The routes. `debug_html`, when given, renders `/debug/kv` for a browser (Accept:
     text/html) from the same `DebugKv` document the JSON carries."""
     collector = KvLedgerCollector(sources)
+    reader = SourceReader(sources)
+    bodies = MetricsBodies(collector)
     router = APIRouter()
     auth = _auth_dependency(token)
 
@@ -89,10 +187,15 @@ def create_router(
         responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}},
     )
     async def metrics(request: Request) -> Response:
-        # Built in the event loop: a scrape is a millisecond or two of work, less than a
-        # hop to the thread pool and back.
-        body, content_type = collector.render(request.headers.get("accept"))
-        return Response(content=body, media_type=content_type)
+        # The scan runs in a worker thread; the rendering, once per scan and format, in the
+        # event loop (a millisecond or two, less than a hop to a thread and back).
+        generation, views = await reader.read()
+        gz = accepts_gzip(request.headers.get("accept-encoding"))
+        body, ctype = bodies.get(generation, views, request.headers.get("accept"), gz)
+        headers = {"Vary": "Accept-Encoding"}
+        if gz:
+            headers["Content-Encoding"] = "gzip"
+        return Response(content=body, media_type=ctype, headers=headers)
 
     @router.get(
         "/debug/kv",
@@ -105,7 +208,7 @@ def create_router(
             401: {"model": Problem},
         },
     )
-    def debug_kv(
+    async def debug_kv(
         request: Request,
         family: Annotated[
             str | None,
@@ -129,8 +232,18 @@ def create_router(
                 unknown[0],
                 f"unknown query parameter {unknown[0]!r}; expected one of {', '.join(DEBUG_PARAMS)}",
             )
+        _, views = await reader.read()
+
+        def build() -> debug.DebugKv:
+            doc = debug.build(views, family=family, rank=rank, layer=layer)
+            doc.files_not_served = [
+                debug.FileProblemModel(name=p.name, reason=p.reason, detail=p.detail)
+                for p in sources.problems()
+            ]
+            return doc
+
         try:
-            doc = debug.build(sources.read(), family=family, rank=rank, layer=layer)
+            doc = await anyio.to_thread.run_sync(build)
         except debug.FilterError as e:
             return _problem(e.param, str(e))
         if debug_html is not None and wants_html(request.headers.get("accept")):
@@ -138,23 +251,24 @@ def create_router(
         return doc
 
     @router.get("/healthz", response_model=Health, summary="The exporter process is serving")
-    def healthz() -> Health:
-        return Health(status="ok")
+    async def healthz() -> Health:
+        return Health(status="ok")  # in the event loop: answers while any scan runs
 
     @router.get(
         "/readyz",
         response_model=Readiness,
-        summary="Ready once at least one source has published",
+        summary="Ready while at least one source is up",
         responses={503: {"model": Readiness}},
     )
-    def readyz() -> Readiness | JSONResponse:
-        views = sources.read()
+    async def readyz() -> Readiness | JSONResponse:
+        _, views = await reader.read()
+        up = sum(v.up for v in views)
         ready = Readiness(
-            status="ready" if views else "waiting for a source to publish",
+            status="ready" if up else "waiting for a live source",
             sources=len(views),
-            up=sum(v.up for v in views),
+            up=up,
         )
-        if views:
+        if up:
             return ready
         return JSONResponse(status_code=503, content=ready.model_dump())
 

@@ -141,7 +141,7 @@ class MetricsBodies:
 
 
 def _auth_dependency(token: str | None) -> Callable[..., None]:
-    bearer = HTTPBearer(auto_error=False, description="the token given to `kvledger serve --token`")
+    bearer = HTTPBearer(auto_error=False, description="the token of `kvledger serve --token-file FILE` (or $KVLEDGER_TOKEN)")
 
     def check(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
         if token is None:

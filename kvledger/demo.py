@@ -60,6 +60,7 @@ class DemoOptions:
     context_length: int = DEFAULT_CONTEXT_LENGTH
     labels: Mapping[str, str] | None = None
     snapshot_dir: str | None = None
+    snapshot_dir_group_writable: bool = False
     publish_interval: float = 1.0
     workload: WorkloadConfig | None = None
     start_workload: bool = True
@@ -101,7 +102,12 @@ class DemoSource:
             self.accounts[family] = self.ledger.add_account(fspecs, capacity_slots=usable)
         self.publisher: Publisher | None = None
         if o.snapshot_dir is not None:
-            self.publisher = Publisher(self.ledger, o.snapshot_dir, interval=o.publish_interval)
+            self.publisher = Publisher(
+                self.ledger,
+                o.snapshot_dir,
+                interval=o.publish_interval,
+                group_writable=o.snapshot_dir_group_writable,
+            )
             self._stack.callback(self.publisher.close)
         cfg = o.workload or WorkloadConfig(max_running=o.max_running_requests)
         self.workload = Workload(self.pool, self.accounts, cfg)

@@ -15,7 +15,8 @@ reasons: `exporter.validate.REASONS`). A file is identified by (st_dev, st_ino,
 st_size, st_mtime_ns); one that was parsed, or refused, is not read again until
 that identity changes. A scan looks at most `max_files` names and parses at most
 `max_parses` changed files (the others wait for the next scan), so its cost is
-bounded whatever the directory holds.
+bounded whatever the directory holds; past `max_files`, files already served are
+kept first, so a flood of new files cannot push a live source out.
 """
 
 from __future__ import annotations
@@ -133,17 +134,14 @@ class SnapshotFiles(Generic[T]):
             return self._scan(self._dir, now)
 
     def _scan(self, d: SnapshotDir, now: float) -> list[tuple[str, Ident, T]]:
-        names: list[str] = []
-        skipped = 0
-        for entry in d.names():
-            name = entry.name
-            if name.startswith(".") or not name.endswith(SUFFIX):
-                continue  # temporaries of a write in progress, files of others
-            if len(names) >= self.max_files:
-                skipped += 1
-                continue
-            names.append(name)
-        names.sort()
+        names = [
+            e.name for e in d.names() if not e.name.startswith(".") and e.name.endswith(SUFFIX)
+        ]  # dot files are temporaries of a write in progress; other names are not ours
+        # Files already served first (for the cap on files and on parses), so a flood of
+        # new files can neither push a live source out nor delay its next version.
+        names.sort(key=lambda n: (not self._served(n), n))
+        skipped = max(0, len(names) - self.max_files)
+        names = names[: self.max_files]
         out: list[tuple[str, Ident, T]] = []
         parses = 0
         for name in names:
@@ -177,7 +175,12 @@ class SnapshotFiles(Generic[T]):
             )
             self.error_counts["too_many_files"] += 1
         self.skipped = skipped
+        out.sort(key=lambda x: x[0])
         return out
+
+    def _served(self, name: str) -> bool:
+        cached = self._cache.get(name)
+        return cached is not None and cached[1] is not None
 
     def _load(self, d: SnapshotDir, name: str, st: os.stat_result, now: float) -> T | None:
         try:

@@ -11,18 +11,17 @@ With a `token`, `/debug/*` requires `Authorization: Bearer <token>`; `/metrics`
 and the health endpoints stay open, as Prometheus and probes expect.
 
 Nothing that touches the snapshot directory runs in the event loop: reads go
-through `SourceReader` (one scan at a time in a worker thread; requests that
-arrive while a scan runs share the next one), so `/healthz` answers at once
-whatever the directory holds. `/metrics` bodies are rendered once per scan and
-format, and gzipped (once) for a client that sends `Accept-Encoding: gzip`.
+through `exporter.serving.SourceReader` (one scan at a time in a worker thread;
+requests that arrive while a scan runs share the next one), so `/healthz` answers
+at once whatever the directory holds. `/metrics` bodies are rendered once per scan
+and format, and gzipped (once) for a client that sends `Accept-Encoding: gzip`;
+`/metrics` and `/healthz` are served by plain ASGI apps (exporter.serving).
 """
 
 from __future__ import annotations
 
-import asyncio
-import gzip
 import hmac
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Annotated
 
 import anyio.to_thread
@@ -30,11 +29,12 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, 
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
+from starlette.routing import Route
 
 from exporter import debug
 from exporter.collector import KvLedgerCollector
-from exporter.exposition import content_type
-from exporter.sources import Sources, SourceView
+from exporter.serving import HealthEndpoint, MetricsBodies, MetricsEndpoint, SourceReader
+from exporter.sources import Sources
 
 DEBUG_PARAMS = ("family", "rank", "layer")
 
@@ -54,94 +54,11 @@ class Problem(BaseModel):
     param: str | None = None
 
 
-GZIP_LEVEL = 6  # one rank's 19.7 KB body is ~2.9 KB; done once per scan, not per request
-
-
-class SourceReader:
-    """`sources.read()` off the event loop, one scan at a time: a request waits for a scan
-    that starts after it arrived, and every request that arrives while one runs shares
-    the next. Returns (generation, views); the generation numbers the scans."""
-
-    def __init__(self, sources: Sources) -> None:
-        self.sources = sources
-        self.generation = 0
-        self._pending: asyncio.Future[tuple[int, list[SourceView]]] | None = None
-        self._running = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def read(self) -> tuple[int, list[SourceView]]:
-        fut = self._pending
-        if fut is None:
-            fut = self._pending = asyncio.get_running_loop().create_future()
-            if not self._running:
-                self._start()
-        return await asyncio.shield(fut)
-
-    def _start(self) -> None:
-        fut, self._pending = self._pending, None
-        assert fut is not None
-        self._running = True
-        # Held here: the event loop keeps only a weak reference to a task.
-        self._task = asyncio.get_running_loop().create_task(self._scan(fut))
-
-    async def _scan(self, fut: asyncio.Future[tuple[int, list[SourceView]]]) -> None:
-        try:
-            views = await anyio.to_thread.run_sync(self.sources.read)
-        except Exception as e:
-            fut.set_exception(e)
-        else:
-            self.generation += 1
-            fut.set_result((self.generation, views))
-        finally:
-            self._running = False
-            if self._pending is not None:
-                self._start()
-
-
-def accepts_gzip(accept_encoding: str | None) -> bool:
-    """True when `Accept-Encoding` lists gzip (or x-gzip) with a non-zero q."""
-    for part in (accept_encoding or "").lower().split(","):
-        coding, _, params = part.partition(";")
-        if coding.strip() not in ("gzip", "x-gzip"):
-            continue
-        q = params.strip()
-        if q.startswith("q="):
-            try:
-                return float(q[2:]) > 0
-            except ValueError:
-                return False
-        return True
-    return False
-
-
-class MetricsBodies:
-    """The latest scan's `/metrics` bodies, per format and encoding, each built once."""
-
-    def __init__(self, collector: KvLedgerCollector) -> None:
-        self.collector = collector
-        self._generation = -1
-        self._bodies: dict[tuple[bool, bool], tuple[bytes, str]] = {}
-
-    def get(
-        self, generation: int, views: Sequence[SourceView], accept: str | None, gz: bool
-    ) -> tuple[bytes, str]:
-        if generation != self._generation:
-            self._generation, self._bodies = generation, {}
-        openmetrics = content_type(accept)[0]
-        got = self._bodies.get((openmetrics, gz))
-        if got is None:
-            plain = self._bodies.get((openmetrics, False))
-            if plain is None:
-                plain = self._bodies[(openmetrics, False)] = self.collector.render(accept, views)
-            got = plain
-            if gz:
-                got = (gzip.compress(plain[0], GZIP_LEVEL, mtime=0), plain[1])
-                self._bodies[(openmetrics, True)] = got
-        return got
-
-
 def _auth_dependency(token: str | None) -> Callable[..., None]:
-    bearer = HTTPBearer(auto_error=False, description="the token of `kvledger serve --token-file FILE` (or $KVLEDGER_TOKEN)")
+    bearer = HTTPBearer(
+        auto_error=False,
+        description="the token of `kvledger serve --token-file FILE` (or $KVLEDGER_TOKEN)",
+    )
 
     def check(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
         if token is None:
@@ -186,16 +103,8 @@ def create_router(
         summary="Prometheus exposition built from one snapshot per source",
         responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}},
     )
-    async def metrics(request: Request) -> Response:
-        # The scan runs in a worker thread; the rendering, once per scan and format, in the
-        # event loop (a millisecond or two, less than a hop to a thread and back).
-        generation, views = await reader.read()
-        gz = accepts_gzip(request.headers.get("accept-encoding"))
-        body, ctype = bodies.get(generation, views, request.headers.get("accept"), gz)
-        headers = {"Vary": "Accept-Encoding"}
-        if gz:
-            headers["Content-Encoding"] = "gzip"
-        return Response(content=body, media_type=ctype, headers=headers)
+    async def metrics(request: Request) -> Response:  # documents the route; served below
+        raise AssertionError("served by exporter.serving.MetricsEndpoint")
 
     @router.get(
         "/debug/kv",
@@ -251,8 +160,15 @@ def create_router(
         return doc
 
     @router.get("/healthz", response_model=Health, summary="The exporter process is serving")
-    async def healthz() -> Health:
-        return Health(status="ok")  # in the event loop: answers while any scan runs
+    async def healthz() -> Health:  # documents the route; served below
+        raise AssertionError("served by exporter.serving.HealthEndpoint")
+
+    # The two hot routes as plain ASGI apps, matched before the documented ones above: a
+    # scrape or a probe then costs the event loop a lookup and two sends (exporter.serving).
+    router.routes[:0] = [
+        Route("/metrics", MetricsEndpoint(reader, bodies), methods=["GET"]),
+        Route("/healthz", HealthEndpoint(), methods=["GET"]),
+    ]
 
     @router.get(
         "/readyz",

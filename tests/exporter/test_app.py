@@ -245,7 +245,7 @@ def test_gzip_when_asked_once_per_scan_and_identical_once_unzipped(small):
     ],
 )
 def test_accepts_gzip(header, expected):
-    from exporter.app import accepts_gzip
+    from exporter.serving import accepts_gzip
 
     assert accepts_gzip(header) is expected
 

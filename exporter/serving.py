@@ -164,4 +164,3 @@ class HealthEndpoint:
         await send(
             {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else self.BODY}
         )
-

@@ -22,6 +22,7 @@ at once and its file removed. A down source without a successor stays listed
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -31,9 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from accounting.figures import FIGURE_NAMES
 from accounting.ledger import Ledger
 from accounting.publisher import proc_stat, source_id
-from accounting.snapshot import Snapshot
+from accounting.snapshot import SCHEMA_VERSION, AccountRow, Snapshot
 from exporter import metrics as m
 from exporter.snapfiles import FileProblem, Ident, SnapshotFiles
 
@@ -43,6 +45,41 @@ log = logging.getLogger(__name__)
 # stale when the exporter is given no explicit bound.
 STALE_INTERVALS = 3.0
 STALE_GRACE_S = 1.0
+
+
+_ACCOUNT_FIELDS = tuple(f.name for f in dataclasses.fields(AccountRow))
+
+
+def _account_dict(a: AccountRow) -> dict[str, Any]:
+    """`AccountRow.to_dict()` without `dataclasses.asdict`'s deep copy (4x faster)."""
+    d = {k: getattr(a, k) for k in _ACCOUNT_FIELDS}
+    d["owner"] = a.owner.value
+    d["map_bucket_counts"] = list(a.map_bucket_counts)
+    return d
+
+
+def summary_of(snap: Snapshot) -> dict[str, Any]:
+    """`snap.to_dict()` without the buffer rows (and without building them): all a scrape
+    reads. The totals are the sum of the per-family rollup."""
+    families = snap.rollup("family", "owner")
+    totals = dict.fromkeys(FIGURE_NAMES, 0)
+    for figs in families.values():
+        for name, value in figs.items():
+            totals[name] += value
+    return {
+        "schema": SCHEMA_VERSION,
+        "epoch": snap.epoch,
+        "taken_at": snap.taken_at,
+        "labels": dict(snap.labels),
+        "totals": totals,
+        "families": [
+            {"family": fam, "owner": own, **figs} for (fam, own), figs in sorted(families.items())
+        ],
+        "accounts": [_account_dict(a) for a in snap.accounts],
+        "violations": [v.to_dict() for v in snap.violations],
+        "reconciliation": [dict(r) for r in snap.reconciliation],
+        "tp": snap.tp.to_dict() if snap.tp is not None else None,
+    }
 
 
 @dataclass(frozen=True)
@@ -67,9 +104,7 @@ class Published:
     @classmethod
     def from_file(cls, envelope: dict[str, Any], snap: Snapshot, path: str) -> Published:
         """A published file that passed `exporter.validate` (figures recomputed there)."""
-        summary = snap.to_dict()
-        del summary["buffers"]
-        p = cls(summary=summary, path=path, **envelope)
+        p = cls(summary=summary_of(snap), path=path, **envelope)
         p._lazy["snapshot"] = snap
         return p
 
@@ -77,8 +112,7 @@ class Published:
     def from_snapshot(
         cls, snap: Snapshot, *, source: str, pid: int, host: str, sequence: int
     ) -> Published:
-        summary = snap.to_dict()
-        del summary["buffers"]
+        summary = summary_of(snap)
         p = cls(
             source=source,
             pid=pid,
@@ -190,6 +224,8 @@ class Sources:
             )
         self.directory = self.files.path if self.files is not None else None
         self.removed = 0  # files of dead sources removed after a restart took their place
+        self._stop = threading.Event()
+        self._scanner: threading.Thread | None = None
 
     def add_ledger(self, ledger: Ledger, source: str | None = None) -> str:
         """Serve `ledger` directly, snapshotted at each read. Returns its source id."""
@@ -327,8 +363,34 @@ class Sources:
             return f"pid {p.pid} now belongs to another process"
         return None
 
+    # -- scanning ahead of requests ------------------------------------------------------------
+    def start_scanning(self, interval: float) -> None:
+        """Read every `interval` seconds in a thread of its own, so files are parsed and
+        validated as they are published rather than when a scrape arrives (a DeepSeek-V4
+        rank's file costs ~2-4 ms to validate; a scrape then finds them parsed). Stopped
+        by `close()`."""
+        if not 0 < interval < float("inf"):
+            raise ValueError(f"start_scanning: interval={interval!r}, expected seconds > 0")
+        if self._scanner is not None:
+            raise RuntimeError("start_scanning: already scanning")
+        self._scanner = threading.Thread(
+            target=self._scan_loop, args=(interval,), name="kvledger-scan", daemon=True
+        )
+        self._scanner.start()
+
+    def _scan_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.read()
+            except Exception:  # a bug must not end the scanning; every read logs its own
+                log.exception("background scan of %s failed", self.directory)
+
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
+        self._stop.set()
+        if self._scanner is not None and self._scanner is not threading.current_thread():
+            self._scanner.join()
+            self._scanner = None
         if self.files is not None:
             self.files.close()
 

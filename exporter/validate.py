@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
@@ -126,8 +127,48 @@ def _labels(d: Any) -> dict[str, str]:
     return dict(labels)
 
 
+_ROW_INTS = (
+    "slot_bytes",
+    "capacity_slots",
+    "tensor_bytes",
+    "reserved_bytes",
+    "physical_bytes",
+    "mapped_bytes",
+    "occupied_slots",
+    "page_bytes",
+)
+_ROW_STRS = ("name", "family", "pool", "dtype", "account")
+_row_ints = operator.itemgetter(*_ROW_INTS)
+_row_strs = operator.itemgetter(*_ROW_STRS)
+
+
+def _row_is_plain(d: Any) -> bool:
+    """The common case, checked in one pass: every field present and of its type."""
+    try:
+        ints, strs, shape, layer = _row_ints(d), _row_strs(d), d["shape"], d["layer"]
+    except (KeyError, TypeError):
+        return False
+    return (
+        all(type(v) is int and 0 <= v <= MAX_INT for v in ints)
+        and all(type(v) is str and len(v) <= MAX_NAME for v in strs)
+        and d["owner"] in _OWNERS
+        and (layer is None or (type(layer) is int and 0 <= layer <= MAX_INT))
+        and type(shape) is list
+        and len(shape) <= MAX_DIMS
+        and all(type(x) is int and 0 <= x <= MAX_INT for x in shape)
+    )
+
+
 def buffer_row(d: Any, i: int) -> BufferRow:
-    where = f"buffers[{i}]"
+    if _row_is_plain(d):
+        slot, cap, tensor, reserved, physical, mapped, occupied, page = _row_ints(d)
+        name, family, pool, dtype, account = _row_strs(d)
+        spec = BufferSpec(
+            name, family, pool, Owner(d["owner"]), d["layer"], dtype, tuple(d["shape"]),
+            slot, cap, tensor, reserved,
+        )  # fmt: skip
+        return BufferRow(spec, account, physical, mapped, occupied, page)
+    where = f"buffers[{i}]"  # the slow path, to name what is wrong
     d = _dict(d, where)
     layer = d.get("layer")
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):

@@ -22,6 +22,7 @@ def number(
     kind: type[N], lo: float | None = None, hi: float | None = None, *, lo_open: bool = False
 ) -> Callable[[str], N]:
     """A parser of `kind` (int or float) in [lo, hi] (or (lo, hi] with `lo_open`)."""
+
     def shown(x: float) -> str:
         return str(int(x)) if kind is int else f"{x:g}"
 

@@ -108,6 +108,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: %(default)g)",
     )
     net.add_argument(
+        "--scan-interval",
+        type=number(float, 0, 60),
+        default=0.25,
+        help="seconds between reads of the snapshot directory in the background, so a scrape "
+        "finds new files parsed already; 0: only when a request comes (default: %(default)g)",
+    )
+    net.add_argument(
         "--log-interval",
         type=number(float, 0.1, DAY),
         default=10.0,
@@ -247,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
             )
         except (ValueError, OSError) as e:
             raise UsageError(_one_line(e)) from None
+        if args.scan_interval > 0:
+            sources.start_scanning(args.scan_interval)
         if not args.no_demo:
             try:
                 workload = WorkloadConfig(

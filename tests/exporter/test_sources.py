@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,24 @@ def test_a_directory_replaced_later_serves_nothing_and_says_why(tmp_path):
         pub.close()
     src.close()
     src.close()
+
+
+def test_background_scanning_parses_files_before_anyone_reads(tmp_path):
+    with Publisher(Ledger({"tp_rank": "0"}), tmp_path, interval=1000) as pub:
+        src = Sources(tmp_path)
+        src.start_scanning(0.02)
+        with pytest.raises(RuntimeError, match="already"):
+            src.start_scanning(0.02)
+        deadline = time.monotonic() + 5
+        while src.parses == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert src.parses == 1
+        pub.publish()
+        while src.parses == 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert src.parses == 2
+        [v] = src.read()
+        assert src.parses == 2 and v.published.sequence == pub.sequence  # parsed already
+        src.close()
+        assert src._scanner is None
+        src.close()  # idempotent

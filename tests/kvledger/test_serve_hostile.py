@@ -317,3 +317,43 @@ def test_a_directory_another_user_created_first_is_refused_at_start(explicit):
         assert f"owned by uid {nobody_uid()}" in err and len(err.strip().splitlines()) == 1
         assert sorted(os.listdir(d)) == ["x.json"]
         assert victim.read_bytes() == b"keep"
+
+
+def test_a_crashed_engine_is_down_until_its_restart_replaces_it(rig):
+    """kill -9 leaves the file behind: the source is listed down (its alert fires) until a
+    restart with the same engine labels publishes; then the dead one leaves /metrics and
+    its file is removed at the next scan, not an hour later."""
+
+    def engine() -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.exporter.publisher_proc", str(rig.directory), "5", "0.2"],
+            stdout=subprocess.PIPE,
+            env=repo_env(),
+            text=True,
+        )
+        assert proc.stdout is not None
+        return proc, proc.stdout.readline().split()[1]
+
+    def up() -> dict[str, bool]:
+        return {s["source"]: s["up"] for s in rig.debug()["sources"]}
+
+    first, name = engine()
+    try:
+        wait_until(lambda: up().get(name) is True, 20, "the engine is up")
+        first.kill()
+        first.wait()
+        wait_until(lambda: up().get(name) is False, 10, "the crashed engine is down")
+        assert (rig.directory / f"{name}.json").exists()
+        second, name2 = engine()
+        try:
+            wait_until(lambda: up().get(name2) is True, 20, "the restart is up")
+            t0 = time.monotonic()
+            wait_until(lambda: name not in up(), 5, "the dead source is gone")
+            assert time.monotonic() - t0 < 5
+            assert not (rig.directory / f"{name}.json").exists()
+            assert "mp-test" in rig.headlines()
+        finally:
+            stop(second)
+    finally:
+        stop(first)
+    wait_until(lambda: name2 not in up(), 10, "a clean stop removes its own file")

@@ -10,7 +10,12 @@ torch). Recognised shapes of pool object, by the attributes they carry:
   `c4_indexer_kv_pool` alias the same sub-pools and are not walked again.
 - SWAKVPool: `full_kv_pool` and `swa_kv_pool`, with `layers_mapping`.
 - MHATokenToKVPool: per-layer `k_buffer` / `v_buffer` lists (families `k`, `v`).
-- Any other KVCache with a per-layer `kv_buffer` list (family `kv`).
+- Any other KVCache with a per-layer `kv_buffer` list (family `kv`; MLA pools).
+
+A pool of none of these shapes is refused (`ValueError`), or, with
+`allow_unknown=True`, reported as such: kind `unknown`, every tensor storage
+reachable from it under family `unknown`, never classified into a family it may
+not have.
 
 Every tensor storage is counted once, keyed by its device and data pointer,
 however many attributes or views reach it. Storages reachable from the pool
@@ -32,6 +37,7 @@ from accounting.ledger import Account, Ledger
 # Families of the DeepSeek-V4 pool (DESIGN.md, defined in accounting.dsv4), then the generic ones.
 DSV4_FAMILIES = FAMILIES
 GENERIC_FAMILIES = ("k", "v", "kv", "swa_k", "swa_v", "swa_kv", "other")
+UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,7 @@ class Found:
 @dataclass(frozen=True)
 class Inventory:
     pool: str
-    kind: str  # "dsv4", "swa", "mha", "kv"
+    kind: str  # "dsv4", "swa", "mha", "kv", or "unknown" (allow_unknown)
     specs: tuple[BufferSpec, ...]
     accounts: tuple[Account, ...] = ()
 
@@ -82,16 +88,31 @@ def pool_kind(pool: Any) -> str:
     )
 
 
-def inventory(pool: Any, *, name: str = "kv") -> Inventory:
+def inventory(pool: Any, *, name: str = "kv", allow_unknown: bool = False) -> Inventory:
     """The pool's buffers as BufferSpecs, one per unique storage; registers nothing.
 
     Where one storage backs several tensors (SGLang 0.5.23's MHA pool allocates a
     layer's K and V as two halves of one buffer), the spec covers the storage: its
     family joins theirs (`k` + `v` -> `kv`), its tensor bytes add theirs up.
+    A pool of no known shape raises ValueError, or with `allow_unknown` is kind
+    `unknown` with its reachable storages in family `unknown`.
     """
-    kind = pool_kind(pool)
-    found = list(_walk(pool, kind))
-    found += [Found("other", None, t) for t in _reachable_tensors(pool)]
+    try:
+        kind = pool_kind(pool)
+    except ValueError:
+        if not allow_unknown:
+            raise
+        kind = UNKNOWN
+    if kind == UNKNOWN:
+        found = [Found(UNKNOWN, None, t) for t in _reachable_tensors(pool)]
+        if not found:
+            raise ValueError(
+                f"pool of type {type(pool).__name__}: not a known SGLang KV pool and no "
+                "tensor reachable from it"
+            )
+    else:
+        found = list(_walk(pool, kind))
+        found += [Found("other", None, t) for t in _reachable_tensors(pool)]
     groups: dict[tuple[str, int], list[Found]] = {}
     for f in found:
         groups.setdefault(_storage_key(f.tensor), []).append(f)
@@ -167,13 +188,22 @@ def _joined_family(families: list[str]) -> str:
     return "+".join(uniq)
 
 
-def register_pool(ledger: Ledger, pool: Any, *, name: str = "kv") -> Inventory:
-    """Walk `pool` and add one runtime-owned account per family to `ledger`."""
-    inv = inventory(pool, name=name)
-    accounts = []
-    for family, specs in inv.families().items():
-        capacity = max(s.capacity_slots for s in specs)
-        accounts.append(ledger.add_account(specs, key=f"{name}/{family}", capacity_slots=capacity))
+def register_pool(
+    ledger: Ledger, pool: Any, *, name: str = "kv", allow_unknown: bool = False
+) -> Inventory:
+    """Walk `pool` and add one runtime-owned account per family to `ledger`; all or nothing."""
+    inv = inventory(pool, name=name, allow_unknown=allow_unknown)
+    accounts: list[Account] = []
+    try:
+        for family, specs in inv.families().items():
+            capacity = max(s.capacity_slots for s in specs)
+            accounts.append(
+                ledger.add_account(specs, key=f"{name}/{family}", capacity_slots=capacity)
+            )
+    except BaseException:
+        for account in accounts:
+            ledger.remove_account(account)
+        raise
     return Inventory(pool=inv.pool, kind=inv.kind, specs=inv.specs, accounts=tuple(accounts))
 
 

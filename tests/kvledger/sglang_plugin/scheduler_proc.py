@@ -13,8 +13,11 @@ the attributes those methods read (a full ModelRunner needs a model and a device
 
 Prints one JSON line on start, then one per command read from stdin:
 `prefill N` (a request of N tokens through SGLang's allocator), `finish` (free every
-request), `publish`, `exit` (SGLang's graceful scheduler exit path), `quit` (return
-normally: atexit runs), `kill` (SIGKILL itself).
+request), `publish`, `warm` (what a server does before serving: one request through the
+allocator, so its kernels are loaded, and on CUDA a CUDA graph capture, then the plugin's
+after-capture hook: SGLang's own `init_cuda_graphs` needs a model, so the hook is called
+directly), `exit` (SGLang's graceful scheduler exit path), `quit` (return normally: atexit
+runs), `kill` (SIGKILL itself). Each answer carries the ledger's totals and reconciliation.
 """
 
 from __future__ import annotations
@@ -129,6 +132,28 @@ def storages(pool: Any) -> int:
     return sum(out.values())
 
 
+def capture_a_graph(device: str) -> None:
+    """A real CUDA graph capture and replay (what `init_cuda_graphs` does per batch size)."""
+    import torch
+
+    x = torch.ones(1 << 20, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        (x * 2).sum()  # warm-up outside the capture, as CUDA graph runners do
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = (x * 2).sum()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert float(y) == 2.0 * (1 << 20)
+    _keep.append((graph, x, y))  # a server keeps its graphs
+
+
+_keep: list[Any] = []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", action="store_true")
@@ -181,15 +206,27 @@ def main() -> None:
                 minimal_scheduler().release_host_resources()  # the hooked method, for real
                 reply(file_exists=bool(path and os.path.exists(path)), rank=hooks.current() is None)
                 continue
+            elif cmd == "warm":
+                sched.prefill(rig.PAGE)
+                sched.finish_all()
+                if args.device.startswith("cuda"):
+                    capture_a_graph(args.device)
+                hooks.on_graphs_captured(None, runner)
             elif cmd == "quit":
                 return
             elif cmd == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if rank is not None and rank.publisher is not None:
-                rank.publisher.publish()
+                snap = rank.publisher.publish()
+                totals = {f: snap.total(f) for f in ("tensor_bytes", "physical_bytes")}
+                recon = [dict(r) for r in snap.reconciliation]
+            else:
+                totals, recon = {}, []
             reply(
                 swa_free_pages=int(alloc.swa_attn_allocator.available_size()) // rig.PAGE,
                 swa_pages=int(alloc.size_swa) // rig.PAGE,
+                totals=totals,
+                reconciliation=recon,
             )
 
 

@@ -51,7 +51,7 @@ HEADLINE = "sglang:kv_cache_memory_usage_gb"
 
 def _env(**kw: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "SGLANG_"))}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env.update(kw)
     return env
 

@@ -3,7 +3,7 @@
 | target (dotted path) | type | what kvledger does |
 |---|---|---|
 | `ModelRunner._init_post_memory_pool_components` | BEFORE | registers the pools the runner has just built (`RankLedger.add_runner`), attaching the DeepSeek-V4 bridge when asked; the first pool starts the publisher |
-| `ModelRunner.init_cuda_graphs` | AFTER | re-baselines NVML truth (the target runner): modules and graphs loaded so far are named, not unattributed |
+| `ModelRunner.init_cuda_graphs` | AFTER | re-baselines NVML truth (after each runner's capture): modules and graphs loaded so far are named, not unattributed |
 | `Scheduler.release_host_resources` | AFTER | graceful scheduler exit: the publisher stops and its file goes |
 
 Why BEFORE `_init_post_memory_pool_components` rather than AFTER `alloc_memory_pool`:
@@ -74,9 +74,8 @@ def on_pools_built(runner: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def on_graphs_captured(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ModelRunner.init_cuda_graphs(self, ...): re-baseline device truth."""
-    if getattr(runner, "is_draft_worker", False):
-        return  # the target's capture comes first; one re-baseline after the last would do
+    """AFTER ModelRunner.init_cuda_graphs(self, ...): re-baseline device truth. Each runner's
+    capture (target, then drafts) re-baselines; the figure is cumulative from the baseline."""
     _guard("re-baselining device truth", _rebaseline, "after ModelRunner.init_cuda_graphs")
 
 

@@ -13,8 +13,9 @@ the attributes those methods read (a full ModelRunner needs a model and a device
 
 Prints one JSON line on start, then one per command read from stdin:
 `prefill N` (a request of N tokens through SGLang's allocator), `finish` (free every
-request), `publish`, `warm` (what a server does before serving: one request through the
-allocator, so its kernels are loaded, and on CUDA a CUDA graph capture, then the plugin's
+request), `publish`, `warm [N ...]` (what a server does before serving: requests of N
+tokens through the allocator and their release, so its kernels for those shapes are loaded,
+and on CUDA a CUDA graph capture, then the plugin's
 after-capture hook: SGLang's own `init_cuda_graphs` needs a model, so the hook is called
 directly), `exit` (SGLang's graceful scheduler exit path), `quit` (return normally: atexit
 runs), `kill` (SIGKILL itself). Each answer carries the ledger's totals and reconciliation.
@@ -207,7 +208,8 @@ def main() -> None:
                 reply(file_exists=bool(path and os.path.exists(path)), rank=hooks.current() is None)
                 continue
             elif cmd == "warm":
-                sched.prefill(rig.PAGE)
+                for n in rest or [str(rig.PAGE)]:
+                    sched.prefill(int(n))
                 sched.finish_all()
                 if args.device.startswith("cuda"):
                     capture_a_graph(args.device)

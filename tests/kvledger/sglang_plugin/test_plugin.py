@@ -50,7 +50,11 @@ HEADLINE = "sglang:kv_cache_memory_usage_gb"
 
 
 def _env(**kw: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "SGLANG_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVLEDGER_") and k not in ("SGLANG_PLUGINS", "SGLANG_PLATFORM")
+    }
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env.update(kw)
     return env
@@ -152,6 +156,12 @@ def test_on_applies_the_hooks_to_sglang_real_targets() -> None:
     assert set(proc.first["hooks"]) == TARGETS
     assert set(proc.first["patched"]) == TARGETS  # HookRegistry applied them
     assert set(proc.first["wrapped"]) == TARGETS  # and the attribute is SGLang's wrapper
+
+
+def test_sglang_plugins_naming_another_plugin_leaves_kvledger_out() -> None:
+    proc = Proc(_env(KVLEDGER_SGLANG="1", SGLANG_PLUGINS="someone_else"))
+    assert proc.wait() == 0
+    assert proc.first["hooks"] == [] and proc.first["modules"] == []
 
 
 def test_a_malformed_switch_is_logged_by_sglang_and_changes_nothing() -> None:

@@ -71,7 +71,8 @@ def test_plugin_path_on_cuda_reconciles_with_nvml_per_process(tmp_path: Path, br
         assert first["bridged"] is (bridge == "1"), first["reason"]
         assert Path(first["file"]).exists()
 
-        warm = proc.send("warm")
+        # The shapes served below, once before the re-baseline: their kernels get loaded.
+        warm = proc.send(f"warm {40 * PAGE} {10 * PAGE}")
         _show("after warm + capture", warm)
         r = _nvml(warm)
         assert r["available"], r["reason"]

@@ -64,6 +64,46 @@ def build(
     return pool, r2t, alloc
 
 
+def build_plain(kind: str, device: str, *, pages: int = 16) -> tuple[Any, Any, Any]:
+    """(MLATokenToKVPool or MHATokenToKVPool, ReqToTokenPool, PagedTokenToKVPoolAllocator),
+    page 16, on `device`: the pools of a model without DeepSeek-V4's families."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import (
+        MHATokenToKVPool,
+        MLATokenToKVPool,
+        ReqToTokenPool,
+    )
+
+    page, size = 16, pages * 16
+    if kind == "mla":
+        pool: Any = MLATokenToKVPool(
+            size=size,
+            page_size=page,
+            dtype=torch.bfloat16,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            layer_num=3,
+            device=device,
+            enable_memory_saver=False,
+        )
+    elif kind == "mha":
+        pool = MHATokenToKVPool(
+            size=size,
+            page_size=page,
+            dtype=torch.bfloat16,
+            head_num=4,
+            head_dim=64,
+            layer_num=3,
+            device=device,
+            enable_memory_saver=False,
+        )
+    else:
+        raise ValueError(f"kind={kind!r}, expected 'mla' or 'mha'")
+    r2t = ReqToTokenPool(4, size, device, False)
+    alloc = PagedTokenToKVPoolAllocator(size, page, torch.bfloat16, device, pool, False)
+    return pool, r2t, alloc
+
+
 class Requests:
     """Prefills through `alloc_extend` (no prefix) and frees through `free`, as SGLang's
     scheduler does for a request that is admitted and then finishes."""

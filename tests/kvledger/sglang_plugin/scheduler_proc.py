@@ -161,6 +161,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--swa-pages", type=int, default=8, help="SGLang pages of 256 tokens")
     ap.add_argument("--full-pages", type=int, default=20)
+    ap.add_argument("--pool", choices=("dsv4", "mla", "mha"), default="dsv4")
     args = ap.parse_args()
 
     from sglang.srt.plugins import load_plugins
@@ -179,9 +180,12 @@ def main() -> None:
     from tests.kvledger.sglang_plugin import device_rig
 
     with published(page_size=rig.PAGE, swa_full_tokens_ratio=0.1, served_model_name=SERVED_MODEL):
-        pool, r2t, alloc = device_rig.build(
-            args.device, swa_pages=args.swa_pages, full_pages=args.full_pages
-        )
+        if args.pool == "dsv4":
+            pool, r2t, alloc = device_rig.build(
+                args.device, swa_pages=args.swa_pages, full_pages=args.full_pages
+            )
+        else:
+            pool, r2t, alloc = device_rig.build_plain(args.pool, args.device)
         runner = minimal_runner(pool, alloc, r2t, args.device)
         ModelRunner._init_post_memory_pool_components(runner)  # the hooked method, for real
         rank = hooks.current()
@@ -194,6 +198,7 @@ def main() -> None:
             bridged=bool(record and record.bridged),
             reason=record.bridge.reason if record and record.bridge else "",
             storages=storages(pool),
+            pool=record.name if record else None,
             index_translator=type(getattr(runner, "kv_index_translator", None)).__name__,
         )
         sched = device_rig.Requests(alloc, r2t, args.device)
@@ -224,9 +229,10 @@ def main() -> None:
                 recon = [dict(r) for r in snap.reconciliation]
             else:
                 totals, recon = {}, []
+            swa = getattr(alloc, "swa_attn_allocator", None)
             reply(
-                swa_free_pages=int(alloc.swa_attn_allocator.available_size()) // rig.PAGE,
-                swa_pages=int(alloc.size_swa) // rig.PAGE,
+                swa_free_pages=int(swa.available_size()) // rig.PAGE if swa else None,
+                swa_pages=int(alloc.size_swa) // rig.PAGE if swa else None,
                 totals=totals,
                 reconciliation=recon,
             )

@@ -195,6 +195,25 @@ def test_native_pool_published_and_exported_with_sglang_labels(
         proc.close()
 
 
+@pytest.mark.parametrize(("pool", "name"), [("mla", "kv"), ("mha", "mha")])
+def test_mla_and_mha_pools_through_the_inventory(
+    snapdir: Path, exporter: ServeProcess, pool: str, name: str
+) -> None:
+    env = _env(KVLEDGER_SGLANG="1", KVLEDGER_SNAPSHOT_DIR=str(snapdir))
+    proc = Proc(env, "--build", "--pool", pool)
+    try:
+        assert proc.first["pool"] == name and proc.first["labels"] == LABELS
+        samples = scrape(exporter.url)
+        (headline,) = [v for n, _, v in samples if n == HEADLINE]
+        tensor = family_figure(samples, "tensor_bytes")
+        # MLA: one latent buffer per layer; MHA: K and V halves of one storage per layer;
+        # `other`: tensors SGLang keeps on the pool beside them (counted, not classified).
+        assert "kv" in {f for f, _ in tensor} <= {"kv", "other"}
+        assert headline * 2**30 == sum(tensor.values()) == proc.first["storages"]
+    finally:
+        proc.close()
+
+
 def test_bridge_on_swa_is_vmm_owned_and_moves_with_sglang_allocations(
     snapdir: Path, exporter: ServeProcess
 ) -> None:

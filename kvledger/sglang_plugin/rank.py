@@ -7,7 +7,8 @@ truth and a publisher.
     rank.close()                    # idempotent: publisher stopped, its file removed,
                                     # bridges detached, accounts removed
 
-The target runner's pool is registered as `<kind>` (`dsv4`, `mha`, `swa`, `kv`, or
+The target runner's pool is registered as `<kind>` (`dsv4`, `hybrid_linear`, `mha`, `swa`,
+`kv`, or
 `unknown` for a pool the inventory does not know), a draft runner's as
 `draft<idx>_<kind>`. A DeepSeek-V4 target pool goes through
 `kvledger.sglang_bridge.attach`, which keeps its SWA buffers native unless

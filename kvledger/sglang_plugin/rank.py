@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ class PoolRecord:
     kind: str
     pool_class: str
     device: str
+    pool: Callable[[], Any]  # a weak reference: the ledger does not keep SGLang's pool alive
     accounts: list[Account] = field(default_factory=list)
     bridge: Any = None  # kvledger.sglang_bridge.Bridge for a DeepSeek-V4 target pool
 
@@ -84,12 +86,17 @@ class RankLedger:
             if draft:
                 idx = getattr(runner, "draft_model_idx", None)
                 name = f"draft{idx if idx is not None else ''}_{kind}"
-            if name in self.pools:
-                raise ValueError(f"a pool named {name!r} is already registered in this process")
+            old = self.pools.get(name)
+            if old is not None:
+                if old.pool() is pool:
+                    return old  # the same pool reported again: nothing changes
+                # The runner rebuilt its pool (a resize, a role switch): the old one is gone.
+                del self.pools[name]
+                self._release(old)
             device = _device_of(pool)
             if device.startswith("cuda") and self.truth is None:
                 self._add_nvml_truth(device)
-            record = PoolRecord(name, kind, type(pool).__name__, device)
+            record = PoolRecord(name, kind, type(pool).__name__, device, weakref.ref(pool))
             if kind == "dsv4" and not draft:
                 self._attach_dsv4(record, pool, allocator)
             else:
@@ -170,16 +177,19 @@ class RankLedger:
 
     def _release_pools(self) -> None:
         for record in reversed(list(self.pools.values())):
-            try:
-                if record.bridge is not None:
-                    record.bridge.detach()
-                for account in record.accounts:
-                    self.ledger.remove_account(account)
-            except Exception as e:
-                log.warning(
-                    "kvledger: releasing pool %s failed: %s: %s", record.name, type(e).__name__, e
-                )
+            self._release(record)
         self.pools.clear()
+
+    def _release(self, record: PoolRecord) -> None:
+        try:
+            if record.bridge is not None:
+                record.bridge.detach()
+            for account in record.accounts:
+                self.ledger.remove_account(account)
+        except Exception as e:
+            log.warning(
+                "kvledger: releasing pool %s failed: %s: %s", record.name, type(e).__name__, e
+            )
 
     def __enter__(self) -> RankLedger:
         return self

@@ -8,7 +8,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace as NS
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +19,12 @@ from kvledger.sglang_plugin.rank import RankLedger
 from kvledger.sglang_plugin.snapdir import snapshot_dir
 
 ROOT = Path(__file__).resolve().parents[3]
+
+
+class NS(SimpleNamespace):
+    """A duck-typed pool (weak-referenceable, as SGLang's pool classes are)."""
+
+
 LABELS = {"model_name": "m", "engine_type": "unified", "tp_rank": "1", "pp_rank": "0"}
 
 
@@ -73,7 +79,8 @@ def test_snapshot_dir_from_the_environment_or_the_shared_default() -> None:
 
 def test_rank_publishes_each_runner_pool_and_close_removes_everything(tmp_path: Path) -> None:
     rank = RankLedger(LABELS, directory=str(tmp_path), interval=60)
-    rec = rank.add_runner(_runner(_mha()))
+    mha = _mha()
+    rec = rank.add_runner(_runner(mha))
     assert (rec.name, rec.kind, rec.device, rec.bridged) == ("mha", "mha", "cpu", False)
     assert rank.publisher is not None
     path = Path(rank.publisher.path)
@@ -86,8 +93,13 @@ def test_rank_publishes_each_runner_pool_and_close_removes_everything(tmp_path: 
     pools = {a["pool"] for a in envelope["snapshot"]["accounts"]}
     assert pools == {"mha", "draft0_kv"}
     assert envelope["snapshot"]["totals"]["physical_bytes"] == 3 * 16 * 8 * 4 + 4 * 4 * 4
-    with pytest.raises(ValueError, match="already registered"):
-        rank.add_runner(_runner(_mha()))
+    assert rank.pools["mha"].pool() is mha
+    assert rank.add_runner(_runner(mha)) is rec  # the same pool again: nothing changes
+    bigger = NS(k_buffer=[torch.zeros(32, 8)], v_buffer=[torch.zeros(32, 8)])
+    rebuilt = rank.add_runner(_runner(bigger))  # the runner rebuilt its pool: replaced
+    assert rebuilt is not rec and rank.pools["mha"] is rebuilt
+    envelope, _ = parse(path.read_bytes())
+    assert envelope["snapshot"]["totals"]["physical_bytes"] == 2 * 32 * 8 * 4 + 4 * 4 * 4
     rank.close()
     rank.close()  # idempotent
     assert not path.exists() and rank.ledger.accounts() == () and rank.pools == {}

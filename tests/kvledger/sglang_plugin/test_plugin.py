@@ -132,6 +132,13 @@ def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
     ]
 
 
+def debug_kv(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/debug/kv", timeout=10) as r:
+        return json.loads(r.read())
+
+
 def family_figure(samples: list, figure: str) -> dict[tuple[str, str], float]:
     name = f"sglang:kv_cache_{figure}"
     return {(lb["family"], lb["owner"]): v for n, lb, v in samples if n == name}
@@ -246,6 +253,15 @@ def test_bridge_on_swa_is_vmm_owned_and_moves_with_sglang_allocations(
         phys, mapped, occ, head = swa()
         assert occ == 40 * 256 and mapped > idle_mapped and phys > idle_phys
         assert (head - idle_head) * 2**30 == phys - idle_phys  # the headline moved by swa_kv
+        # /debug/kv says which truth it was held against: the host memfd's allocated blocks.
+        (src,) = debug_kv(exporter.url)["sources"]
+        (rec,) = src["reconciliation"]
+        assert (rec["source"], rec["basis"], rec["unattributed_bytes"]) == (
+            "host_memfd",
+            "memfd",
+            0,
+        )
+        assert rec["device_bytes"] == phys
         peak, peak_mapped = phys, mapped
         proc.send("finish")
         phys, mapped, occ, head = swa()

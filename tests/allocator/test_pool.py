@@ -43,7 +43,7 @@ def _assert_backend_mapped(rig: Rig, pages: set[int], mapped: bool = True) -> No
     be = rig.backend
     for p in pages:
         for layer in range(rig.pool.layers):
-            addr = rig.pool._pages.address(layer, p)
+            addr = rig.pool.store.pages.address(layer, p)
             assert be.is_mapped(addr) == mapped, f"page {p} layer {layer}"
 
 
@@ -188,7 +188,7 @@ def test_handle_sets_are_kept_and_reused(rig_factory: MakeRig) -> None:
     rig = rig_factory(max_spare_pages=0, handle_pool_pages=2)
     pool = rig.pool
     ids = pool.alloc(3 + 3 * SLOTS_PER_PAGE)
-    sets_before = [pool._handles[p] for p in (1, 2, 3)]
+    sets_before = [pool.store.handles[p] for p in (1, 2, 3)]
     pool.free(ids)
     assert _mapped_pages(pool) == [0]
     stats = pool.stats()
@@ -200,7 +200,7 @@ def test_handle_sets_are_kept_and_reused(rig_factory: MakeRig) -> None:
     handles_before = rig.backend.stats()["handles"]
     pool.alloc(3 + 2 * SLOTS_PER_PAGE)
     assert rig.backend.stats()["handles"] == handles_before  # nothing created
-    reused = {tuple(pool._handles[p] or ()) for p in (1, 2)}
+    reused = {tuple(pool.store.handles[p] or ()) for p in (1, 2)}
     assert reused <= {tuple(s or ()) for s in sets_before}
     assert pool.stats()["kept_handle_sets"] == 0
 

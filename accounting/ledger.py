@@ -220,6 +220,7 @@ class Account:
             unmap_seconds_total=self.unmap_seconds_total,
             map_calls=self.map_calls,
             map_bucket_counts=tuple(self.map_bucket_counts),
+            driver_failures_total=self.driver_failures_total,
         )
 
 

@@ -48,6 +48,8 @@ class Reporter:
         _peak: int
         _reported: int
         _calls: int
+        pages_mapped_total: int
+        pages_unmapped_total: int
         failures: FailureLog
 
     # -- occupants and the observer ------------------------------------------------------------
@@ -82,6 +84,10 @@ class Reporter:
     def emit(self, event: PoolEvent, count: int, seconds: float = 0.0) -> None:
         """Report a page or handle event (under the lock), the occupants it follows first."""
         self.report_slots_locked()
+        if event is PoolEvent.PAGES_MAPPED:
+            self.pages_mapped_total += count
+        elif event is PoolEvent.PAGES_UNMAPPED:
+            self.pages_unmapped_total += count
         self.observer.on_pool_event(event, count, seconds)
 
     def _failed(self, op: str, error: BaseException) -> None:

@@ -98,7 +98,7 @@ class RowFollower:
         store = self.store
         with store.lock:
             store.check_open("take")
-            if r.min() < self.first_row or r.max() >= self.rows or self._held[r].any():
+            if not self._all_rows_in(r, held=False):
                 r = self._sort_out(r, want_held=False, op="take")
                 if r.size == 0:
                     return 0
@@ -120,7 +120,7 @@ class RowFollower:
         store = self.store
         with store.lock:
             store.check_open("give_back")
-            if r.min() < self.first_row or r.max() >= self.rows or not self._held[r].all():
+            if not self._all_rows_in(r, held=True):
                 r = self._sort_out(r, want_held=True, op="give_back")
                 if r.size == 0:
                     return 0
@@ -154,16 +154,31 @@ class RowFollower:
         pass  # in-use is kept by the counts; nothing tiered here
 
     # -- internals ---------------------------------------------------------------------------
+    # np.count_nonzero is a plain C call; ndarray.any/all/min/max go through Python wrappers
+    # that cost several times more on these few-element arrays.
+    def _all_rows_in(self, r: np.ndarray, *, held: bool) -> bool:
+        """Every id of `r` a takeable row (not the padding row, in range) that is held (or
+        not held); duplicates inside one call are left to `_check_counts`."""
+        try:
+            h = self._held[r]
+        except IndexError:
+            return False
+        if np.count_nonzero(r < self.first_row):
+            return False
+        return np.count_nonzero(h) == (r.size if held else 0)
+
     def _apply_take(self, r: np.ndarray, *, count: bool) -> None:
         store = self.store
         touch = self._pages2[r].ravel()
         before = self._count[touch]
-        if not before.all():  # some page goes from unused to used: it must be mapped
+        if np.count_nonzero(before) != touch.size:  # a page goes from unused to used: map it
             fresh = np.unique(touch[before == 0])
             self._ensure_mapped(fresh.tolist())
             for p in fresh.tolist():
                 store.set_use(p, True)
-        np.add.at(self._count, touch, 1) if touch.size > 64 else _add_small(self._count, touch)
+            if store.mapper is not None and len(store.spares) < store.max_spare_pages:
+                store.cond.notify_all()  # spares were used up: the mapper maps the next ahead
+        np.add.at(self._count, touch, 1)
         self._held[r] = True
         if count:
             self.held_rows += int(r.size)
@@ -192,9 +207,9 @@ class RowFollower:
         store = self.store
         touch = self._pages2[r].ravel()
         self._held[r] = False
-        np.subtract.at(self._count, touch, 1) if touch.size > 64 else _sub_small(self._count, touch)
+        np.subtract.at(self._count, touch, 1)
         after = self._count[touch]
-        if not after.all():
+        if np.count_nonzero(after) != touch.size:
             emptied = np.unique(touch[after == 0]).tolist()
             for p in emptied:
                 store.set_use(p, False)
@@ -259,15 +274,3 @@ class RowFollower:
                 store.set_use(p, False)
             self._count[:] = count
             store.after_release_locked()
-
-
-def _add_small(count: np.ndarray, touch: np.ndarray) -> None:
-    # `count[touch] += 1` drops repeats; a stable sort + run lengths keeps them, and for a
-    # few dozen ids beats np.add.at's per-call setup.
-    pages, runs = np.unique(touch, return_counts=True)
-    count[pages] += runs.astype(np.int32)
-
-
-def _sub_small(count: np.ndarray, touch: np.ndarray) -> None:
-    pages, runs = np.unique(touch, return_counts=True)
-    count[pages] -= runs.astype(np.int32)

@@ -81,9 +81,11 @@ class SparePolicy:
         now = time.monotonic()
         if self._over_since is None:
             self._over_since = now
+        if now - self._over_since < self.unmap_grace_s or now < self._retry_at:
+            return  # a later release, or the mapper's next look, finds the grace over
         if self.mapper is not None:
-            self.cond.notify_all()
-        elif now - self._over_since >= self.unmap_grace_s and now >= self._retry_at:
+            self.cond.notify_all()  # only now: waking it costs the freeing thread the GIL
+        else:
             self.trim_locked()
 
     def trim_locked(self) -> None:

@@ -123,6 +123,8 @@ class PageStore(Reporter, SparePolicy, TpPages):
         self._peak = 0
         self._reported = 0
         self._calls = 0
+        self.pages_mapped_total = 0  # page ids mapped / unmapped since construction
+        self.pages_unmapped_total = 0
         self.user: PageUser | None = None
         self.mapper: Any = None  # allocator.mapper.BackgroundMapper, when one runs
         self.tp: Any = None  # allocator.tp.TpCoordinator, when the store follows a TP group
@@ -148,7 +150,8 @@ class PageStore(Reporter, SparePolicy, TpPages):
         """The user's occupants of page `p` went from none to some (True) or back (False)."""
         self.in_use[p] = used
         if used:
-            self.spares.pop(p, None)
+            if self.spares.pop(p, 0) is None and len(self.spares) <= self.max_spare_pages:
+                self._over_since = None  # back within the watermark: the grace starts over
             self.fences.pop(p, None)
         elif self.state[p] == MAPPED:
             self.spares[p] = None
@@ -162,8 +165,10 @@ class PageStore(Reporter, SparePolicy, TpPages):
     def set_ahead(self, pages: Iterable[int]) -> None:
         """The pages a follower will hand out next; the mapper keeps them mapped."""
         self.ahead = dict.fromkeys(pages)
-        if any(self.state[p] == UNMAPPED for p in self.ahead):
-            self.cond.notify_all()
+        if len(self.spares) < self.max_spare_pages and any(
+            self.state[p] == UNMAPPED for p in self.ahead
+        ):
+            self.cond.notify_all()  # the mapper has work (waking it costs this thread the GIL)
 
     def is_mapped(self, p: int) -> bool:
         return 0 <= p < self.num_pages and self.state[p] == MAPPED
@@ -185,6 +190,8 @@ class PageStore(Reporter, SparePolicy, TpPages):
                 "physical_bytes": self.live_sets * self.set_bytes,
                 "busy_pages": self.busy,
                 "driver_failures": self.failures.total,
+                "pages_mapped_total": self.pages_mapped_total,
+                "pages_unmapped_total": self.pages_unmapped_total,
             }
 
     # -- budget ----------------------------------------------------------------------------------

@@ -173,7 +173,7 @@ class RowFollower:
         before = self._count[touch]
         if np.count_nonzero(before) != touch.size:  # a page goes from unused to used: map it
             fresh = np.unique(touch[before == 0])
-            self._ensure_mapped(fresh.tolist())
+            self._ensure_mapped(fresh.tolist(), count=count)
             for p in fresh.tolist():
                 store.set_use(p, True)
             if store.mapper is not None and len(store.spares) < store.max_spare_pages:
@@ -186,7 +186,7 @@ class RowFollower:
             if len(store.spares) < store.min_spare_pages:
                 store.cond.notify_all()
 
-    def _ensure_mapped(self, pages: list[int]) -> None:
+    def _ensure_mapped(self, pages: list[int], *, count: bool) -> None:
         store = self.store
         while True:
             missing = [p for p in pages if self._state[p] != MAPPED]
@@ -199,7 +199,7 @@ class RowFollower:
             store.check_budget(
                 store.sets_needed(missing), f"take rows ({len(missing)} new page ids)"
             )
-            self.waited += 1
+            self.waited += count  # the padding row's pages, mapped at construction, do not count
             store.map_locked(missing)
             return
 

@@ -551,3 +551,56 @@ def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
         "mappings": 0,
         "physical_bytes": 0,
     }
+
+
+class _FakeEvent:
+    """A CUDA event stand-in for the read-back path: not complete until the test says."""
+
+    def __init__(self) -> None:
+        self.complete = False
+
+    def query(self) -> bool:
+        return self.complete
+
+    def synchronize(self) -> None:
+        self.complete = True
+
+
+def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_needed(
+    r: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA read-back path on CPU: freed ids arrive later (a pinned copy and an event).
+    Until then the rows stay held and their pages mapped; an allocation after the copy
+    landed reads them without waiting; one that needs them sooner waits, and is counted."""
+    from kvledger.sglang_bridge import bridge as bridge_mod
+    from kvledger.sglang_bridge.readback import PendingIds
+
+    events: list[_FakeEvent] = []
+
+    class Reader:
+        waits = 0
+
+        def read(self, t: Any) -> PendingIds:
+            events.append(_FakeEvent())
+            return PendingIds(t.reshape(-1).clone(), events[-1], self)
+
+        def fence(self, pending: PendingIds) -> Any:
+            return pending
+
+    monkeypatch.setattr(bridge_mod, "reader_for", lambda device: Reader())
+    br = r.attach(pool_options=EXACT)
+    a = r.sched.prefill(2 * rig.PAGE)
+    rows = br.follower.held().tolist()
+    r.sched.finish(a)
+    assert br.follower.held_rows == 2  # not read back yet: nothing given back, nothing unmapped
+    assert all(br.store.is_mapped(p) for p in br.follower.pages_of(rows))
+    for ev in events:
+        ev.complete = True
+    b = r.sched.prefill(rig.PAGE)  # the copy landed: read without waiting
+    assert br.stats()["readback_waits"] == 0
+    check(r)
+    r.sched.finish(b)
+    c = r.sched.prefill(rig.PAGE)  # needs the ids just freed (SGLang hands them out first)
+    assert br.stats()["readback_waits"] == 1
+    check(r)
+    r.sched.finish(c)

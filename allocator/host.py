@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from allocator.backend import check_aligned
+from allocator.backend import backend_stats, check_aligned
 from allocator.errors import ClosedError, DriverError
 
 _PROT_NONE = 0
@@ -293,12 +293,8 @@ class HostBackend:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "reservations": len(self._reservations),
-                "reserved_bytes": sum(self._reservations.values()),
-                "handles": len(self._handles),
-                "mappings": len(self._mappings),
-            }
+            sizes = [h.size for h in self._handles.values()]
+            return backend_stats(self._reservations, sizes, len(self._mappings))
 
     # -- lifetime ---------------------------------------------------------------------------
     def _check_open(self, op: str) -> int:

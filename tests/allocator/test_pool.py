@@ -423,6 +423,7 @@ def test_close_releases_everything_and_is_idempotent(rig_factory: MakeRig) -> No
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
     }
     assert rig.backend.physical_bytes() == 0
@@ -448,7 +449,13 @@ def test_construction_failure_leaves_nothing(host: HostBackend) -> None:
     fb = FailingBackend(host, "set_access", 1)
     with pytest.raises(Exception, match="INJECTED"):
         SwaPool(fb, layers=2, layout=lay)
-    assert host.stats() == {"reservations": 0, "reserved_bytes": 0, "handles": 0, "mappings": 0}
+    assert host.stats() == {
+        "reservations": 0,
+        "reserved_bytes": 0,
+        "handles": 0,
+        "handle_bytes": 0,
+        "mappings": 0,
+    }
     assert host.physical_bytes() == 0
 
 

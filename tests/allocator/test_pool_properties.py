@@ -311,6 +311,7 @@ class PoolMachine(RuleBasedStateMachine):
             "reservations": 0,
             "reserved_bytes": 0,
             "handles": 0,
+            "handle_bytes": 0,
             "mappings": 0,
         }
         self.backend.close()

@@ -116,7 +116,7 @@ def check(rg: Rig) -> Any:
 
 
 def usage_gb(snap: Any) -> float:
-    """sglang:kv_cache_memory_usage_gb: physical bytes of all families / 2^30 (DESIGN.md)."""
+    """sglang:kv_cache_memory_usage_gb: physical bytes of all families / 2^30 (docs/background.md#the-four-figures)."""
     return snap.total("physical_bytes") / GB
 
 
@@ -330,6 +330,7 @@ def _nothing_changed(rg: Rig, buffers: list[Any]) -> None:
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
     }
     assert rg.backend.physical_bytes() == 0
@@ -388,6 +389,7 @@ def test_detach_restores_native_buffers_and_leaves_nothing_mapped(r: Rig) -> Non
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
     }
     assert r.backend.physical_bytes() == 0
@@ -548,6 +550,7 @@ def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
         "physical_bytes": 0,
     }

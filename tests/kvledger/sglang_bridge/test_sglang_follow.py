@@ -183,6 +183,7 @@ def test_close_releases_everything() -> None:
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
     }
     acc = r.ledger.accounts()[0]

@@ -187,21 +187,28 @@ class RowFollower:
                 store.cond.notify_all()
 
     def _ensure_mapped(self, pages: list[int], *, count: bool) -> None:
+        """Map what is not mapped yet; a take that had to (or waited for the mapper to
+        finish one) waited on the driver and is counted (the padding row's is not)."""
         store = self.store
-        while True:
-            missing = [p for p in pages if self._state[p] != MAPPED]
-            if not missing:
+        waited = False
+        try:
+            while True:
+                missing = [p for p in pages if self._state[p] != MAPPED]
+                if not missing:
+                    return
+                waited = True
+                if any(self._state[p] == BUSY for p in missing):
+                    store.cond.wait(timeout=1.0)  # the mapper is on it
+                    store.check_open("take")
+                    continue
+                store.check_budget(
+                    store.sets_needed(missing), f"take rows ({len(missing)} new page ids)"
+                )
+                store.map_locked(missing)
                 return
-            if any(self._state[p] == BUSY for p in missing):
-                store.cond.wait(timeout=1.0)  # the mapper is on it
-                store.check_open("take")
-                continue
-            store.check_budget(
-                store.sets_needed(missing), f"take rows ({len(missing)} new page ids)"
-            )
-            self.waited += count  # the padding row's pages, mapped at construction, do not count
-            store.map_locked(missing)
-            return
+        finally:
+            if waited and count:
+                self.waited += 1
 
     def _apply_give_back(self, r: np.ndarray, fence: Fence | None) -> None:
         store = self.store

@@ -117,8 +117,10 @@ class SparePolicy:
 
     # -- background work (allocator.mapper runs it off the allocation path) -----------------------
     def background_step(self) -> bool:
-        """Map one page ahead or unmap one spare behind, driver calls outside the lock.
-        Returns False when there is nothing to do."""
+        """Map one page ahead or unmap one spare behind, driver calls outside the lock; when
+        the only spares to unmap are fenced, wait for a fence (a device synchronisation, on
+        this thread only). Returns False when there is nothing to do."""
+        fence = None
         with self.lock:
             if self.closed:
                 return False
@@ -134,15 +136,20 @@ class SparePolicy:
                     self.live_sets += 1
             elif len(self.spares) > self.max_spare_pages and self._grace_over():
                 q = self.trim_candidate()
-                if q is None:
-                    return False
-                self.begin_unmap(q)
+                if q is not None:
+                    self.begin_unmap(q)
+                else:
+                    fence = self._pending_fence()
+                    if fence is None:
+                        return False
             else:
                 return False
         if p is not None:
             self._background_map(p, handles)
         elif q is not None:
             self._background_unmap(q)
+        elif fence is not None:
+            fence.wait()  # the fenced spares may go at the next step
         return True
 
     def _map_target(self) -> int | None:
@@ -209,6 +216,14 @@ class SparePolicy:
                 with self.lock:
                     self.released_set()
 
+    def _pending_fence(self) -> Any:
+        """A fence of a spare not done yet (the mapper waits for it), or None."""
+        for p in reversed(self.spares):
+            f = self.fences.get(p)
+            if f is not None and not f.done():
+                return f
+        return None
+
     def idle(self) -> bool:
         """Nothing for the background mapper to do now (call under the lock)."""
         if self.closed:
@@ -217,4 +232,6 @@ class SparePolicy:
             return False
         if self._map_target() is not None:
             return False
-        return len(self.spares) <= self.max_spare_pages or self.trim_candidate() is None
+        return len(self.spares) <= self.max_spare_pages or (
+            self.trim_candidate() is None and self._pending_fence() is None
+        )

@@ -126,6 +126,14 @@ class Bridge:
             "resyncs": self.hooks.resyncs,
         }
 
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Give back the freed pages whose ids are known and wait until the background mapper
+        has done what it can (mapped ahead, waited for fences, unmapped spares past their
+        grace). For tests and benchmarks; True when idle within `timeout`."""
+        if self.hooks is not None:
+            self.hooks.settle()
+        return self.mapper.wait_idle(timeout) if self.mapper is not None else True
+
     def physical_bytes(self) -> int:
         """The backend's device truth (host: memfd blocks), for accounting.reconcile."""
         if self.backend is None or not hasattr(self.backend, "physical_bytes"):
@@ -361,7 +369,10 @@ def _activate(
             bufs[i] = t
         undo.callback(hooks.remove)
         hooks.install()
-        mapper = BackgroundMapper(store) if map_ahead else None
+        # On CUDA the mapper always runs: it is the thread that waits for the fences of
+        # freed pages (a device synchronisation) before unmapping them (readback).
+        cuda = facts.devices[0].startswith("cuda")
+        mapper = BackgroundMapper(store) if map_ahead or cuda else None
         undo.pop_all()  # every step done: keep them
     bridge.backend, bridge.owns_backend = be, owns
     bridge.store, bridge.tensors, bridge.follower = store, vmm, follower

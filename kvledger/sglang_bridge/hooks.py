@@ -162,6 +162,10 @@ class AllocatorHooks:
         free = set(host_ids(a.get_all_free_pages()).tolist())
         return [p for p in range(1, int(a.num_pages) + 1) if p not in free]
 
+    def settle(self) -> None:
+        """Give back every freed page whose ids are still being read (waits for the reads)."""
+        self._settle(wait=True)
+
     # -- reports ----------------------------------------------------------------------
     def _took(self, taken: int) -> None:
         if self._pending:

@@ -9,10 +9,14 @@ work between a free and the next allocation. When they are needed sooner, the re
 on that event (only for the copy and the small kernels before it: SGLang's free path has
 synchronised already, on `torch.unique` or its boolean mask) and `waits` counts it.
 
-The same event is the *fence* of the pages released: everything the GPU did with them was
-enqueued before the free, so once the event has completed no kernel uses them and they may
-be unmapped (docs/background.md#cuda-driver-facts: reading an unmapped page faults and
-poisons the context). On the host no fence is needed.
+The pages released carry a *fence* (`DeviceFence`): reading an unmapped page faults and
+poisons the context (docs/background.md#cuda-driver-facts), and a kernel that reads them
+may still be queued, on the scheduler's stream or another one (the overlap scheduler runs
+the forward on its own stream). An event on one stream cannot say that work on every other
+stream is done, so the fence is not done until it has been waited for, and waiting is a
+device synchronisation. Only the page store's background mapper waits (off the scheduler's
+thread, just before it unmaps fenced spares); the scheduler's step never does. On the host
+no fence is needed.
 """
 
 from __future__ import annotations
@@ -54,6 +58,26 @@ class PendingIds:
         return int(self._host.shape[0])
 
 
+class DeviceFence:
+    """Done once the whole device has drained past the point it was made (a
+    `torch.cuda.synchronize` from the thread that waits); `done()` never synchronises."""
+
+    __slots__ = ("_device", "_done", "_torch")
+
+    def __init__(self, torch: Any, device: Any) -> None:
+        self._torch = torch
+        self._device = device
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            self._torch.cuda.synchronize(self._device)
+            self._done = True
+
+
 class HostReader:
     """CPU tensors: the ids are there; no fence."""
 
@@ -87,7 +111,7 @@ class CudaReader:
         return PendingIds(host, event, self)
 
     def fence(self, pending: PendingIds) -> Any:
-        return pending
+        return DeviceFence(self._torch, self.device)
 
 
 def reader_for(device: str) -> Any:

@@ -3,6 +3,7 @@ unmap hysteresis, map-ahead (no take waits on the driver) and the release of eve
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -23,21 +24,22 @@ LAYERS = 2
 
 
 class FakeFence:
-    """A CUDA event stand-in: not done until `signal()`."""
+    """A device fence stand-in: not done until `signal()`; `wait()` blocks until then, as a
+    device synchronisation blocks until the queued kernels have run."""
 
     def __init__(self) -> None:
-        self.signalled = False
+        self._event = threading.Event()
         self.waited = 0
 
     def done(self) -> bool:
-        return self.signalled
+        return self._event.is_set()
 
     def wait(self) -> None:
         self.waited += 1
-        self.signalled = True
+        assert self._event.wait(10), "nobody signalled the fence"
 
     def signal(self) -> None:
-        self.signalled = True
+        self._event.set()
 
 
 @pytest.fixture
@@ -98,20 +100,20 @@ def test_a_page_is_not_unmapped_before_its_fence_signals(host: HostBackend) -> N
 
 
 def test_the_mapper_waits_for_fences_too(host: HostBackend) -> None:
+    """The mapper waits on a fenced spare's fence (off the allocating thread) and unmaps it
+    only once that returned."""
     store, f = make(host, max_spare_pages=0, handle_pool_pages=0)
     with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:
         f.take([30])
         page = 30 * ROW // GRAN
         fence = FakeFence()
         f.give_back([30], fence)
-        assert mapper.wait_idle()
-        time.sleep(0.05)
-        assert store.is_mapped(page)
+        time.sleep(0.1)
+        assert fence.waited == 1  # the mapper is waiting on it...
+        assert store.is_mapped(page)  # ...and has not unmapped the page
         fence.signal()
-        deadline = time.monotonic() + 5
-        while store.is_mapped(page) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not store.is_mapped(page)
+        assert mapper.wait_idle()
+        assert not store.is_mapped(page) and not every_layer_mapped(host, store, page)
 
 
 def test_close_waits_for_pending_fences(host: HostBackend) -> None:
@@ -119,8 +121,10 @@ def test_close_waits_for_pending_fences(host: HostBackend) -> None:
     f.take([12])
     fence = FakeFence()
     f.give_back([12], fence)
+    threading.Timer(0.1, fence.signal).start()
+    t0 = time.monotonic()
     store.close()
-    assert fence.waited == 1
+    assert fence.waited == 1 and time.monotonic() - t0 >= 0.09
     assert host.stats()["mappings"] == 0
 
 

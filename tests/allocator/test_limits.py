@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,21 @@ def test_close_completes_when_every_driver_call_fails(caplog: pytest.LogCaptureF
     ledger.remove_account(account)  # detached: the account can go
     host.close()
     assert host.closed
+
+
+def test_failure_log_writes_one_line_per_interval_with_the_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from allocator.faillog import FailureLog
+
+    log = FailureLog("swa", interval_s=0.2)
+    err = DriverError("map", "ENOMEM", "at the limit")
+    for _ in range(100):
+        log.record("map", err)
+    assert len(caplog.records) == 1 and "1 driver/OS failure(s)" in caplog.text
+    time.sleep(0.25)
+    log.record("unmap", err)
+    log.record("unmap", err)
+    assert len(caplog.records) == 2
+    assert "100 driver/OS failure(s) since the last report (101 in all)" in caplog.text
+    assert log.total == 102 and log.by_op == {"map": 100, "unmap": 2}

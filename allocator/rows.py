@@ -69,6 +69,7 @@ class RowFollower:
         self.name = name
         self.rows = rows
         self.first_row = first_row
+        self._row_bytes = row_bytes
         pb = store.page_bytes
         start = np.arange(rows, dtype=np.int64) * row_bytes
         self._pages2 = np.stack([start // pb, (start + row_bytes - 1) // pb], axis=1)
@@ -149,6 +150,21 @@ class RowFollower:
         pages = self._pages2[as_rows(ids)].ravel()
         with self.store.lock:
             self.store.set_ahead(np.unique(pages).tolist())
+
+    def fragmented(self) -> bool:
+        """More page ids mapped than the held rows need packed, beyond the spares and one."""
+        store = self.store
+        per_page = store.page_bytes / self._row_bytes
+        need = -(-(self.held_rows + 1) // per_page)  # + the padding row
+        return store.state.count(MAPPED) > need + store.max_spare_pages + 1
+
+    def pack_order(self, free: np.ndarray) -> np.ndarray:
+        """`free` (an engine's free rows) reordered to pack: rows whose pages hold the most
+        rows first, then rows of mapped spare pages, then the rest; ascending within each."""
+        pages = self._pages2[free]
+        occupancy = self._count[pages[:, 0]] + self._count[pages[:, 1]]
+        mapped = (self._state[pages[:, 0]] == MAPPED) & (self._state[pages[:, 1]] == MAPPED)
+        return free[np.lexsort((free, ~mapped, -occupancy))]
 
     def pages_changed(self, pages: Iterable[int]) -> None:
         pass  # in-use is kept by the counts; nothing tiered here

@@ -90,6 +90,17 @@ class FreeListMirror:
             self._chunks.appendleft(c)
             self._len += len(c)
 
+    def known(self) -> np.ndarray | None:
+        """The whole free list in order, or None while a read is still in flight."""
+        if any(isinstance(c, PendingIds) and not c.ready() for c in self._chunks):
+            return None
+        every = [c.ids() if isinstance(c, PendingIds) else c for c in self._chunks]
+        return np.concatenate(every) if every else np.zeros(0, np.int64)
+
+    def replace(self, free: np.ndarray) -> None:
+        """The free list reordered (same ids); staged ids untouched."""
+        self._chunks = deque([free]) if len(free) else deque()
+
     def merge_and_sort(self) -> None:
         if not self._staged:
             return

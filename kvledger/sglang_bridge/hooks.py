@@ -50,6 +50,7 @@ from kvledger.sglang_bridge.readback import HostReader, PendingIds
 log = logging.getLogger(__name__)
 
 AHEAD_ROWS = 64  # rows at the front of SGLang's free list kept mapped ahead
+PACK_EVERY = 16  # releases between two looks at whether the free list needs packing
 
 
 class AllocatorHooks:
@@ -82,6 +83,8 @@ class AllocatorHooks:
         self.mirror = FreeListMirror(np.zeros(0, np.int64))
         self._pending: list[PendingIds] = []  # released ids not given back yet (CUDA)
         self._since_ahead = 0
+        self._since_pack = 0
+        self.packs = 0  # times SGLang's free list was reordered to pack
         orig = {m: getattr(allocator, m) for m in WRAPPED_METHODS}
         self._orig = orig
         self._n0 = -1  # free-list length when an allocation started (after a merge)
@@ -119,6 +122,9 @@ class AllocatorHooks:
                 self.mirror.release(chunks, staged=bool(allocator.need_sort))
                 self._pending.extend(chunks)
                 self._settle(wait=False)
+                self._since_pack += 1
+                if self._since_pack >= PACK_EVERY:
+                    self._maybe_pack()
             return out
 
         def clear(*args: Any, **kwargs: Any) -> Any:
@@ -185,6 +191,26 @@ class AllocatorHooks:
             p = pending.pop(0)
             self.follower.give_back(p.ids(), self.reader.fence(p))
 
+    def _maybe_pack(self) -> None:
+        """Packing: when more page ids are mapped than the held rows need, reorder SGLang's
+        free list (a permutation of the same ids: any order is valid for SGLang's paged
+        allocator, which takes from the front and sorts on merge) so the next allocations
+        fill the most occupied mapped pages first and the sparse ones empty. The new order is
+        written as a new tensor (CUDA: a pinned, non-blocking copy), never read back."""
+        self._since_pack = 0
+        if not self.follower.fragmented():
+            return
+        free = self.mirror.known()
+        if free is None or len(free) != len(self.allocator.free_pages):
+            return
+        order = self.follower.pack_order(free)
+        old = self.allocator.free_pages
+        t = torch_from(order, like=old)
+        self.allocator.free_pages = t
+        self.mirror.replace(order)
+        self.packs += 1
+        self._announce()
+
     def _announce(self) -> None:
         self._since_ahead = 0
         if self.ahead_rows:
@@ -211,3 +237,13 @@ class AllocatorHooks:
         self.follower.give_back(sorted(mine - held))
         self.follower.take(sorted(held - mine))
         self._resync()
+
+
+def torch_from(ids: np.ndarray, *, like: Any) -> Any:
+    """`ids` as a tensor of `like`'s dtype on `like`'s device, without a synchronisation."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(like.dtype)
+    if like.device.type == "cpu":
+        return t
+    return t.pin_memory().to(like.device, non_blocking=True)

@@ -168,3 +168,21 @@ def test_give_back_all_and_held(host: HostBackend) -> None:
         assert f.held().tolist() == [3, 7, 50]
         assert f.pages_of([3]) == sorted(pages_of_rows([3]))
         assert f.give_back_all() == 3 and f.held().tolist() == []
+
+
+def test_pack_order_puts_rows_of_the_fullest_mapped_pages_first(host: HostBackend) -> None:
+    """Packing: of an engine's free rows, those whose pages hold the most rows come first,
+    then those lying in mapped spare pages, then the rest, ascending within each;
+    `fragmented` says when more pages are mapped than the held rows need."""
+    store, f = make(host, max_spare_pages=1)
+    with store:
+        assert not f.fragmented()  # the padding row's page only
+        # 24 KiB rows on 64 KiB pages: rows 8, 9, 10 in page 3 (10 straddles into 4), row
+        # 16 alone in page 6, rows 40 and 41 exactly page 15.
+        f.take([8, 9, 10, 16, 40, 41])
+        f.give_back([40, 41])  # page 15 becomes the one spare kept
+        assert f.fragmented()  # pages 0, 3, 4, 6, 15 mapped for four rows
+        free = np.array([60, 45, 11, 17, 12, 42, 5, 43, 41], dtype=np.int64)
+        # 17 shares page 6 with a whole row; 11 and 12 page 4 with a straddling one; 41 is in
+        # the mapped spare; the rest touch an unmapped page (42 straddles into page 16).
+        assert f.pack_order(free).tolist() == [17, 11, 12, 41, 5, 42, 43, 45, 60]

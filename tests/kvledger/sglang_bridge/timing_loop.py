@@ -121,6 +121,38 @@ def fill_drain(r: Any) -> None:
         s.finish(q)
 
 
+def churn(r: Any, ops: int, seed: int = 7) -> tuple[int, int, int]:
+    """Random admissions and finishes between 10% and 90% of the SWA rows; after each op
+    (the mapper idle) check mapped page ids <= ceil(held rows / rows per VMM page) + max
+    spare pages + 1. Returns (samples, samples over the bound, largest excess)."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    s, bridge = r["sched"], r["bridge"]
+    store = bridge.store
+    per_page = store.page_bytes // bridge.facts.row_bytes
+    rows = bridge.facts.rows - 1
+    live: list[Any] = []
+    over = worst = 0
+    for _ in range(ops):
+        held = bridge.follower.held_rows
+        admit = held < 0.1 * rows or (held < 0.9 * rows - 8 and rng.random() < 0.5)
+        if admit:
+            live.append(s.prefill(rng.randrange(1, 8) * rig.PAGE))
+        elif live:
+            s.finish(live.pop(rng.randrange(len(live))))
+        bridge.wait_idle()
+        st = bridge.stats()
+        bound = math.ceil((st["held_pages"] + 1) / per_page) + store.max_spare_pages + 1
+        excess = st["mapped_pages"] - bound
+        over += excess > 0
+        worst = max(worst, excess)
+    for q in live:
+        s.finish(q)
+    return ops, over, worst
+
+
 def timed(fn: Callable[[], None], n: int) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
@@ -141,6 +173,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--churn", type=int, default=300, help="churn operations (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)
@@ -189,6 +222,14 @@ def main() -> int:
             f"{s['pages_unmapped_total'] - u0} unmapped; waited_allocs {s['waited_allocs']}, "
             f"divergences {s['divergences']}, held rows {s['held_pages']}, "
             f"mapped pages {s['mapped_pages']}"
+        )
+        for q in db.reqs:
+            br["sched"].finish(q)
+        samples, over, worst = churn(br, args.churn)
+        print(
+            f"churn: {samples} samples, {over} over ceil(held/rows per page) + max spare + 1 "
+            f"(largest excess {worst} page ids); packs {br['bridge'].hooks.packs}, divergences "
+            f"{br['bridge'].stats()['divergences']}, resyncs {br['bridge'].stats()['resyncs']}"
         )
         br["bridge"].detach()
         br["backend"].close()

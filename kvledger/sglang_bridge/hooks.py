@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 AHEAD_ROWS = 64  # rows at the front of SGLang's free list kept mapped ahead
 PACK_EVERY = 16  # releases between two looks at whether the free list needs packing
-PACK_AFTER_ROWS = 64  # rows taken since the last packing before packing again
 
 
 class AllocatorHooks:
@@ -85,7 +84,6 @@ class AllocatorHooks:
         self._pending: list[PendingIds] = []  # released ids not given back yet (CUDA)
         self._since_ahead = 0
         self._since_pack = 0
-        self._taken_since_pack = PACK_AFTER_ROWS
         self.packs = 0  # times SGLang's free list was reordered to pack
         orig = {m: getattr(allocator, m) for m in WRAPPED_METHODS}
         self._orig = orig
@@ -182,7 +180,6 @@ class AllocatorHooks:
             self._diverged(f"an allocation took {taken} pages")
             return
         self.follower.take(self.mirror.take(taken))
-        self._taken_since_pack += taken
         self._since_ahead += taken
         if self._since_ahead * 2 >= self.ahead_rows:
             self._announce()
@@ -201,8 +198,8 @@ class AllocatorHooks:
         fill the most occupied mapped pages first and the sparse ones empty. The new order is
         written as a new tensor (CUDA: a pinned, non-blocking copy), never read back."""
         self._since_pack = 0
-        if self._taken_since_pack < PACK_AFTER_ROWS or not self.follower.fragmented():
-            return  # the last order is not consumed yet, or nothing to pack
+        if not self.follower.fragmented():
+            return
         free = self.mirror.known()
         if free is None or len(free) != len(self.allocator.free_pages):
             return
@@ -212,7 +209,6 @@ class AllocatorHooks:
         self.allocator.free_pages = t
         self.mirror.replace(order)
         self.packs += 1
-        self._taken_since_pack = 0
         self._announce()
 
     def _announce(self) -> None:

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 def as_rows(ids: Any) -> np.ndarray:
     """Row ids as a 1-D int64 numpy array: a CPU tensor is viewed, not copied."""
+    if type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype.kind in "iu":
+        return ids  # the hooks' case: a slice of the free-list mirror, a read-back view
     if hasattr(ids, "numpy") and hasattr(ids, "device"):
         if ids.device.type != "cpu":
             raise ValueError(f"row ids on {ids.device}, expected host ids (read them back first)")
@@ -188,9 +190,9 @@ class RowFollower:
         touch = self._pages2[r].ravel()
         before = self._count[touch]
         if np.count_nonzero(before) != touch.size:  # a page goes from unused to used: map it
-            fresh = np.unique(touch[before == 0])
-            self._ensure_mapped(fresh.tolist(), count=count)
-            for p in fresh.tolist():
+            fresh = sorted(set(touch[before == 0].tolist()))  # a few pages: cheaper than np.unique
+            self._ensure_mapped(fresh, count=count)
+            for p in fresh:
                 store.set_use(p, True)
             if store.mapper is not None and len(store.spares) < store.max_spare_pages:
                 store.cond.notify_all()  # spares were used up: the mapper maps the next ahead
@@ -233,7 +235,7 @@ class RowFollower:
         np.subtract.at(self._count, touch, 1)
         after = self._count[touch]
         if np.count_nonzero(after) != touch.size:
-            emptied = np.unique(touch[after == 0]).tolist()
+            emptied = sorted(set(touch[after == 0].tolist()))
             for p in emptied:
                 store.set_use(p, False)
             if fence is not None:

@@ -24,7 +24,7 @@ from allocator import BackgroundMapper, SlotLayout, SwaPool
 from allocator.backend import Backend
 from allocator.specs import vmm_layer_specs
 
-# DeepSeek-V4 SWA geometry (DESIGN.md): 584-byte tokens, 256 per page, pages padded to 576 B multiples.
+# DeepSeek-V4 SWA geometry (docs/background.md#deepseek-v4-geometry): 584-byte tokens, 256 per page, pages padded to 576 B multiples.
 SWA_SLOT_BYTES = 584
 SWA_SLOTS_PER_ROW = 256
 SWA_ROW_BYTES = -(-SWA_SLOT_BYTES * SWA_SLOTS_PER_ROW // 576) * 576
@@ -161,7 +161,7 @@ def page_map(backend: Backend, layers: int, repeats: int) -> dict[str, float]:
         null_slot=False,
     ) as pool:
         # Fill the handle pool: map every page once, then free so each unmaps and keeps its set.
-        first_slots = [pool._first_slot_at(p * page) for p in range(layout.num_pages)]
+        first_slots = [layout.first_slot_at(p * page) for p in range(layout.num_pages)]
         pool.occupy(first_slots)
         pool.free(first_slots)
         for s in first_slots[:repeats]:

@@ -18,9 +18,19 @@ Workload (`--requests` running requests of `--prompt` tokens, each decoding
 - fill/drain cycle: from empty, admit `--requests` requests one by one (each
   one's out-of-window prompt pages freed right after its prefill), then finish
   them all;
-- churn: random admissions (1..4096-token prompts) and finishes keeping SWA
-  occupancy between 10% and 90%; after every event the bridge's mapped page ids
-  are checked against the packed bound (see `churn`).
+- churn: random admissions (1..4096-token prompts) and finishes of random
+  requests, SWA occupancy sweeping between 10% and 90% (`sglang_cases.Churn`);
+  after every event past the warm-up, the bridge's mapped page ids are checked
+  against ceil(held rows / rows per VMM page) + max spare pages + 1.
+
+Maps are page ids (one VMM page in every layer), from the `swa_kv` account of the
+bridge's ledger. The fewest maps a fill/drain cycle can make: every VMM page that
+a row SGLang held during the cycle touches must be mapped at some point, unless
+it was mapped when the cycle began, so fewest = |pages touched by those rows and
+row 0| - page ids mapped at the start (a lower bound for the rows SGLang chose).
+
+Allocations that waited on a driver call are read from `Bridge.stats()`
+(`allocs_waited_on_driver`) when the bridge counts them; otherwise "n/a".
 """
 
 from __future__ import annotations

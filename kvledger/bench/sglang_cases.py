@@ -110,13 +110,15 @@ def variants(args: Any) -> Iterator[tuple[Variant, Variant]]:
 
 # -- the workload --------------------------------------------------------------------------------
 def decode_step(e: Engine, args: Any) -> None:
-    """Window eviction + one decode token each + finish what is done + admit as many."""
+    """Window eviction + one decode token each + finish what is done + admit as many (while
+    filling up: requests / decode tokens a step, so that the requests stay staggered)."""
     e.evict_windows()
     e.decode()
     done = [r for r in e.running if r.decoded >= args.decode_tokens]
     for r in done:
         e.finish(r)
-    for _ in range(min(args.requests - len(e.running), max(len(done), 1))):
+    per_step = -(-args.requests // args.decode_tokens)
+    for _ in range(min(args.requests - len(e.running), max(len(done), per_step))):
         e.prefill(args.prompt)
     e.sync()
 
@@ -235,20 +237,37 @@ def bench_fill_drain(
     return {**{k: summary(t) for k, t in times.items()}, "cycles": cycles}
 
 
-def churn_event(e: Engine, rng: random.Random, swa_pages: int) -> str:
-    occupancy = e.held_swa_pages() / swa_pages
-    admit = not e.running or occupancy < CHURN_LOW
-    if not admit and occupancy <= CHURN_HIGH:
-        admit = rng.random() < 0.5
-    n = rng.randint(1, ROUND_TRIP_TOKENS)
-    pick = rng.random()
-    if admit and e.held_swa_pages() + -(-n // PAGE) <= CHURN_HIGH * swa_pages + 1:
-        e.prefill(n)
+class Churn:
+    """Random admissions (1..4096-token prompts) and finishes of random requests, sweeping
+    SWA occupancy up to 90% and down to 10% and back: admissions win 70% of the draws
+    while rising, 30% while falling. The same seed gives the same trace on any engine
+    whose SGLang allocator holds the same page counts."""
+
+    def __init__(self, seed: int, swa_pages: int) -> None:
+        self.rng = random.Random(seed)
+        self.swa_pages = swa_pages
+        self.rising = True
+        self.done = 0
+
+    def event(self, e: Engine) -> str:
+        rng = self.rng
+        occupancy = e.held_swa_pages() / self.swa_pages
+        if occupancy >= CHURN_HIGH:
+            self.rising = False
+        elif occupancy <= CHURN_LOW:
+            self.rising = True
+        admit = rng.random() < (0.7 if self.rising else 0.3)
+        n = rng.randint(1, ROUND_TRIP_TOKENS)
+        pick = rng.random()
+        fits = e.held_swa_pages() + -(-n // PAGE) <= CHURN_HIGH * self.swa_pages + 1
+        self.done += 1
+        if (admit or not e.running) and fits and e.r2t.available_size() > 0:
+            e.prefill(n)
+            e.sync()
+            return "admit"
+        e.finish(e.running[int(pick * len(e.running))])
         e.sync()
-        return "admit"
-    e.finish(e.running[int(pick * len(e.running))])
-    e.sync()
-    return "finish"
+        return "finish"
 
 
 def bench_churn(
@@ -256,7 +275,7 @@ def bench_churn(
 ) -> dict[str, Any]:
     rb, gran = geometry
     per_round = -(-args.churn_events // args.rounds)
-    state = {v.name: (random.Random(args.seed), [0]) for v in pair}
+    state = {v.name: Churn(args.seed, args.swa_pages) for v in pair}
     times: dict[str, list[float]] = {v.name: [] for v in pair}
     kinds = {"admit": 0, "finish": 0}
     occ: list[float] = []
@@ -264,20 +283,19 @@ def bench_churn(
     for v in pair:
         v.engine.finish_all()
     for _, v in _rounds(pair, args.rounds):
-        rng, done = state[v.name]
+        churn = state[v.name]
         e = v.engine
         gc.collect()
-        for _ in range(min(per_round, args.churn_events - done[0])):
+        for _ in range(min(per_round, args.churn_events - churn.done)):
             t0 = time.perf_counter()
-            kind = churn_event(e, rng, args.swa_pages)
+            kind = churn.event(e)
             times[v.name].append(time.perf_counter() - t0)
-            done[0] += 1
             if v.bridge is None:
                 continue
             kinds[kind] += 1
             held = e.held_swa_pages()
             occ.append(held / args.swa_pages)
-            if done[0] > args.churn_warmup:
+            if churn.done > args.churn_warmup:
                 bound = math.ceil((held + 1) * rb / gran) + args.max_spare_pages + 1
                 samples.append((v.mapped_pages(), bound))
     for v in pair:

@@ -1,11 +1,13 @@
 """`kvledger bench sglang`: SGLang's own DeepSeek-V4 allocator, native and bridged, side by side.
 
-Two SGLang 0.5.23 engines (`kvledger.bench.sglang_engine`: SGLang's pool, request
-pool and SWA allocator, driven with the calls its scheduler makes) in one
-process, on one device: `native` as SGLang ships it, and `bridged`, attached with
+Three SGLang 0.5.23 engines (`kvledger.bench.sglang_engine`: SGLang's pool,
+request pool and SWA allocator, driven with the calls its scheduler makes) in one
+process, on one device: `native` as SGLang ships it; `control`, a second native
+engine measured exactly like the first (how far apart two identical engines read
+on this machine: the resolution of every ratio); and `bridged`, attached with
 `kvledger.sglang_bridge.attach` (host VMM backend on CPU, CUDA VMM backend on
-CUDA) with a ledger and a `Publisher` snapshotting it every second. Both run the
-same workload; timed cases take turns round by round, in alternating order.
+CUDA) with a ledger and a `Publisher` snapshotting it every second. All run the
+same workload; timed cases take turns round by round, the order rotating.
 
 Workload (`--requests` running requests of `--prompt` tokens, each decoding
 `--decode-tokens` then finishing; page 256, window 128):
@@ -163,14 +165,18 @@ def report(r: dict[str, Any]) -> list[str]:
     ):
         case = r[key]
         ratio = case["bridged"]["median"] / case["native"]["median"]
-        case["ratio"] = ratio
+        floor = case["control"]["median"] / case["native"]["median"]
+        case["ratio"], case["control_ratio"] = ratio, floor
         out.append(f"  {title}:")
-        out.append(f"    native   {_ms(case['native'])}")
-        out.append(f"    bridged  {_ms(case['bridged'])}")
+        for name in ("native", "control", "bridged"):
+            out.append(f"    {name:8s} {_ms(case[name])}")
         extra = ""
         if "bridged_maps" in case:
             extra = f"  (bridged maps {case['bridged_maps']}, unmaps {case['bridged_unmaps']})"
-        out.append(f"    ratio    {ratio:.3f}x (median bridged / median native){extra}")
+        out.append(
+            f"    ratio    {ratio:.3f}x bridged/native, {floor:.3f}x control/native (the "
+            f"resolution){extra}"
+        )
         limit = TARGETS.get(key)
         if limit is None:
             continue

@@ -55,11 +55,19 @@ def summary(seconds: list[float]) -> dict[str, float]:
     }
 
 
-def _rounds(pair: tuple[Variant, Variant], rounds: int) -> Iterator[tuple[int, Variant]]:
-    """(round, variant) in alternating order: native first in even rounds."""
+Variants = tuple[Variant, ...]
+
+
+def _rounds(vs: Variants, rounds: int) -> Iterator[tuple[int, Variant]]:
+    """(round, variant), the order rotating round by round (every variant goes first in turn)."""
     for i in range(rounds):
-        for v in pair if i % 2 == 0 else pair[::-1]:
+        k = i % len(vs)
+        for v in vs[k:] + vs[:k]:
             yield i, v
+
+
+def bridged_of(vs: Variants) -> Variant:
+    return next(v for v in vs if v.bridge is not None)
 
 
 def shape_for(args: Any) -> Shape:
@@ -82,13 +90,16 @@ def shape_for(args: Any) -> Shape:
 
 
 @contextlib.contextmanager
-def variants(args: Any) -> Iterator[tuple[Variant, Variant]]:
+def variants(args: Any) -> Iterator[Variants]:
+    """`native` and `control` (two identical native engines: how far apart the same thing
+    reads on this machine, the resolution of the ratios) and `bridged`."""
     from kvledger.sglang_bridge import ENV_ENABLE, attach
 
     shape = shape_for(args)
     device = "cuda:0" if args.device == "cuda" else "cpu"
     with published(), contextlib.ExitStack() as stack:
         native = Variant("native", Engine(shape, device))
+        control = Variant("control", Engine(shape, device))
         engine = Engine(shape, device)
         ledger = Ledger({"model_name": "kvledger-bench-sglang"})
         directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-"))
@@ -105,7 +116,7 @@ def variants(args: Any) -> Iterator[tuple[Variant, Variant]]:
         account = next(
             a for a in ledger.accounts() if a.family == "swa_kv" and a.owner is Owner.VMM
         )
-        yield native, Variant("bridged", engine, bridge, account)
+        yield native, control, Variant("bridged", engine, bridge, account)
 
 
 # -- the workload --------------------------------------------------------------------------------
@@ -134,16 +145,16 @@ def _timed(fn: Callable[..., None], *args: Any) -> float:
     return time.perf_counter() - t0
 
 
-def bench_decode(pair: tuple[Variant, Variant], args: Any) -> dict[str, Any]:
-    for v in pair:  # ramp up to `requests` staggered requests, then settle
+def bench_decode(vs: Variants, args: Any) -> dict[str, Any]:
+    for v in vs:  # ramp up to `requests` staggered requests, then settle
         while len(v.engine.running) < args.requests:
             decode_step(v.engine, args)
         for _ in range(64):
             decode_step(v.engine, args)
-    times: dict[str, list[float]] = {v.name: [] for v in pair}
-    bridged = pair[1]
+    times: dict[str, list[float]] = {v.name: [] for v in vs}
+    bridged = bridged_of(vs)
     m0, u0 = bridged.map_totals()
-    for _, v in _rounds(pair, args.rounds):
+    for _, v in _rounds(vs, args.rounds):
         gc.collect()
         times[v.name] += [_timed(decode_step, v.engine, args) for _ in range(args.steps)]
     m1, u1 = bridged.map_totals()
@@ -154,13 +165,13 @@ def bench_decode(pair: tuple[Variant, Variant], args: Any) -> dict[str, Any]:
     }
 
 
-def bench_round_trip(pair: tuple[Variant, Variant], args: Any) -> dict[str, Any]:
-    for v in pair:
+def bench_round_trip(vs: Variants, args: Any) -> dict[str, Any]:
+    for v in vs:
         round_trip(v.engine)  # warm
-    times: dict[str, list[float]] = {v.name: [] for v in pair}
-    bridged = pair[1]
+    times: dict[str, list[float]] = {v.name: [] for v in vs}
+    bridged = bridged_of(vs)
     m0, u0 = bridged.map_totals()
-    for _, v in _rounds(pair, args.rounds):
+    for _, v in _rounds(vs, args.rounds):
         gc.collect()
         times[v.name] += [_timed(round_trip, v.engine) for _ in range(args.trips)]
     m1, u1 = bridged.map_totals()
@@ -220,15 +231,13 @@ def fill_drain(v: Variant, args: Any, geometry: tuple[int, int] | None) -> dict[
     return out
 
 
-def bench_fill_drain(
-    pair: tuple[Variant, Variant], args: Any, geometry: tuple[int, int]
-) -> dict[str, Any]:
-    for v in pair:
+def bench_fill_drain(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str, Any]:
+    for v in vs:
         v.engine.finish_all()
         fill_drain(v, args, None)  # warm
-    times: dict[str, list[float]] = {v.name: [] for v in pair}
+    times: dict[str, list[float]] = {v.name: [] for v in vs}
     cycles = []
-    for _, v in _rounds(pair, args.cycles):
+    for _, v in _rounds(vs, args.cycles):
         gc.collect()
         r = fill_drain(v, args, geometry if v.bridge is not None else None)
         times[v.name].append(r.pop("seconds"))
@@ -270,19 +279,17 @@ class Churn:
         return "finish"
 
 
-def bench_churn(
-    pair: tuple[Variant, Variant], args: Any, geometry: tuple[int, int]
-) -> dict[str, Any]:
+def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str, Any]:
     rb, gran = geometry
     per_round = -(-args.churn_events // args.rounds)
-    state = {v.name: Churn(args.seed, args.swa_pages) for v in pair}
-    times: dict[str, list[float]] = {v.name: [] for v in pair}
+    state = {v.name: Churn(args.seed, args.swa_pages) for v in vs}
+    times: dict[str, list[float]] = {v.name: [] for v in vs}
     kinds = {"admit": 0, "finish": 0}
     occ: list[float] = []
     samples: list[tuple[int, int]] = []  # (mapped, bound) after warm-up
-    for v in pair:
+    for v in vs:
         v.engine.finish_all()
-    for _, v in _rounds(pair, args.rounds):
+    for _, v in _rounds(vs, args.rounds):
         churn = state[v.name]
         e = v.engine
         gc.collect()
@@ -298,7 +305,7 @@ def bench_churn(
             if churn.done > args.churn_warmup:
                 bound = math.ceil((held + 1) * rb / gran) + args.max_spare_pages + 1
                 samples.append((v.mapped_pages(), bound))
-    for v in pair:
+    for v in vs:
         v.engine.finish_all()
     excess = [m - b for m, b in samples]
     worst = max(range(len(samples)), key=lambda i: samples[i][0])
@@ -323,9 +330,9 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
 
     import torch
 
-    with variants(args) as pair:
-        bridge = pair[1].bridge
-        row_bytes = int(pair[1].engine.pool.swa_kv_pool.kv_buffer[0].shape[1])
+    with variants(args) as vs:
+        bridge = bridged_of(vs).bridge
+        row_bytes = int(bridged_of(vs).engine.pool.swa_kv_pool.kv_buffer[0].shape[1])
         gran = int(bridge.backend.granularity)
         geometry = (row_bytes, gran)
         results: dict[str, Any] = {
@@ -348,12 +355,14 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
                 "max_spare_pages": args.max_spare_pages,
             }
         }
-        results["decode_step"] = bench_decode(pair, args)
-        results["round_trip_4096"] = bench_round_trip(pair, args)
-        results["fill_drain"] = bench_fill_drain(pair, args, geometry)
-        results["churn_event"] = bench_churn(pair, args, geometry)
+        results["decode_step"] = bench_decode(vs, args)
+        results["round_trip_4096"] = bench_round_trip(vs, args)
+        results["fill_drain"] = bench_fill_drain(vs, args, geometry)
+        results["churn_event"] = bench_churn(vs, args, geometry)
         results["churn"] = {
-            k: v for k, v in results["churn_event"].items() if k not in ("native", "bridged")
+            k: v
+            for k, v in results["churn_event"].items()
+            if k not in ("native", "control", "bridged")
         }
         for k in list(results["churn"]):
             del results["churn_event"][k]

@@ -14,7 +14,7 @@ from kvledger.bench import sglang as bench
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "--requests", "40", "--prompt", "300", "--decode-tokens", "16", "--layers", "2",
-    "--swa-pages", "128", "--rounds", "2", "--steps", "3", "--trips", "2", "--cycles", "2",
+    "--swa-pages", "128", "--rounds", "3", "--steps", "3", "--trips", "2", "--cycles", "3",
     "--churn-events", "120", "--churn-warmup", "10",
 ]  # fmt: skip
 
@@ -53,19 +53,19 @@ def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     args = _args(SMALL)
     r = run_all(args, threads=1)
     for key, n in (
-        ("decode_step", 2 * 3),
-        ("round_trip_4096", 2 * 2),
-        ("fill_drain", 2),
+        ("decode_step", 3 * 3),
+        ("round_trip_4096", 3 * 2),
+        ("fill_drain", 3),
         ("churn_event", 120),
     ):
-        assert r[key]["native"]["n"] == r[key]["bridged"]["n"] == n, key
-        for variant in ("native", "bridged"):
+        assert r[key]["native"]["n"] == r[key]["control"]["n"] == r[key]["bridged"]["n"] == n
+        for variant in ("native", "control", "bridged"):
             s = r[key][variant]
             assert 0 < s["min"] <= s["median"] <= s["max"]
     assert r["config"]["backend"] == "HostBackend"
     assert r["config"]["row_bytes"] == 149760
     cycles = r["fill_drain"]["cycles"]
-    assert len(cycles) == 2
+    assert len(cycles) == 3
     for cycle in cycles:
         # Every VMM page a held row touched was mapped during the cycle or before it, and
         # touched pages hold at least the packed number of rows.
@@ -74,6 +74,7 @@ def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
         assert cycle["unmaps"] >= 0
     ch = r["churn"]
     assert ch["admits"] + ch["finishes"] == 120
+    assert "control/native (the resolution)" in "\n".join(bench.report(r))
     assert ch["checked"] == 120 - 10
     assert 0 <= ch["over"] <= ch["checked"]
     assert ch["mapped_max"] >= 1

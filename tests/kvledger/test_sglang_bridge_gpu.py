@@ -24,6 +24,8 @@ SHAPE = Shape(layers=4, swa_pages=96, full_pages=192, requests=8, max_context=40
 EXACT = {"max_spare_pages": 0, "handle_pool_pages": 0}  # emptied pages go back at once
 DATA, SCALES = 576, 7  # V4 page: 256 rows of 576 data bytes, then 256 x 8 scale bytes (7 used)
 MIB = 1 << 20
+TRITON_LAYERS = tuple(range(0, SHAPE.layers, 2))  # written by SetKAndS (Triton)
+FUSED_LAYERS = tuple(range(1, SHAPE.layers, 2))  # written by fused_store_cache
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,8 +53,8 @@ def _inputs(n: int, seed: int) -> tuple[Any, Any]:
 
 
 class Side:
-    """One engine and what it stored: even layers through the Triton store, odd layers
-    through the fused store."""
+    """One engine and what it stored: `TRITON_LAYERS` through the Triton store,
+    `FUSED_LAYERS` through the fused store."""
 
     def __init__(self, engine: Engine) -> None:
         self.e = engine
@@ -63,11 +65,11 @@ class Side:
         full = self.e.r2t.req_to_token[req.kv.req_pool_idx, start:end].long()
         return self.e.allocator.translate_loc_from_full_to_swa(full)
 
-    def store(self, loc: Any, seed: int) -> None:
+    def store(self, loc: Any, seed: int, layers: tuple[int, ...] | None = None) -> None:
         pool = self.e.pool
-        for layer in range(SHAPE.layers):
+        for layer in range(SHAPE.layers) if layers is None else layers:
             pack, latent = _inputs(loc.numel(), seed * 100 + layer)
-            if layer % 2 == 0:
+            if layer in TRITON_LAYERS:
                 pool.set_swa_key_buffer(layer, loc, pack)
                 self.triton_stores += 1
             else:
@@ -104,58 +106,58 @@ class Side:
 
 
 class Graph:
-    """A CUDA graph that captured the stores of one decode step (one token per running
-    request) into `side`'s pool; replayed with new locations and inputs each step."""
+    """A CUDA graph that captured one decode step's Triton stores (`SetKAndS`, one token per
+    running request) into the even layers of `side`'s pool; replayed with new locations and
+    inputs each step."""
 
     def __init__(self, side: Side, batch: int) -> None:
         import torch
 
         self.side = side
         self.loc = torch.zeros(batch, dtype=torch.int64, device=DEV)  # page 0: padding rows
-        self.inputs = [_inputs(batch, seed=-1 - layer) for layer in range(SHAPE.layers)]
+        self.packs = {layer: _inputs(batch, seed=-1 - layer)[0] for layer in TRITON_LAYERS}
         self.replays = 0
         warm = torch.cuda.Stream(DEV)
         warm.wait_stream(torch.cuda.current_stream(DEV))
         with torch.cuda.stream(warm):
-            self._stores()  # compiles and loads the kernels before capture
+            self._stores()  # compiles and loads the kernel before capture
         torch.cuda.current_stream(DEV).wait_stream(warm)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._stores()
 
     def _stores(self) -> None:
-        pool = self.side.e.pool
-        for layer, (pack, latent) in enumerate(self.inputs):
-            if layer % 2 == 0:
-                pool.set_swa_key_buffer(layer, self.loc, pack)
-            else:
-                pool.set_swa_key_buffer_radix_fused(layer, self.loc, latent)
+        for layer, pack in self.packs.items():
+            self.side.e.pool.set_swa_key_buffer(layer, self.loc, pack)
 
     def replay(self, loc: Any, seed: int) -> None:
         self.loc.copy_(loc)
-        for layer, (pack, latent) in enumerate(self.inputs):
-            new_pack, new_latent = _inputs(loc.numel(), seed * 100 + layer)
-            pack.k_nope_fp8.copy_(new_pack.k_nope_fp8)
-            pack.k_rope_bf16.copy_(new_pack.k_rope_bf16)
-            pack.scale_k_nope_ue8m0.copy_(new_pack.scale_k_nope_ue8m0)
-            latent.copy_(new_latent)
+        for layer, pack in self.packs.items():
+            new = _inputs(loc.numel(), seed * 100 + layer)[0]
+            pack.k_nope_fp8.copy_(new.k_nope_fp8)
+            pack.k_rope_bf16.copy_(new.k_rope_bf16)
+            pack.scale_k_nope_ue8m0.copy_(new.scale_k_nope_ue8m0)
         self.graph.replay()
         self.replays += 1
 
 
 def _decode(native: Side, bridged: Side, graph: Graph, steps: int, seed: int) -> None:
-    """Window eviction + one token per running request, stored eagerly into the native
-    pool and by the graph into the bridged one."""
+    """Window eviction + one token per running request. Even layers: the Triton store, eager
+    into the native pool and by the graph into the bridged one; odd layers: the fused store,
+    eager into both."""
+    import torch
+
     for step in range(steps):
         locs = []
         for side in (native, bridged):
             side.e.evict_windows()
             side.e.decode()
-            locs.append([side.swa_loc(r, r.seq_len - 1, r.seq_len) for r in side.e.running])
-        import torch
-
-        native.store(torch.cat(locs[0]), seed + step)
-        graph.replay(torch.cat(locs[1]), seed + step)
+            locs.append(
+                torch.cat([side.swa_loc(r, r.seq_len - 1, r.seq_len) for r in side.e.running])
+            )
+        native.store(locs[0], seed + step)
+        graph.replay(locs[1], seed + step)
+        bridged.store(locs[1], seed + step, layers=FUSED_LAYERS)
 
 
 def _nvml_used() -> int:
@@ -227,9 +229,10 @@ def test_sglang_kernels_write_through_bridged_buffers_as_into_a_native_pool() ->
             f"{type(bridged.e.pool).__name__} on {bufs[0].device} with "
             f"{type(alloc).__name__} (Triton allocator kernels: "
             f"{alloc.swa_attn_allocator.use_triton_kernels}); bridge on "
-            f"{type(bridge.backend).__name__}; stores: SetKAndS (Triton) "
-            f"{bridged.triton_stores}, fused_store_cache {bridged.fused_stores}; CUDA graph "
-            f"replays {graph.replays} (200 after pages were unmapped and remapped); NVML fell "
+            f"{type(bridge.backend).__name__}; eager stores: SetKAndS (Triton) "
+            f"{bridged.triton_stores}, fused_store_cache {bridged.fused_stores}; CUDA graph of "
+            f"SetKAndS stores replayed {graph.replays} times (200 after pages were unmapped and "
+            f"remapped); NVML fell "
             f"{nvml_drop / MIB:.1f} MiB for {released / MIB:.1f} MiB released "
             f"(torch reserved {(reserved0 - reserved1) / MIB:+.1f} MiB)"
         )

@@ -1,4 +1,4 @@
-"""`kvledger bench NAME`: benchmarks, one module each (`kvledger.bench.alloc|scrape|tp`).
+"""`kvledger bench NAME`: benchmarks, one module each (`kvledger.bench.alloc|scrape|tp|sglang`).
 
 Each module has the subcommand contract of kvledger.cli: `add_arguments(parser)`
 and `run(args) -> int`. A module missing from this build is listed as "not
@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "alloc": "the SWA pool's allocation path and page maps, side by side with the driver floor",
     "scrape": "scrape latency over many ranks, and the allocation-path cost of accounting",
     "tp": "tensor-parallel page operations across ranks",
+    "sglang": "SGLang's own DeepSeek-V4 allocator, native and bridged onto kvledger's VMM pool",
 }
 
 

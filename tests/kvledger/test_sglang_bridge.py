@@ -530,7 +530,10 @@ def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
     into a native pool, and detach carries the rows back. A subprocess, because
     TRITON_INTERPRET is read when SGLang's kernels are defined."""
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    # Extend PYTHONPATH, never replace it: SGLang may be importable only through it
+    # (the device's carried wheels in /tmp/site).
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.kvledger.sglang_writes"],
         cwd=root,

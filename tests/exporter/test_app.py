@@ -301,3 +301,39 @@ def test_healthz_answers_while_a_scan_is_stuck(small):
         release.set()
         scrape.join(10)
         assert done == [200]
+
+
+def test_a_failed_buffer_map_is_that_sources_only_and_counted(tmp_path, small):
+    """Buffer rows are checked when /debug/kv asks for them: a failure there is shown for that
+    source and counted, its metrics and the other source's buffer map stay."""
+    import json
+
+    from accounting.publisher import parse
+
+    with Publisher(small.ledger, tmp_path, interval=1000, source="good") as pub:
+        envelope, _ = parse(Path(pub.path).read_bytes())
+        snap = envelope["snapshot"]
+        snap = {**snap, "labels": {**snap["labels"], "model_name": "other"}}
+        bad = json.dumps({**envelope, "source": "bad", "snapshot": snap}).encode()
+        (tmp_path / "bad.json").write_bytes(bad + b"\n" + b"[" * 100_000)
+        client = TestClient(create_app(Sources(tmp_path)))
+        metrics = client.get("/metrics").text
+        assert 'kvledger_snapshot_file_errors_total{reason="buffers"} 0\n' in metrics
+        heads = [line for line in metrics.splitlines() if line.startswith(m.HEADLINE + "{")]
+        assert len(heads) == 2 and heads[0].split()[-1] == heads[1].split()[-1]
+        for _ in range(2):
+            body = client.get("/debug/kv").json()
+            by_source = {s["source"]: s for s in body["sources"]}
+            assert by_source["bad"]["buffers"] == [] and by_source["bad"]["up"]
+            assert by_source["bad"]["buffers_error"].startswith("nesting:")
+            assert by_source["bad"]["totals"] == by_source["good"]["totals"]
+            assert by_source["good"]["buffers"] and by_source["good"]["buffers_error"] is None
+            assert body["files_not_served"] == []
+        metrics = client.get("/metrics").text
+        assert 'kvledger_snapshot_file_errors_total{reason="buffers"} 1\n' in metrics
+        assert [ln for ln in metrics.splitlines() if ln.startswith(m.HEADLINE + "{")] == heads
+        r = client.get("/debug/kv?layer=0").json()  # a layer filter reads the good rows
+        assert {s["source"]: len(s["buffers"]) > 0 for s in r["sources"]} == {
+            "bad": False,
+            "good": True,
+        }

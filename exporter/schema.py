@@ -15,7 +15,7 @@ from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import MAP_SECONDS_BUCKETS
-from accounting.snapshot import AccountRow, BufferRow
+from accounting.snapshot import BufferRow
 from accounting.tp_status import TpStatus
 
 MAX_NAME = 256  # characters in a name, label or dtype
@@ -24,7 +24,7 @@ MAX_LABELS = 32
 MAX_ROWS = 100_000  # buffers or accounts in one snapshot
 MAX_DIMS = 8
 MAX_INT = 2**63 - 1
-_OWNERS = frozenset(o.value for o in Owner)
+OWNERS = frozenset(o.value for o in Owner)
 
 # Why a file, or its buffer map, is not served: a small fixed set, so a metric labelled by it
 # stays bounded.
@@ -103,8 +103,8 @@ def str_of(d: dict[str, Any], key: str, where: str, limit: int = MAX_NAME) -> st
 
 def owner_of(d: dict[str, Any], where: str) -> Owner:
     v = get_field(d, "owner", where)
-    if v not in _OWNERS:
-        raise fail(where, f"owner={v!r:.60}, expected one of {sorted(_OWNERS)}")
+    if v not in OWNERS:
+        raise fail(where, f"owner={v!r:.60}, expected one of {sorted(OWNERS)}")
     return Owner(v)
 
 
@@ -146,7 +146,7 @@ def _row_is_plain(d: Any) -> bool:
         and max(ints) <= MAX_INT
         and set(map(type, strs)) == _STR
         and max(map(len, strs)) <= MAX_NAME
-        and d["owner"] in _OWNERS
+        and d["owner"] in OWNERS
         and (layer is None or (type(layer) is int and 0 <= layer <= MAX_INT))
         and type(shape) is list
         and len(shape) <= MAX_DIMS
@@ -199,42 +199,105 @@ def buffer_row(d: Any, i: int) -> BufferRow:
     )
 
 
-def account_row(d: Any, i: int) -> AccountRow:
-    where = f"accounts[{i}]"
+def _plain_strs(values: tuple[Any, ...], limit: int = MAX_NAME) -> bool:
+    return set(map(type, values)) == _STR and max(map(len, values)) <= limit
+
+
+_ACCOUNT_INTS = (
+    "page_bytes",
+    "capacity_slots",
+    "occupied_slots",
+    "peak_occupied_slots",
+    "handle_pages",
+    "peak_handle_pages",
+    "mapped_pages",
+    "pages_mapped_total",
+    "pages_unmapped_total",
+    "map_calls",
+)
+_account_ints = operator.itemgetter(*_ACCOUNT_INTS)
+_account_rest = operator.itemgetter(
+    "key",
+    "family",
+    "pool",
+    "owner",
+    "map_seconds_total",
+    "unmap_seconds_total",
+    "map_bucket_counts",
+)
+_BUCKETS = len(MAP_SECONDS_BUCKETS) + 1
+_NUM = (int, float)
+
+
+_ACCOUNT_KEYS = (
+    "key",
+    "family",
+    "pool",
+    "owner",
+    *_ACCOUNT_INTS,
+    "map_seconds_total",
+    "unmap_seconds_total",
+    "map_bucket_counts",
+)
+_ACCOUNT_KEYSET = frozenset(_ACCOUNT_KEYS)
+
+
+def _plain_account(d: Any) -> dict[str, Any] | None:
+    """The common case in one pass (`buffer_row`'s way): `d` itself, when it holds exactly
+    the fields, each of its type and range; None to take the slow path."""
+    if type(d) is not dict or d.keys() != _ACCOUNT_KEYSET:
+        return None
+    ints = _account_ints(d)
+    key, family, pool, owner, map_s, unmap_s, buckets = _account_rest(d)
+    if not (
+        set(map(type, ints)) == _INT
+        and min(ints) >= 0
+        and max(ints) <= MAX_INT
+        and _plain_strs((key, family, pool))
+        and type(owner) is str
+        and owner in OWNERS
+        and type(map_s) in _NUM
+        and type(unmap_s) in _NUM
+        and 0 <= map_s < _INF
+        and 0 <= unmap_s < _INF
+        and type(buckets) is list
+        and len(buckets) == _BUCKETS
+        and set(map(type, buckets)) == _INT
+        and min(buckets) >= 0
+        and max(buckets) <= MAX_INT
+    ):
+        return None
+    if type(map_s) is int or type(unmap_s) is int:
+        d["map_seconds_total"], d["unmap_seconds_total"] = float(map_s), float(unmap_s)
+    return d
+
+
+_INF = math.inf
+
+
+def account_fields(d: Any, i: int) -> dict[str, Any]:
+    """An account row checked, as `AccountRow.to_dict()` has it (exactly its fields; seconds
+    as floats; `d` itself in the common case); `AccountRow.from_dict` of it cannot fail."""
+    plain = _plain_account(d)
+    if plain is not None:
+        return plain
+    where = f"accounts[{i}]"  # the slow path, to name what is wrong
     d = as_dict(d, where)
     buckets = as_list(get_field(d, "map_bucket_counts", where), f"{where}.map_bucket_counts", 64)
-    if len(buckets) != len(MAP_SECONDS_BUCKETS) + 1 or any(
+    if len(buckets) != _BUCKETS or any(
         isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= MAX_INT for c in buckets
     ):
-        raise fail(
-            where,
-            f"map_bucket_counts: expected {len(MAP_SECONDS_BUCKETS) + 1} non-negative integers",
-        )
-    ints = {
-        k: int_of(d, k, where)
-        for k in (
-            "page_bytes",
-            "capacity_slots",
-            "occupied_slots",
-            "peak_occupied_slots",
-            "handle_pages",
-            "peak_handle_pages",
-            "mapped_pages",
-            "pages_mapped_total",
-            "pages_unmapped_total",
-            "map_calls",
-        )
+        raise fail(where, f"map_bucket_counts: expected {_BUCKETS} non-negative integers")
+    return {
+        "key": str_of(d, "key", where),
+        "family": str_of(d, "family", where),
+        "pool": str_of(d, "pool", where),
+        "owner": owner_of(d, where).value,
+        **{k: int_of(d, k, where) for k in _ACCOUNT_INTS},
+        "map_seconds_total": num_of(d, "map_seconds_total", where),
+        "unmap_seconds_total": num_of(d, "unmap_seconds_total", where),
+        "map_bucket_counts": list(buckets),
     }
-    return AccountRow(
-        key=str_of(d, "key", where),
-        family=str_of(d, "family", where),
-        pool=str_of(d, "pool", where),
-        owner=owner_of(d, where),
-        map_seconds_total=num_of(d, "map_seconds_total", where),
-        unmap_seconds_total=num_of(d, "unmap_seconds_total", where),
-        map_bucket_counts=tuple(buckets),
-        **ints,
-    )
 
 
 def reconciliation_entry(d: Any, i: int) -> dict[str, Any]:

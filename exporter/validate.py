@@ -28,6 +28,7 @@ deeper than the schema is a "schema" refusal.
 from __future__ import annotations
 
 import json
+import operator
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -39,11 +40,13 @@ from accounting.relations import check_account
 from accounting.snapshot import SCHEMA_VERSION, AccountRow, Snapshot
 from accounting.tp_status import TpStatus
 from exporter.schema import (
+    MAX_INT,
     MAX_NAME,
     MAX_TEXT,
+    OWNERS,
     REASONS,
     Refused,
-    account_row,
+    account_fields,
     as_dict,
     as_list,
     buffer_row,
@@ -58,12 +61,15 @@ from exporter.schema import (
     str_of,
     tp_status,
 )
-from exporter.summary import account_dict, summary_of, totals_of
+from exporter.summary import summary_of, totals_of
 
-__all__ = ["MAX_SKEW_S", "REASONS", "Head", "Refused", "buffer_map", "load"]
+__all__ = ["MAX_SKEW_S", "REASONS", "Head", "Refused", "account_may_break", "buffer_map", "load"]
 
 MAX_SKEW_S = 5.0  # how far in the future a heartbeat or snapshot time may be (clock skew)
 MAX_FAMILIES = 4096  # rows of the per-family rollup
+_figures = operator.itemgetter(*FIGURE_NAMES)
+_FAMILY_KEYS = frozenset(("family", "owner", *FIGURE_NAMES))
+_INT = {int}
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,6 @@ class Head:
 
     envelope: dict[str, Any]  # source, pid, host, process_start, interval, published_at, sequence
     summary: dict[str, Any]  # `exporter.summary.summary_of`'s shape
-    accounts: tuple[AccountRow, ...]
     tp: TpStatus | None
     rows: bytes  # the second line, unparsed
 
@@ -117,13 +122,13 @@ def load(data: bytes, name: str, now: float) -> Head:
     taken_at = num_of(snap, "taken_at", "snapshot")
     if taken_at > now + MAX_SKEW_S:
         raise fail("snapshot", f"taken_at is {taken_at - now:.0f} s in the future")
-    accounts = tuple(
-        account_row(a, i)
+    accounts = [
+        account_fields(a, i)
         for i, a in enumerate(as_list(get_field(snap, "accounts", "snapshot"), "accounts"))
-    )
-    keys = Counter(a.key for a in accounts)
-    if keys and keys.most_common(1)[0][1] > 1:
-        raise fail("accounts", f"key {keys.most_common(1)[0][0]!r:.60} listed twice")
+    ]
+    if len({a["key"] for a in accounts}) < len(accounts):
+        key = Counter(a["key"] for a in accounts).most_common(1)[0][0]
+        raise fail("accounts", f"key {key!r:.60} listed twice")
     families = _families(get_field(snap, "families", "snapshot"), accounts)
     totals = totals_of(families)
     claimed = as_dict(get_field(snap, "totals", "snapshot"), "totals")
@@ -141,7 +146,7 @@ def load(data: bytes, name: str, now: float) -> Head:
         "labels": labels_of(get_field(snap, "labels", "snapshot")),
         "totals": totals,
         "families": families,
-        "accounts": [account_dict(a) for a in accounts],
+        "accounts": accounts,
         "violations": _violations(get_field(snap, "violations", "snapshot"), accounts, families),
         "reconciliation": [
             reconciliation_entry(r, i)
@@ -149,7 +154,7 @@ def load(data: bytes, name: str, now: float) -> Head:
         ],
         "tp": tp.to_dict() if tp is not None else None,
     }
-    return Head(envelope, summary, accounts, tp, rows)
+    return Head(envelope, summary, tp, rows)
 
 
 def _json(data: bytes) -> Any:
@@ -161,26 +166,24 @@ def _json(data: bytes) -> Any:
         raise Refused("parse", f"not JSON: {e}") from None
 
 
-def _families(d: Any, accounts: tuple[AccountRow, ...]) -> list[dict[str, Any]]:
+def _families(d: Any, accounts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The per-family rows, sorted by (family, owner); each family's slot figures must be
     the sum of its accounts' (slots are counted per index space, bytes per buffer)."""
     slots: dict[tuple[str, str], list[int]] = {}
     for a in accounts:
-        s = slots.setdefault((a.family, a.owner.value), [0, 0])
-        s[0] += a.occupied_slots
-        s[1] += a.capacity_slots
-    out: dict[tuple[str, str], dict[str, int]] = {}
+        s = slots.setdefault((a["family"], a["owner"]), [0, 0])
+        s[0] += a["occupied_slots"]
+        s[1] += a["capacity_slots"]
+    out: dict[tuple[str, str], dict[str, Any]] = {}
     for i, row in enumerate(as_list(d, "families", MAX_FAMILIES)):
-        where = f"families[{i}]"
-        row = as_dict(row, where)
-        key = (str_of(row, "family", where), owner_of(row, where).value)
+        figs = _family(row, i)
+        key = (figs["family"], figs["owner"])
         if key in out:
-            raise fail(where, f"{key[0]}/{key[1]} listed twice")
-        figs = {name: int_of(row, name, where) for name in FIGURE_NAMES}
+            raise fail(f"families[{i}]", f"{key[0]}/{key[1]} listed twice")
         occupied, capacity = slots.get(key, (0, 0))
         if (figs["occupied_slots"], figs["capacity_slots"]) != (occupied, capacity):
             raise fail(
-                where,
+                f"families[{i}]",
                 f"occupied_slots={figs['occupied_slots']} capacity_slots="
                 f"{figs['capacity_slots']}, but the accounts of {key[0]}/{key[1]} sum to "
                 f"{occupied} and {capacity}",
@@ -189,19 +192,60 @@ def _families(d: Any, accounts: tuple[AccountRow, ...]) -> list[dict[str, Any]]:
     missing = sorted(set(slots) - set(out))
     if missing:
         raise fail("families", f"no row for the accounts of {'/'.join(missing[0])}")
-    return [{"family": f, "owner": o, **figs} for (f, o), figs in sorted(out.items())]
+    return [out[k] for k in sorted(out)]
 
 
-# Relations of one buffer that hold for a family's sums whenever they hold for each buffer.
-_SUMMED = (
+def _family(row: Any, i: int) -> dict[str, Any]:
+    """One per-family row checked: {"family", "owner", every figure} (`row` itself in the
+    common case: exactly those keys, each of its type and range)."""
+    if type(row) is dict and row.keys() == _FAMILY_KEYS:
+        family, owner, figs = row["family"], row["owner"], _figures(row)
+        if (
+            type(family) is str
+            and len(family) <= MAX_NAME
+            and type(owner) is str
+            and owner in OWNERS
+            and set(map(type, figs)) == _INT
+            and min(figs) >= 0
+            and max(figs) <= MAX_INT
+        ):
+            return row
+    where = f"families[{i}]"  # the slow path, to name what is wrong
+    row = as_dict(row, where)
+    return {
+        "family": str_of(row, "family", where),
+        "owner": owner_of(row, where).value,
+        **{name: int_of(row, name, where) for name in FIGURE_NAMES},
+    }
+
+
+# Relations of one buffer that hold for a family's sums whenever they hold for each buffer,
+# per owner: (smaller, larger, the relation's name in a violation).
+_PAIRS = (
     ("tensor_bytes", "reserved_bytes"),
     ("mapped_bytes", "reserved_bytes"),
     ("mapped_bytes", "physical_bytes"),
 )
+_SUMMED = {
+    owner.value: tuple(
+        (lo, hi, f"{lo} <= {hi}")
+        for lo, hi in (
+            *_PAIRS,
+            ("occupied_bytes", "mapped_bytes" if owner is Owner.VMM else "tensor_bytes"),
+        )
+    )
+    for owner in Owner
+}
+
+
+def account_may_break(a: dict[str, Any]) -> bool:
+    """Whether `check_account` can find a violation in a checked account row (figures
+    already >= 0): only then is the AccountRow built to ask it."""
+    return a["mapped_pages"] > a["handle_pages"] or a["occupied_slots"] > a["capacity_slots"]
 
 
 def _violations(
-    d: Any, accounts: tuple[AccountRow, ...], families: list[dict[str, Any]]
+    d: Any, accounts: list[dict[str, Any]], families: list[dict[str, Any]]
 ) -> list[dict[str, str]]:
     """The listed violations, checked: each account's (recomputed) must be listed, and a
     family whose sums break a relation must list a violation of it."""
@@ -218,20 +262,18 @@ def _violations(
         )
     listed = Counter((v["subject"], v["relation"], v["detail"]) for v in out)
     for a in accounts:
-        for v in check_account(a):
+        if not account_may_break(a):
+            continue
+        for v in check_account(AccountRow.from_dict(a)):
             key = (v.subject, v.relation, v.detail)
             if listed[key] <= 0:
-                raise fail("violations", f"account {a.key!r:.60} breaks {v.relation}; not listed")
+                raise fail(
+                    "violations", f"account {a['key']!r:.60} breaks {v.relation}; not listed"
+                )
             listed[key] -= 1
     relations = {v["relation"] for v in out}
     for row in families:
-        pairs = _SUMMED + (
-            (("occupied_bytes", "mapped_bytes"),)
-            if row["owner"] == Owner.VMM.value
-            else (("occupied_bytes", "tensor_bytes"),)
-        )
-        for lo, hi in pairs:
-            relation = f"{lo} <= {hi}"
+        for lo, hi, relation in _SUMMED[row["owner"]]:
             if row[lo] > row[hi] and relation not in relations:
                 raise fail(
                     "violations",
@@ -252,7 +294,7 @@ def buffer_map(head: Head) -> Snapshot:
             epoch=s["epoch"],
             taken_at=s["taken_at"],
             labels=s["labels"],
-            accounts=head.accounts,
+            accounts=[AccountRow.from_dict(a) for a in s["accounts"]],
             buffers=[buffer_row(b, i) for i, b in enumerate(rows)],
             tp=head.tp,
         ).with_reconciliation(s["reconciliation"])

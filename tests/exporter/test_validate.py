@@ -1,14 +1,21 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from accounting.buffers import Owner
+from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.publisher import Publisher, parse
+from accounting.relations import check_account
+from accounting.snapshot import AccountRow
 from exporter.summary import summary_of
-from exporter.validate import MAX_SKEW_S, Head, Refused, buffer_map, load
+from exporter.validate import MAX_SKEW_S, Head, Refused, account_may_break, buffer_map, load
 from tests.ledgers import small_ledger
 
 
@@ -212,3 +219,44 @@ def test_a_heartbeat_in_the_future_is_refused(published):
 )
 def test_unparseable_and_deeply_nested_first_lines_are_refused(data, reason):
     assert _refused(data).reason == reason
+
+
+@given(
+    st.fixed_dictionaries(
+        {
+            k: st.integers(0, 20)
+            for k in ("handle_pages", "mapped_pages", "occupied_slots", "capacity_slots")
+        }
+    )
+)
+def test_account_may_break_knows_every_relation_check_account_checks(figs):
+    """load asks check_account only when account_may_break says it could find something."""
+    row = AccountRow(
+        key="p/f",
+        family="f",
+        pool="p",
+        owner=Owner.VMM,
+        page_bytes=4096,
+        peak_occupied_slots=0,
+        peak_handle_pages=0,
+        pages_mapped_total=0,
+        pages_unmapped_total=0,
+        map_seconds_total=0.0,
+        unmap_seconds_total=0.0,
+        map_calls=0,
+        map_bucket_counts=(0,) * (len(MAP_SECONDS_BUCKETS) + 1),
+        **figs,
+    )
+    assert bool(check_account(row)) == account_may_break(row.to_dict())
+
+
+def test_an_account_row_with_more_keys_or_whole_seconds_loads_as_its_fields(published):
+    envelope, rows = _copy(published)
+    acc = envelope["snapshot"]["accounts"][0]
+    acc["extra"] = "x"
+    acc["map_seconds_total"] = 3
+    head = _load(_bytes(envelope, rows))
+    got = head.summary["accounts"][0]
+    assert set(got) == {f.name for f in dataclasses.fields(AccountRow)}
+    assert got["map_seconds_total"] == 3.0 and type(got["map_seconds_total"]) is float
+    assert buffer_map(head).accounts[0].map_seconds_total == 3.0

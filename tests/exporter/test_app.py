@@ -175,7 +175,49 @@ def test_mountable_in_an_engine_app(small):
     assert client.get("/generate").json() == {"ok": True}
     r = client.get("/kvledger/metrics")
     assert r.status_code == 200 and m.HEADLINE in r.text
+    assert client.get("/kvledger/healthz").json() == {"status": "ok"}
     assert client.get("/kvledger/debug/kv").json()["sources"][0]["up"] is True
+    assert client.get("/metrics").status_code == 404  # only under its mount point
+
+
+def test_hot_paths_skip_the_framework_and_a_scrape_costs_one_thread_hop(small, monkeypatch):
+    """/metrics and /healthz are answered before FastAPI's middleware; after the first scrape
+    of a format, its body is built in the scan's own worker thread."""
+    import anyio.to_thread
+
+    from exporter import serving
+
+    src = Sources()
+    src.add_ledger(small.ledger)
+    app = create_app(src)
+    seen: list[str] = []
+
+    @app.middleware("http")
+    async def record(request, call_next):
+        seen.append(request.url.path)
+        return await call_next(request)
+
+    hops: list[str] = []
+    real = anyio.to_thread.run_sync
+
+    async def counting(fn, *args, **kw):
+        hops.append(getattr(fn, "__name__", "?"))
+        return await real(fn, *args, **kw)
+
+    monkeypatch.setattr(serving.anyio.to_thread, "run_sync", counting)
+    client = TestClient(app)
+    for _ in range(3):
+        assert client.get("/healthz").status_code == 200
+        assert client.head("/healthz").status_code == 200
+    assert hops == []  # answered in the event loop
+    assert client.get("/metrics").status_code == 200
+    assert hops == ["_read", "_build"]  # the first scrape of this format: two hops
+    for _ in range(3):
+        hops.clear()
+        assert m.HEADLINE in client.get("/metrics").text
+        assert hops == ["_read"]  # then one: the body comes with the scan
+    assert client.get("/readyz").status_code == 200
+    assert seen == ["/readyz"]  # the hot paths never reached the framework
 
 
 def test_openapi_documents_the_debug_schema(small):

@@ -9,6 +9,7 @@ integers within 64 bits, names of bounded length, lists of bounded size.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from typing import Any
@@ -157,6 +158,7 @@ def _row_is_plain(d: Any) -> bool:
 
 _INT = {int}
 _STR = {str}
+_DICT = {dict}
 
 
 def buffer_row(d: Any, i: int) -> BufferRow:
@@ -226,7 +228,7 @@ _account_rest = operator.itemgetter(
     "map_bucket_counts",
 )
 _BUCKETS = len(MAP_SECONDS_BUCKETS) + 1
-_NUM = (int, float)
+_NUM = {int, float}
 
 
 _ACCOUNT_KEYS = (
@@ -242,46 +244,65 @@ _ACCOUNT_KEYS = (
 _ACCOUNT_KEYSET = frozenset(_ACCOUNT_KEYS)
 
 
-def _plain_account(d: Any) -> dict[str, Any] | None:
-    """The common case in one pass (`buffer_row`'s way): `d` itself, when it holds exactly
-    the fields, each of its type and range; None to take the slow path."""
-    if type(d) is not dict or d.keys() != _ACCOUNT_KEYSET:
-        return None
-    ints = _account_ints(d)
-    key, family, pool, owner, map_s, unmap_s, buckets = _account_rest(d)
-    if not (
-        set(map(type, ints)) == _INT
-        and min(ints) >= 0
-        and max(ints) <= MAX_INT
-        and _plain_strs((key, family, pool))
-        and type(owner) is str
-        and owner in OWNERS
-        and type(map_s) in _NUM
-        and type(unmap_s) in _NUM
-        and 0 <= map_s < _INF
-        and 0 <= unmap_s < _INF
-        and type(buckets) is list
-        and len(buckets) == _BUCKETS
-        and set(map(type, buckets)) == _INT
-        and min(buckets) >= 0
-        and max(buckets) <= MAX_INT
-    ):
-        return None
-    if type(map_s) is int or type(unmap_s) is int:
-        d["map_seconds_total"], d["unmap_seconds_total"] = float(map_s), float(unmap_s)
-    return d
+_account_strs = operator.itemgetter("key", "family", "pool")
+_account_seconds = operator.itemgetter("map_seconds_total", "unmap_seconds_total")
+_account_owner = operator.itemgetter("owner")
+_account_buckets = operator.itemgetter("map_bucket_counts")
+_chain = itertools.chain.from_iterable
 
 
-_INF = math.inf
+def plain_rows(rows: list[Any], keys: frozenset[str]) -> bool:
+    """Every row a dict with as many keys as `keys` (the caller's itemgetters over all of
+    `keys` then raise KeyError unless each row has exactly those)."""
+    return set(map(type, rows)) == _DICT and set(map(len, rows)) == {len(keys)}
+
+
+def plain_ints(values: list[Any]) -> bool:
+    """Every value an int in [0, MAX_INT] (C-level builtins over the whole list)."""
+    return not values or (
+        set(map(type, values)) == _INT and min(values) >= 0 and max(values) <= MAX_INT
+    )
+
+
+def _plain_accounts(rows: list[Any]) -> bool:
+    """The common case, every account row at once with C-level builtins: exactly the
+    fields, each of its type and range. False to take the row-by-row path."""
+    if not plain_rows(rows, _ACCOUNT_KEYSET):
+        return False
+    try:
+        ints = list(_chain(map(_account_ints, rows)))
+        buckets = list(map(_account_buckets, rows))
+        strs = list(_chain(map(_account_strs, rows)))
+        seconds = list(_chain(map(_account_seconds, rows)))
+        owners = set(map(_account_owner, rows))
+    except (KeyError, TypeError):  # a key missing (so another one there), or unhashable
+        return False
+    return (
+        plain_ints(ints)
+        and set(map(type, buckets)) == {list}
+        and set(map(len, buckets)) == {_BUCKETS}
+        and plain_ints(list(_chain(buckets)))
+        and set(map(type, strs)) == _STR
+        and max(map(len, strs)) <= MAX_NAME
+        and owners <= OWNERS
+        and set(map(type, seconds)) == {float}
+        and all(map(math.isfinite, seconds))
+        and min(seconds) >= 0
+    )
+
+
+def accounts_of(rows: list[Any]) -> list[dict[str, Any]]:
+    """The account rows checked, each as `AccountRow.to_dict()` has it (exactly its fields;
+    seconds as floats); `AccountRow.from_dict` of each cannot fail. In the common case the
+    rows themselves."""
+    if rows and _plain_accounts(rows):
+        return rows
+    return [account_fields(d, i) for i, d in enumerate(rows)]
 
 
 def account_fields(d: Any, i: int) -> dict[str, Any]:
-    """An account row checked, as `AccountRow.to_dict()` has it (exactly its fields; seconds
-    as floats; `d` itself in the common case); `AccountRow.from_dict` of it cannot fail."""
-    plain = _plain_account(d)
-    if plain is not None:
-        return plain
-    where = f"accounts[{i}]"  # the slow path, to name what is wrong
+    """One account row checked field by field, naming the first fault."""
+    where = f"accounts[{i}]"
     d = as_dict(d, where)
     buckets = as_list(get_field(d, "map_bucket_counts", where), f"{where}.map_bucket_counts", 64)
     if len(buckets) != _BUCKETS or any(

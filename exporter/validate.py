@@ -27,6 +27,7 @@ deeper than the schema is a "schema" refusal.
 
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 from collections import Counter
@@ -40,13 +41,12 @@ from accounting.relations import check_account
 from accounting.snapshot import SCHEMA_VERSION, AccountRow, Snapshot
 from accounting.tp_status import TpStatus
 from exporter.schema import (
-    MAX_INT,
     MAX_NAME,
     MAX_TEXT,
     OWNERS,
     REASONS,
     Refused,
-    account_fields,
+    accounts_of,
     as_dict,
     as_list,
     buffer_row,
@@ -57,6 +57,8 @@ from exporter.schema import (
     num_of,
     opt_int_of,
     owner_of,
+    plain_ints,
+    plain_rows,
     reconciliation_entry,
     str_of,
     tp_status,
@@ -69,7 +71,7 @@ MAX_SKEW_S = 5.0  # how far in the future a heartbeat or snapshot time may be (c
 MAX_FAMILIES = 4096  # rows of the per-family rollup
 _figures = operator.itemgetter(*FIGURE_NAMES)
 _FAMILY_KEYS = frozenset(("family", "owner", *FIGURE_NAMES))
-_INT = {int}
+_STR = {str}
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,7 @@ def load(data: bytes, name: str, now: float) -> Head:
     taken_at = num_of(snap, "taken_at", "snapshot")
     if taken_at > now + MAX_SKEW_S:
         raise fail("snapshot", f"taken_at is {taken_at - now:.0f} s in the future")
-    accounts = [
-        account_fields(a, i)
-        for i, a in enumerate(as_list(get_field(snap, "accounts", "snapshot"), "accounts"))
-    ]
+    accounts = accounts_of(as_list(get_field(snap, "accounts", "snapshot"), "accounts"))
     if len({a["key"] for a in accounts}) < len(accounts):
         key = Counter(a["key"] for a in accounts).most_common(1)[0][0]
         raise fail("accounts", f"key {key!r:.60} listed twice")
@@ -174,9 +173,11 @@ def _families(d: Any, accounts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         s = slots.setdefault((a["family"], a["owner"]), [0, 0])
         s[0] += a["occupied_slots"]
         s[1] += a["capacity_slots"]
+    rows = as_list(d, "families", MAX_FAMILIES)
+    if not _plain_families(rows):
+        rows = [_family(row, i) for i, row in enumerate(rows)]
     out: dict[tuple[str, str], dict[str, Any]] = {}
-    for i, row in enumerate(as_list(d, "families", MAX_FAMILIES)):
-        figs = _family(row, i)
+    for i, figs in enumerate(rows):
         key = (figs["family"], figs["owner"])
         if key in out:
             raise fail(f"families[{i}]", f"{key[0]}/{key[1]} listed twice")
@@ -195,22 +196,32 @@ def _families(d: Any, accounts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [out[k] for k in sorted(out)]
 
 
+_family_names = operator.itemgetter("family")
+_family_owners = operator.itemgetter("owner")
+
+
+def _plain_families(rows: list[Any]) -> bool:
+    """The common case, every row at once with C-level builtins: exactly the keys, each
+    of its type and range. False to take the row-by-row path."""
+    if not rows or not plain_rows(rows, _FAMILY_KEYS):
+        return not rows
+    try:
+        names = list(map(_family_names, rows))
+        owners = set(map(_family_owners, rows))
+        figures = list(itertools.chain.from_iterable(map(_figures, rows)))
+    except (KeyError, TypeError):  # a key missing (so another one there), or unhashable
+        return False
+    return (
+        set(map(type, names)) == _STR
+        and max(map(len, names)) <= MAX_NAME
+        and owners <= OWNERS
+        and plain_ints(figures)
+    )
+
+
 def _family(row: Any, i: int) -> dict[str, Any]:
-    """One per-family row checked: {"family", "owner", every figure} (`row` itself in the
-    common case: exactly those keys, each of its type and range)."""
-    if type(row) is dict and row.keys() == _FAMILY_KEYS:
-        family, owner, figs = row["family"], row["owner"], _figures(row)
-        if (
-            type(family) is str
-            and len(family) <= MAX_NAME
-            and type(owner) is str
-            and owner in OWNERS
-            and set(map(type, figs)) == _INT
-            and min(figs) >= 0
-            and max(figs) <= MAX_INT
-        ):
-            return row
-    where = f"families[{i}]"  # the slow path, to name what is wrong
+    """One per-family row checked field by field, naming the first fault."""
+    where = f"families[{i}]"
     row = as_dict(row, where)
     return {
         "family": str_of(row, "family", where),

@@ -104,7 +104,7 @@ def str_of(d: dict[str, Any], key: str, where: str, limit: int = MAX_NAME) -> st
 
 def owner_of(d: dict[str, Any], where: str) -> Owner:
     v = get_field(d, "owner", where)
-    if v not in OWNERS:
+    if type(v) is not str or v not in OWNERS:
         raise fail(where, f"owner={v!r:.60}, expected one of {sorted(OWNERS)}")
     return Owner(v)
 
@@ -139,6 +139,7 @@ def _row_is_plain(d: Any) -> bool:
     of its type, integers in [0, MAX_INT], strings short."""
     try:
         ints, strs, shape, layer = _row_ints(d), _row_strs(d), d["shape"], d["layer"]
+        owner = d["owner"]
     except (KeyError, TypeError):
         return False
     return (
@@ -147,7 +148,8 @@ def _row_is_plain(d: Any) -> bool:
         and max(ints) <= MAX_INT
         and set(map(type, strs)) == _STR
         and max(map(len, strs)) <= MAX_NAME
-        and d["owner"] in OWNERS
+        and type(owner) is str
+        and owner in OWNERS
         and (layer is None or (type(layer) is int and 0 <= layer <= MAX_INT))
         and type(shape) is list
         and len(shape) <= MAX_DIMS

@@ -113,7 +113,10 @@ class Published:
                 assert self._head is not None
                 try:
                     self._lazy["snapshot"] = buffer_map(self._head)
-                except Refused as e:
+                except Exception as e:  # a Refused, or a bug: this buffer map only
+                    if not isinstance(e, Refused):
+                        log.exception("source %s: checking the buffer rows failed", self.source)
+                        e = Refused("buffers", f"internal error: {type(e).__name__}: {e}")
                     self._lazy["error"] = e.detail
                     if self._on_refused is not None:
                         self._on_refused(self.path or self.source, e)

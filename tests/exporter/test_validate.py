@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting.buffers import Owner
@@ -141,6 +141,7 @@ def test_rows_that_disagree_with_the_first_line_fail_the_buffer_map_only(publish
         ("physical_bytes", -4096),
         ("occupied_slots", "12"),
         ("owner", "nobody"),
+        ("owner", ["vmm"]),
         ("shape", [[[1]]]),
         ("layer", True),
     ],
@@ -163,10 +164,14 @@ def test_missing_keys_in_the_rows_are_named(published):
     "where, key, value, needle",
     [
         ("account", "map_seconds_total", float("inf"), "map_seconds_total"),
+        ("account", "unmap_seconds_total", float("nan"), "unmap_seconds_total"),
+        ("account", "owner", ["vmm"], "owner"),
+        ("account", "mapped_pages", 2**63, "mapped_pages"),
         ("account", "map_bucket_counts", [1, 2], "map_bucket_counts"),
         ("family", "physical_bytes", float("nan"), "physical_bytes"),
         ("family", "mapped_bytes", -1, "mapped_bytes"),
         ("family", "owner", "nobody", "owner"),
+        ("family", "family", 7, "family"),
         ("violation", "subject", 7, "subject"),
         ("envelope", "interval", 0, "interval"),
         ("envelope", "interval", float("nan"), "interval"),
@@ -260,3 +265,53 @@ def test_an_account_row_with_more_keys_or_whole_seconds_loads_as_its_fields(publ
     assert set(got) == {f.name for f in dataclasses.fields(AccountRow)}
     assert got["map_seconds_total"] == 3.0 and type(got["map_seconds_total"]) is float
     assert buffer_map(head).accounts[0].map_seconds_total == 3.0
+
+
+_ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    where=st.sampled_from(["row", "account", "family", "violation"]),
+    index=st.integers(0, 1),
+    key=st.sampled_from(
+        [f.name for f in dataclasses.fields(AccountRow)]
+        + ["family", "owner", "name", "pool", "layer", "shape", "dtype", "account", "slot_bytes"]
+        + ["tensor_bytes", "reserved_bytes", "physical_bytes", "mapped_bytes", "subject"]
+        + ["relation", "detail", "occupied_bytes"]
+    ),
+    value=_ANY_JSON | st.just(_MISSING := object()),
+)
+def test_any_value_anywhere_is_served_or_refused_never_an_error(
+    published, where, index, key, value
+):
+    envelope, rows = _copy(published)
+    snap = envelope["snapshot"]
+    snap["violations"] = [{"subject": "p/x", "relation": "r", "detail": "d"}] * 2
+    target = {
+        "row": rows,
+        "account": snap["accounts"],
+        "family": snap["families"],
+        "violation": snap["violations"],
+    }[where][index]
+    target = dict(target)
+    {"row": rows, "account": snap["accounts"], "family": snap["families"]}.get(
+        where, snap["violations"]
+    )[index] = target
+    if value is _MISSING:
+        target.pop(key, None)
+    else:
+        target[key] = value
+    try:
+        head = _load(_bytes(envelope, rows))
+    except Refused as e:
+        assert e.reason == "schema"
+        return
+    try:
+        buffer_map(head)
+    except Refused as e:
+        assert e.reason == "buffers"

@@ -15,14 +15,15 @@ through `exporter.serving.SourceReader` (one scan at a time in a worker thread;
 requests that arrive while a scan runs share the next one), so `/healthz` answers
 at once whatever the directory holds. `/metrics` bodies are rendered once per scan
 and format, and gzipped (once) for a client that sends `Accept-Encoding: gzip`;
-`/metrics` and `/healthz` are served by plain ASGI apps (exporter.serving).
+`/metrics` and `/healthz` are plain ASGI apps (exporter.serving), which `create_app`'s
+`ExporterApp` calls before FastAPI's middleware and routing.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
@@ -30,6 +31,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from exporter import debug
 from exporter.collector import KvLedgerCollector
@@ -92,8 +94,8 @@ def create_router(
     """The routes. `debug_html`, when given, renders `/debug/kv` for a browser (Accept:
     text/html) from the same `DebugKv` document the JSON carries."""
     collector = KvLedgerCollector(sources)
-    reader = SourceReader(sources)
     bodies = MetricsBodies(collector)
+    reader = SourceReader(sources, hook=bodies)
     router = APIRouter()
     auth = _auth_dependency(token)
 
@@ -165,10 +167,12 @@ def create_router(
 
     # The two hot routes as plain ASGI apps, matched before the documented ones above: a
     # scrape or a probe then costs the event loop a lookup and two sends (exporter.serving).
-    router.routes[:0] = [
-        Route("/metrics", MetricsEndpoint(reader, bodies), methods=["GET"]),
-        Route("/healthz", HealthEndpoint(), methods=["GET"]),
-    ]
+    hot: dict[str, Callable[..., Any]] = {
+        "/metrics": MetricsEndpoint(reader, bodies),
+        "/healthz": HealthEndpoint(),
+    }
+    router.routes[:0] = [Route(path, app, methods=["GET"]) for path, app in hot.items()]
+    router.hot_paths = hot  # type: ignore[attr-defined]  # read by ExporterApp
 
     @router.get(
         "/readyz",
@@ -195,6 +199,32 @@ def _problem(param: str, detail: str) -> JSONResponse:
     return JSONResponse(status_code=400, content=Problem(detail=detail, param=param).model_dump())
 
 
+class ExporterApp(FastAPI):
+    """FastAPI with `/metrics` and `/healthz` answered before the framework's middleware
+    stack and routing: with many scrapers at once, every request costs the event loop, and
+    a probe waits behind them (`kvledger bench scrape`, concurrent part). Everything else,
+    the OpenAPI document included, is FastAPI's."""
+
+    hot_paths: dict[str, Any] = {}  # replaced by create_app, never changed in place
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):
+            app = self.hot_paths.get(_route_path(scope))
+            if app is not None:
+                await app(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path below the app's mount point (a mounted app sees the full path)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] == "/":
+        return path[len(root) :]
+    return path
+
+
 def create_app(
     sources: Sources,
     *,
@@ -202,11 +232,13 @@ def create_app(
     title: str = "kvledger",
     debug_html: DebugHtml | None = None,
 ) -> FastAPI:
-    app = FastAPI(
+    app = ExporterApp(
         title=title,
         summary="KV-cache memory accounting: tensor, reserved, physical and occupied bytes "
         "per buffer family",
     )
-    app.include_router(create_router(sources, token=token, debug_html=debug_html))
+    router = create_router(sources, token=token, debug_html=debug_html)
+    app.include_router(router)
+    app.hot_paths = dict(router.hot_paths)  # type: ignore[attr-defined]
     app.state.sources = sources
     return app

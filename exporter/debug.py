@@ -19,7 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from accounting.figures import FIGURES
+from accounting.figures import FIGURE_NAMES, FIGURES
+from accounting.snapshot import BufferRow
 from exporter.collector import GIB, engine_labels
 from exporter.sources import SourceView
 
@@ -156,6 +157,12 @@ class SourceModel(BaseModel):
     accounts: list[AccountModel]
     buffers: list[BufferModel]
     violations: list[ViolationModel]
+    buffers_error: str | None = Field(
+        None,
+        description="why this source's buffer rows are not shown (they failed their checks "
+        "when read for this page; its figures above and its metrics are unaffected; counted "
+        'in kvledger_snapshot_file_errors_total{reason="buffers"})',
+    )
     reconciliation: list[ReconciliationModel]
     tp: TpModel | None = Field(None, description="present for a pool under tensor parallelism")
 
@@ -225,13 +232,13 @@ def build(
             )
         views = [v for v in views if engine_labels(v.labels)["tp_rank"] == str(rank)]
     if family is not None:
-        families = {b.spec.family for v in views for b in v.snapshot.buffers}
+        families = {f["family"] for v in views for f in v.summary["families"]}
         if family not in families:
             raise FilterError(
                 "family", f"family={family!r} is unknown; expected one of {_known(families)}"
             )
     if layer is not None:
-        layers = {b.spec.layer for v in views for b in v.snapshot.buffers} - {None}
+        layers = {b.spec.layer for v in views for b in _buffers(v)[0]} - {None}
         if layer not in layers:
             raise FilterError(
                 "layer", f"layer={layer} has no buffer; known layers: {_known(layers)}"
@@ -248,8 +255,8 @@ def build(
                 source=v.source,
                 up=v.up,
                 engine_labels=engine_labels(v.labels),
-                memory_usage_gb=v.snapshot.total("physical_bytes") / GIB,
-                totals=Figures(**_totals(v)),
+                memory_usage_gb=v.summary["totals"]["physical_bytes"] / GIB,
+                totals=Figures(**v.summary["totals"]),
             )
             for v in views
         ],
@@ -257,51 +264,60 @@ def build(
     )
 
 
-def _totals(v: SourceView) -> dict[str, int]:
-    return {f.name: v.snapshot.total(f.name) for f in FIGURES}
+def _buffers(v: SourceView) -> tuple[Sequence[BufferRow], str | None]:
+    """A source's buffer rows (parsed and checked on first use), or () and why not."""
+    snap, error = v.published.buffer_map()
+    return (snap.buffers if snap is not None else ()), error
 
 
 def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceModel:
-    snap, p = v.snapshot, v.published
+    """Figures, accounts and violations from the summary the metrics are built from;
+    the buffer rows from the buffer map."""
+    d, p = v.summary, v.published
+    rows, buffers_error = _buffers(v)
     buffers = [
         b
-        for b in snap.buffers
+        for b in rows
         if (family is None or b.spec.family == family) and (layer is None or b.spec.layer == layer)
     ]
-    accounts = [a for a in snap.accounts if family is None or a.family == family]
+    accounts = [a for a in d["accounts"] if family is None or a["family"] == family]
     if family is None and layer is None:
-        violations = list(snap.violations)
+        violations = list(d["violations"])
     else:
         subjects = {f"{b.spec.pool}/{b.spec.name}" for b in buffers}
         if layer is None:
-            subjects |= {a.key for a in accounts}
-        violations = [x for x in snap.violations if x.subject in subjects]
-    families = snap.rollup("family", "owner")
+            subjects |= {a["key"] for a in accounts}
+        violations = [x for x in d["violations"] if x["subject"] in subjects]
     return SourceModel(
         source=v.source,
         up=v.up,
         stale_reason=v.stale_reason,
         pid=p.pid,
         host=p.host,
-        labels=dict(snap.labels),
-        engine_labels=engine_labels(snap.labels),
-        epoch=snap.epoch,
+        labels=dict(d["labels"]),
+        engine_labels=engine_labels(d["labels"]),
+        epoch=d["epoch"],
         sequence=p.sequence,
-        taken_at=snap.taken_at,
+        taken_at=d["taken_at"],
         published_at=p.published_at,
         age_seconds=v.age_seconds,
         heartbeat_age_seconds=v.heartbeat_age_seconds,
         interval_seconds=p.interval,
-        memory_usage_gb=snap.total("physical_bytes") / GIB,
-        totals=Figures(**_totals(v)),
+        memory_usage_gb=d["totals"]["physical_bytes"] / GIB,
+        totals=Figures(**d["totals"]),
         families=[
-            FamilyModel(family=fam, owner=own, figures=Figures(**figs))
-            for (fam, own), figs in sorted(families.items())
-            if family is None or fam == family
+            FamilyModel(
+                family=f["family"],
+                owner=f["owner"],
+                figures=Figures(**{name: f[name] for name in FIGURE_NAMES}),
+            )
+            for f in d["families"]
+            if family is None or f["family"] == family
         ],
-        accounts=[AccountModel(**a.to_dict()) for a in accounts],
+        accounts=[AccountModel(**a) for a in accounts],
         buffers=[BufferModel(**b.to_dict()) for b in buffers],
-        violations=[ViolationModel(**x.to_dict()) for x in violations],
-        reconciliation=[ReconciliationModel(**r) for r in snap.reconciliation],
-        tp=TpModel(**snap.tp.to_dict()) if snap.tp is not None else None,
+        violations=[ViolationModel(**x) for x in violations],
+        buffers_error=buffers_error,
+        reconciliation=[ReconciliationModel(**r) for r in d["reconciliation"]],
+        tp=TpModel(**d["tp"]) if d["tp"] is not None else None,
     )

@@ -281,7 +281,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "Snapshot files refused since the exporter started, per reason (each version of a "
         "file counted once): symlink, not_regular, owner, too_large, open, parse, nesting, "
-        "schema, too_many_files. /debug/kv names the files.",
+        "schema, too_many_files; buffers: a served file's buffer rows failed their checks when "
+        "/debug/kv read them (its metrics, from the checked first line, are still served). "
+        "/debug/kv names the files.",
         ("reason",),
         engine=False,
     ),

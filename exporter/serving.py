@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import anyio.to_thread
 
@@ -23,16 +24,29 @@ from exporter.collector import KvLedgerCollector
 from exporter.exposition import content_type
 from exporter.sources import Sources, SourceView
 
+log = logging.getLogger(__name__)
+
 GZIP_LEVEL = 6  # one rank's 19.7 KB body is ~2.9 KB; done once per scan, not per request
+
+
+class ScanHook(Protocol):
+    """Work done with each scan's views: `prepare` in the scan's worker thread, right after
+    the read (no second hop to a thread); `install` in the event loop with its result."""
+
+    def prepare(self, views: list[SourceView]) -> Any: ...
+
+    def install(self, generation: int, views: list[SourceView], prepared: Any) -> None: ...
 
 
 class SourceReader:
     """`sources.read()` off the event loop, one scan at a time: a request waits for a scan
     that starts after it arrived, and every request that arrives while one runs shares
-    the next. Returns (generation, views); the generation numbers the scans."""
+    the next. Returns (generation, views); the generation numbers the scans. `hook`, when
+    given, is run with every scan (`ScanHook`)."""
 
-    def __init__(self, sources: Sources) -> None:
+    def __init__(self, sources: Sources, hook: ScanHook | None = None) -> None:
         self.sources = sources
+        self.hook = hook
         self.generation = 0
         self._pending: asyncio.Future[tuple[int, list[SourceView]]] | None = None
         self._running = False
@@ -53,13 +67,19 @@ class SourceReader:
         # Held here: the event loop keeps only a weak reference to a task.
         self._task = asyncio.get_running_loop().create_task(self._scan(fut))
 
+    def _read(self) -> tuple[list[SourceView], Any]:
+        views = self.sources.read()
+        return views, (self.hook.prepare(views) if self.hook is not None else None)
+
     async def _scan(self, fut: asyncio.Future[tuple[int, list[SourceView]]]) -> None:
         try:
-            views = await anyio.to_thread.run_sync(self.sources.read)
+            views, prepared = await anyio.to_thread.run_sync(self._read)
         except Exception as e:
             fut.set_exception(e)
         else:
             self.generation += 1
+            if self.hook is not None:
+                self.hook.install(self.generation, views, prepared)
             fut.set_result((self.generation, views))
         finally:
             self._running = False
@@ -83,33 +103,68 @@ def accepts_gzip(accept_encoding: str | None) -> bool:
     return False
 
 
+BodyKey = tuple[bool, bool]  # (OpenMetrics, gzip)
+Body = tuple[bytes, str]  # (body, content type)
+MAX_ACCEPTS = 64  # distinct Accept headers remembered
+
+
 class MetricsBodies:
     """The latest scan's `/metrics` bodies, per format and encoding, each built once, in a
     worker thread (rendering and gzip stay out of the event loop too). A request that
-    read an older scan gets the latest scan's body: it started after that request too."""
+    read an older scan gets the latest scan's body: it started after that request too.
+
+    As the `ScanHook` of the `SourceReader`, the bodies asked for before are built in the
+    scan's own worker thread, so a scrape costs one hop to a thread, shared by all the
+    requests waiting for that scan."""
 
     def __init__(self, collector: KvLedgerCollector) -> None:
         self.collector = collector
         self._generation = -1
         self._views: Sequence[SourceView] = ()
-        self._bodies: dict[tuple[bool, bool], asyncio.Future[tuple[bytes, str]]] = {}
+        self._bodies: dict[BodyKey, asyncio.Future[Body]] = {}
+        self._wanted: dict[BodyKey, str | None] = {}  # key -> an Accept header that gives it
+        self._keys: dict[str | None, bool] = {}  # Accept header -> OpenMetrics
+
+    def prepare(self, views: list[SourceView]) -> dict[BodyKey, Body]:
+        out = {}
+        for key, accept in tuple(self._wanted.items()):
+            try:
+                out[key] = self._build(views, accept, key[1])
+            except Exception:  # the request that wants it builds it again, and fails alone
+                log.exception("rendering /metrics failed")
+        return out
+
+    def install(self, generation: int, views: list[SourceView], prepared: Any) -> None:
+        if generation <= self._generation:
+            return
+        self._generation, self._views, self._bodies = generation, views, {}
+        loop = asyncio.get_running_loop()
+        for key, body in prepared.items():
+            fut = self._bodies[key] = loop.create_future()
+            fut.set_result(body)
 
     async def get(
         self, generation: int, views: Sequence[SourceView], accept: str | None, gz: bool
-    ) -> tuple[bytes, str]:
+    ) -> Body:
         if generation > self._generation:
             self._generation, self._views, self._bodies = generation, views, {}
-        key = (content_type(accept)[0], gz)
+        openmetrics = self._keys.get(accept)
+        if openmetrics is None:
+            if len(self._keys) >= MAX_ACCEPTS:
+                self._keys.clear()
+            openmetrics = self._keys[accept] = content_type(accept)[0]
+        key = (openmetrics, gz)
         fut = self._bodies.get(key)
         if fut is None:
+            self._wanted.setdefault(key, accept)
             fut = self._bodies[key] = asyncio.ensure_future(
                 anyio.to_thread.run_sync(self._build, self._views, accept, gz)
             )
+        if fut.done():
+            return fut.result()
         return await asyncio.shield(fut)
 
-    def _build(
-        self, views: Sequence[SourceView], accept: str | None, gz: bool
-    ) -> tuple[bytes, str]:
+    def _build(self, views: Sequence[SourceView], accept: str | None, gz: bool) -> Body:
         body, ctype = self.collector.render(accept, views)
         return (gzip.compress(body, GZIP_LEVEL, mtime=0) if gz else body), ctype
 
@@ -139,7 +194,7 @@ class MetricsEndpoint:
         body, ctype = await self.bodies.get(generation, views, _header(scope, b"accept"), gz)
         headers = [
             (b"content-type", ctype.encode()),
-            (b"content-length", str(len(body)).encode()),
+            (b"content-length", b"%d" % len(body)),
             (b"vary", b"Accept-Encoding"),
         ]
         if gz:
@@ -154,13 +209,13 @@ class HealthEndpoint:
     """GET /healthz as a plain ASGI app: answered in the event loop at once."""
 
     BODY = b'{"status":"ok"}'
+    HEADERS = (
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(BODY)),
+    )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(self.BODY)).encode()),
-        ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
         await send(
             {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else self.BODY}
         )

@@ -5,18 +5,21 @@
 file is read only if it is named `<source>.json` (no leading dot), is a regular
 file (lstat before opening, fstat after), is owned by this process's user or
 root (in group mode: any member of the directory's group), is at most
-`max_bytes` long, and passes `exporter.validate`. It is opened with O_NOFOLLOW
-and O_NONBLOCK, so a link planted in its place fails and a FIFO cannot hang the
-read; devices are refused by the lstat before any open.
+`max_bytes` long, and its first line passes `exporter.validate.load` (the buffer
+rows are kept as bytes for `exporter.validate.buffer_map`, run when someone asks
+for the buffer map). It is opened with O_NOFOLLOW and O_NONBLOCK, so a link
+planted in its place fails and a FIFO cannot hang the read; devices are refused
+by the lstat before any open.
 
 Every refusal is kept per file (`problems`: name -> reason and a one-line detail,
 shown in /debug/kv) and counted per reason (`error_counts`, a small fixed set of
-reasons: `exporter.validate.REASONS`). A file is identified by (st_dev, st_ino,
-st_size, st_mtime_ns); one that was parsed, or refused, is not read again until
-that identity changes. A scan looks at most `max_files` names and parses at most
-`max_parses` changed files (the others wait for the next scan), so its cost is
-bounded whatever the directory holds; past `max_files`, files already served are
-kept first, so a flood of new files cannot push a live source out.
+reasons: `exporter.validate.REASONS`; `count` adds a served file whose buffer rows
+failed later). A file is identified by (st_dev, st_ino, st_size, st_mtime_ns);
+one that was parsed, or refused, is not read again until that identity changes.
+A scan looks at most `max_files` names and parses at most `max_parses` changed
+files (the others wait for the next scan), so its cost is bounded whatever the
+directory holds; past `max_files`, files already served are kept first, so a
+flood of new files cannot push a live source out.
 """
 
 from __future__ import annotations
@@ -28,12 +31,11 @@ import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from accounting.publisher import SUFFIX
 from accounting.snapdir import SnapshotDir, SnapshotDirError, trusted_owners
-from accounting.snapshot import Snapshot
-from exporter.validate import REASONS, Refused, load
+from exporter.validate import REASONS, Head, Refused, load
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,8 @@ _KIND = {
 
 
 class SnapshotFiles(Generic[T]):
-    """The served files of one snapshot directory. `make(envelope, snapshot, name)` turns
-    a file that passed every check into what is cached and returned (once per identity).
+    """The served files of one snapshot directory. `make(head, path)` turns a file that
+    passed every check into what is cached and returned (once per identity).
 
     The directory is opened on the first scan that finds it (or at once with `create`);
     an existing directory that breaks the rules raises SnapshotDirError here, and later
@@ -75,7 +77,7 @@ class SnapshotFiles(Generic[T]):
     def __init__(
         self,
         path: str | os.PathLike[str],
-        make: Callable[[dict[str, Any], Snapshot, str], T],
+        make: Callable[[Head, str], T],
         *,
         create: bool = False,
         group_writable: bool = False,
@@ -186,12 +188,12 @@ class SnapshotFiles(Generic[T]):
         try:
             data = self._read(d, name, st)
             self.parses += 1
-            envelope, snap = load(data, name, now)
+            head = load(data, name, now)
         except Refused as e:
             self._refuse(name, e)
             return None
         self.problems.pop(name, None)
-        return self._make(envelope, snap, os.path.join(self.path, name))
+        return self._make(head, os.path.join(self.path, name))
 
     def _check(self, name: str, st: os.stat_result) -> None:
         if stat.S_ISLNK(st.st_mode):
@@ -247,6 +249,13 @@ class SnapshotFiles(Generic[T]):
             log.warning("snapshot file %s/%s not served: %s", self.path, name, e)
         self.error_counts[e.reason] += 1
         self.problems[name] = FileProblem(name, e.reason, e.detail)
+
+    def count(self, path: str, e: Refused) -> None:
+        """A served file's buffer rows failed (`exporter.validate.buffer_map`): logged and
+        counted under `e.reason`; the file stays served (its first line is good)."""
+        log.warning("snapshot file %s: buffer map not served: %s", path, e)
+        with self._lock:
+            self.error_counts[e.reason] += 1
 
     # -- removal and lifetime ----------------------------------------------------------------
     def remove(self, name: str, ident: Ident) -> bool:

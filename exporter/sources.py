@@ -3,9 +3,10 @@
 `Sources.read()` returns one `SourceView` per source: its latest snapshot, whether
 it is up, and how old it is. Which files are read and how is
 `exporter.snapfiles`' business (checked directory, regular files of a trusted
-owner, size cap, one schema: `exporter.validate`); a file is parsed once per
-version (device, inode, size, mtime), so a read costs a directory scan and one
-`lstat` per source. Nothing costs O(slots).
+owner, size cap, one schema: `exporter.validate`); a file's first line (all a
+scrape reads) is parsed once per version (device, inode, size, mtime), so a read
+costs a directory scan and one `lstat` per source; its buffer rows are parsed
+when someone asks for the buffer map. Nothing a scrape does costs O(buffers).
 
 A source is down (`up` False, with `stale_reason`) when:
 - its publisher stopped without closing: its heartbeat is older than the bound, or,
@@ -22,7 +23,6 @@ at once and its file removed. A down source without a successor stays listed
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -32,12 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from accounting.figures import FIGURE_NAMES
 from accounting.ledger import Ledger
 from accounting.publisher import proc_stat, source_id
-from accounting.snapshot import SCHEMA_VERSION, AccountRow, Snapshot
+from accounting.snapshot import Snapshot
 from exporter import metrics as m
 from exporter.snapfiles import FileProblem, Ident, SnapshotFiles
+from exporter.summary import summary_of
+from exporter.validate import Head, Refused, buffer_map
 
 log = logging.getLogger(__name__)
 
@@ -47,47 +48,19 @@ STALE_INTERVALS = 3.0
 STALE_GRACE_S = 1.0
 
 
-_ACCOUNT_FIELDS = tuple(f.name for f in dataclasses.fields(AccountRow))
-
-
-def _account_dict(a: AccountRow) -> dict[str, Any]:
-    """`AccountRow.to_dict()` without `dataclasses.asdict`'s deep copy (4x faster)."""
-    d = {k: getattr(a, k) for k in _ACCOUNT_FIELDS}
-    d["owner"] = a.owner.value
-    d["map_bucket_counts"] = list(a.map_bucket_counts)
-    return d
-
-
-def summary_of(snap: Snapshot) -> dict[str, Any]:
-    """`snap.to_dict()` without the buffer rows (and without building them): all a scrape
-    reads. The totals are the sum of the per-family rollup."""
-    families = snap.rollup("family", "owner")
-    totals = dict.fromkeys(FIGURE_NAMES, 0)
-    for figs in families.values():
-        for name, value in figs.items():
-            totals[name] += value
-    return {
-        "schema": SCHEMA_VERSION,
-        "epoch": snap.epoch,
-        "taken_at": snap.taken_at,
-        "labels": dict(snap.labels),
-        "totals": totals,
-        "families": [
-            {"family": fam, "owner": own, **figs} for (fam, own), figs in sorted(families.items())
-        ],
-        "accounts": [_account_dict(a) for a in snap.accounts],
-        "violations": [v.to_dict() for v in snap.violations],
-        "reconciliation": [dict(r) for r in snap.reconciliation],
-        "tp": snap.tp.to_dict() if snap.tp is not None else None,
-    }
+class BufferMapError(ValueError):
+    """A source's buffer rows failed their checks (its metrics are still served)."""
 
 
 @dataclass(frozen=True)
 class Published:
     """One source's latest snapshot with its publisher's heartbeat.
 
-    `summary` is `Snapshot.to_dict()` without the buffer rows: all a scrape reads.
-    `snapshot` is the whole Snapshot, buffer rows included.
+    `summary` is `Snapshot.to_dict()` without the buffer rows: all a scrape reads. For a
+    published file it comes from the file's first line, checked (`exporter.validate.load`);
+    the buffer rows are parsed and checked the first time someone asks for them
+    (`buffer_map()`), once per file version. A failure there is that source's buffer map
+    only (reported by `buffer_map()`, counted through `on_refused`), never its metrics.
     """
 
     source: str
@@ -99,20 +72,26 @@ class Published:
     sequence: int
     summary: dict[str, Any]
     path: str | None = None
-    _lazy: dict[str, Snapshot] = field(default_factory=dict, repr=False, compare=False)
+    _head: Head | None = field(default=None, repr=False, compare=False)
+    _on_refused: Callable[[str, Refused], None] | None = field(
+        default=None, repr=False, compare=False
+    )
+    _lazy: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @classmethod
-    def from_file(cls, envelope: dict[str, Any], snap: Snapshot, path: str) -> Published:
-        """A published file that passed `exporter.validate` (figures recomputed there)."""
-        p = cls(summary=summary_of(snap), path=path, **envelope)
-        p._lazy["snapshot"] = snap
-        return p
+    def from_file(
+        cls, head: Head, path: str, on_refused: Callable[[str, Refused], None] | None = None
+    ) -> Published:
+        """A published file whose first line passed `exporter.validate.load`."""
+        return cls(
+            summary=head.summary, path=path, _head=head, _on_refused=on_refused, **head.envelope
+        )
 
     @classmethod
     def from_snapshot(
         cls, snap: Snapshot, *, source: str, pid: int, host: str, sequence: int
     ) -> Published:
-        summary = summary_of(snap)
         p = cls(
             source=source,
             pid=pid,
@@ -121,14 +100,35 @@ class Published:
             interval=0.0,
             published_at=snap.taken_at,
             sequence=sequence,
-            summary=summary,
+            summary=summary_of(snap),
         )
         p._lazy["snapshot"] = snap
         return p
 
+    def buffer_map(self) -> tuple[Snapshot | None, str | None]:
+        """(the whole Snapshot, None), or (None, why) when the file's buffer rows failed
+        their checks; parsed and checked once per file version."""
+        with self._lock:
+            if "snapshot" not in self._lazy and "error" not in self._lazy:
+                assert self._head is not None
+                try:
+                    self._lazy["snapshot"] = buffer_map(self._head)
+                except Exception as e:  # a Refused, or a bug: this buffer map only
+                    if not isinstance(e, Refused):
+                        log.exception("source %s: checking the buffer rows failed", self.source)
+                        e = Refused("buffers", f"internal error: {type(e).__name__}: {e}")
+                    self._lazy["error"] = e.detail
+                    if self._on_refused is not None:
+                        self._on_refused(self.path or self.source, e)
+            return self._lazy.get("snapshot"), self._lazy.get("error")
+
     @property
     def snapshot(self) -> Snapshot:
-        return self._lazy["snapshot"]
+        """The whole Snapshot; BufferMapError when the buffer rows failed."""
+        snap, error = self.buffer_map()
+        if snap is None:
+            raise BufferMapError(f"source {self.source}: buffer map not served: {error}")
+        return snap
 
     @property
     def labels(self) -> dict[str, str]:
@@ -220,12 +220,16 @@ class Sources:
         self.files: SnapshotFiles[Published] | None = None
         if directory is not None:
             self.files = SnapshotFiles(
-                directory, Published.from_file, create=create, group_writable=group_writable
+                directory, self._published, create=create, group_writable=group_writable
             )
         self.directory = self.files.path if self.files is not None else None
         self.removed = 0  # files of dead sources removed after a restart took their place
         self._stop = threading.Event()
         self._scanner: threading.Thread | None = None
+
+    def _published(self, head: Head, path: str) -> Published:
+        assert self.files is not None
+        return Published.from_file(head, path, self.files.count)
 
     def add_ledger(self, ledger: Ledger, source: str | None = None) -> str:
         """Serve `ledger` directly, snapshotted at each read. Returns its source id."""
@@ -365,10 +369,9 @@ class Sources:
 
     # -- scanning ahead of requests ------------------------------------------------------------
     def start_scanning(self, interval: float) -> None:
-        """Read every `interval` seconds in a thread of its own, so files are parsed and
-        validated as they are published rather than when a scrape arrives (a DeepSeek-V4
-        rank's file costs ~2-4 ms to validate; a scrape then finds them parsed). Stopped
-        by `close()`."""
+        """Read every `interval` seconds in a thread of its own, so a file's first line is
+        parsed and checked as it is published rather than when a scrape arrives (a scrape
+        then finds it parsed). Stopped by `close()`."""
         if not 0 < interval < float("inf"):
             raise ValueError(f"start_scanning: interval={interval!r}, expected seconds > 0")
         if self._scanner is not None:

@@ -375,7 +375,7 @@ def status_line(sources: Any, source: Any, elapsed: float) -> str:
     totals = {"physical_bytes": 0, "mapped_bytes": 0, "occupied_bytes": 0}
     for v in up:
         for name in totals:
-            totals[name] += v.snapshot.total(name)
+            totals[name] += v.summary["totals"][name]
     parts = [f"t={elapsed:.0f}s", f"sources {len(up)}/{len(views)} up"]
     if source is not None:
         s = source.workload.stats()
@@ -396,7 +396,7 @@ def status_line(sources: Any, source: Any, elapsed: float) -> str:
     unattributed = [
         r.get("unattributed_bytes")
         for v in up
-        for r in v.snapshot.reconciliation
+        for r in v.summary["reconciliation"]
         if r.get("unattributed_bytes") is not None
     ]
     if unattributed:

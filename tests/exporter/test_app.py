@@ -175,7 +175,49 @@ def test_mountable_in_an_engine_app(small):
     assert client.get("/generate").json() == {"ok": True}
     r = client.get("/kvledger/metrics")
     assert r.status_code == 200 and m.HEADLINE in r.text
+    assert client.get("/kvledger/healthz").json() == {"status": "ok"}
     assert client.get("/kvledger/debug/kv").json()["sources"][0]["up"] is True
+    assert client.get("/metrics").status_code == 404  # only under its mount point
+
+
+def test_hot_paths_skip_the_framework_and_a_scrape_costs_one_thread_hop(small, monkeypatch):
+    """/metrics and /healthz are answered before FastAPI's middleware; after the first scrape
+    of a format, its body is built in the scan's own worker thread."""
+    import anyio.to_thread
+
+    from exporter import serving
+
+    src = Sources()
+    src.add_ledger(small.ledger)
+    app = create_app(src)
+    seen: list[str] = []
+
+    @app.middleware("http")
+    async def record(request, call_next):
+        seen.append(request.url.path)
+        return await call_next(request)
+
+    hops: list[str] = []
+    real = anyio.to_thread.run_sync
+
+    async def counting(fn, *args, **kw):
+        hops.append(getattr(fn, "__name__", "?"))
+        return await real(fn, *args, **kw)
+
+    monkeypatch.setattr(serving.anyio.to_thread, "run_sync", counting)
+    client = TestClient(app)
+    for _ in range(3):
+        assert client.get("/healthz").status_code == 200
+        assert client.head("/healthz").status_code == 200
+    assert hops == []  # answered in the event loop
+    assert client.get("/metrics").status_code == 200
+    assert hops == ["_read", "_build"]  # the first scrape of this format: two hops
+    for _ in range(3):
+        hops.clear()
+        assert m.HEADLINE in client.get("/metrics").text
+        assert hops == ["_read"]  # then one: the body comes with the scan
+    assert client.get("/readyz").status_code == 200
+    assert seen == ["/readyz"]  # the hot paths never reached the framework
 
 
 def test_openapi_documents_the_debug_schema(small):
@@ -301,3 +343,39 @@ def test_healthz_answers_while_a_scan_is_stuck(small):
         release.set()
         scrape.join(10)
         assert done == [200]
+
+
+def test_a_failed_buffer_map_is_that_sources_only_and_counted(tmp_path, small):
+    """Buffer rows are checked when /debug/kv asks for them: a failure there is shown for that
+    source and counted, its metrics and the other source's buffer map stay."""
+    import json
+
+    from accounting.publisher import parse
+
+    with Publisher(small.ledger, tmp_path, interval=1000, source="good") as pub:
+        envelope, _ = parse(Path(pub.path).read_bytes())
+        snap = envelope["snapshot"]
+        snap = {**snap, "labels": {**snap["labels"], "model_name": "other"}}
+        bad = json.dumps({**envelope, "source": "bad", "snapshot": snap}).encode()
+        (tmp_path / "bad.json").write_bytes(bad + b"\n" + b"[" * 100_000)
+        client = TestClient(create_app(Sources(tmp_path)))
+        metrics = client.get("/metrics").text
+        assert 'kvledger_snapshot_file_errors_total{reason="buffers"} 0\n' in metrics
+        heads = [line for line in metrics.splitlines() if line.startswith(m.HEADLINE + "{")]
+        assert len(heads) == 2 and heads[0].split()[-1] == heads[1].split()[-1]
+        for _ in range(2):
+            body = client.get("/debug/kv").json()
+            by_source = {s["source"]: s for s in body["sources"]}
+            assert by_source["bad"]["buffers"] == [] and by_source["bad"]["up"]
+            assert by_source["bad"]["buffers_error"].startswith("nesting:")
+            assert by_source["bad"]["totals"] == by_source["good"]["totals"]
+            assert by_source["good"]["buffers"] and by_source["good"]["buffers_error"] is None
+            assert body["files_not_served"] == []
+        metrics = client.get("/metrics").text
+        assert 'kvledger_snapshot_file_errors_total{reason="buffers"} 1\n' in metrics
+        assert [ln for ln in metrics.splitlines() if ln.startswith(m.HEADLINE + "{")] == heads
+        r = client.get("/debug/kv?layer=0").json()  # a layer filter reads the good rows
+        assert {s["source"]: len(s["buffers"]) > 0 for s in r["sources"]} == {
+            "bad": False,
+            "good": True,
+        }

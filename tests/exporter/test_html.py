@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -91,6 +92,7 @@ def test_chromium_renders_the_live_numbers_and_refreshes(served):
     text = " ".join(parsed.text)
     assert "refresh failed" not in text
     assert "every relation holds" in text
+    assert "every snapshot file in the directory is served" in text
     assert "host_memfd" in text  # the reconciliation table
     ranks = [e for e in parsed.elements if "data-rank-source" in e]
     assert [e["data-rank-source"] for e in ranks] == [src["source"]]
@@ -137,3 +139,42 @@ def test_chromium_two_ranks_and_a_family_filter_that_survives_refresh():
     assert occupied == [300, 700]
     assert "filtered: family=swa_kv" in " ".join(parsed.text)
     assert len([e for e in parsed.elements if "data-rank-source" in e]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not browser.available(), reason="needs Debian's chromium")
+def test_chromium_lists_files_not_served_and_a_failed_buffer_map(tmp_path):
+    """A refused file is listed with its reason and detail; a file whose first line is good
+    but whose buffer rows are not is shown with its figures and why its rows are not."""
+    from accounting.publisher import Publisher, parse
+    from exporter.app import create_app
+    from exporter.sources import Sources
+    from tests.ledgers import small_ledger
+    from tests.servers import UvicornThread
+
+    with small_ledger({"model_name": "m", "tp_rank": "0"}) as sl:
+        sl.allocate(300)
+        with Publisher(sl.ledger, tmp_path, interval=1000, source="good") as pub:
+            envelope, rows = parse(Path(pub.path).read_bytes())
+            snap = envelope["snapshot"]
+            snap = {**snap, "labels": {**snap["labels"], "tp_rank": "1"}}
+            bad = {**envelope, "source": "rows", "snapshot": snap}
+            (tmp_path / "rows.json").write_bytes(json.dumps(bad).encode() + b"\n" + rows[:-9])
+            (tmp_path / "junk.json").write_bytes(b"<script>alert(1)</script>\n[]")
+            sources = Sources(tmp_path)
+            with UvicornThread(create_app(sources, debug_html=html.page)) as server:
+                parsed = browser.parse(browser.dump_dom(f"{server.url}/debug/kv"))
+                doc = httpx.get(f"{server.url}/debug/kv", timeout=5).json()
+    root = next(e for e in parsed.elements if e.get("id") == "root")
+    assert int(root["data-refreshes"]) >= 1
+    listed = {e["data-file"]: e["data-reason"] for e in parsed.elements if "data-file" in e}
+    assert listed == {"junk.json": "parse"}
+    text = " ".join(parsed.text)
+    assert "Files not served" in text and doc["files_not_served"][0]["detail"] in text
+    [error] = [e["data-buffers-error"] for e in parsed.elements if "data-buffers-error" in e]
+    by_source = {s["source"]: s for s in doc["sources"]}
+    assert error == by_source["rows"]["buffers_error"] and error.startswith("parse: not JSON")
+    assert by_source["rows"]["buffers"] == [] and by_source["good"]["buffers"]
+    assert by_source["good"]["buffers_error"] is None
+    sections = {e["data-source"] for e in parsed.elements if e.get("class") == "source"}
+    assert sections == {"good", "rows"}  # both served, figures shown

@@ -12,7 +12,7 @@ import pytest
 from accounting.ledger import Ledger
 from accounting.publisher import Publisher, parse
 from accounting.snapdir import SnapshotDirError
-from exporter.sources import Sources
+from exporter.sources import BufferMapError, Sources
 from tests.hostile import nobody_uid
 from tests.ledgers import small_ledger
 
@@ -154,6 +154,36 @@ def test_files_that_are_not_snapshots_are_refused_once_per_version(tmp_path):
     (tmp_path / "other.json").write_text("[1]\n[]")  # a new version is read again
     src.read()
     assert src.error_counts["schema"] == 2
+
+
+def test_bad_buffer_rows_fail_that_buffer_map_only_and_are_counted_once(tmp_path):
+    """The rows are parsed when the buffer map is asked for, once per version; a failure
+    there leaves that source's summary (its metrics) and every other source alone."""
+    with small_ledger({"model_name": "m", "tp_rank": "0"}) as sl:
+        sl.allocate(10)
+        with Publisher(sl.ledger, tmp_path, interval=1000, source="good") as pub:
+            envelope, rows = parse(Path(pub.path).read_bytes())
+            buffers = json.loads(rows)
+            buffers[0]["physical_bytes"] = float("nan")
+            labels = {**envelope["snapshot"]["labels"], "model_name": "other"}
+            snap = {**envelope["snapshot"], "labels": labels}
+            _plant(tmp_path, "bad", {**envelope, "snapshot": snap}, json.dumps(buffers).encode())
+            src = Sources(tmp_path)
+            views = {v.source: v for v in src.read()}
+            assert views["bad"].up and views["good"].up and src.parses == 2
+            assert src.problems() == [] and src.error_counts["buffers"] == 0  # not parsed yet
+            assert views["bad"].summary["totals"] == views["good"].summary["totals"]
+            for _ in range(2):
+                snap_, error = views["bad"].published.buffer_map()
+                assert snap_ is None and error.startswith("schema: buffers[0]: physical_bytes")
+            assert src.error_counts["buffers"] == 1
+            with pytest.raises(BufferMapError, match="source bad: buffer map not served"):
+                _ = views["bad"].snapshot
+            good, error = views["good"].published.buffer_map()
+            assert error is None and good is not None and len(good.buffers) == len(buffers)
+            [bad] = [v for v in src.read() if v.source == "bad"]
+            assert bad.published is views["bad"].published  # same version: not parsed again
+            assert src.parses == 2 and src.error_counts["buffers"] == 1
 
 
 def test_links_fifos_devices_and_big_files_are_refused_without_reading(tmp_path):

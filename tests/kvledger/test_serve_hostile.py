@@ -123,13 +123,25 @@ def _with_snapshot(rig: Rig, name: str, **snap_changes) -> bytes:
     return json.dumps(envelope).encode() + b"\n" + rows
 
 
-def _nan_rows(rig: Rig, name: str) -> bytes:
+def _nan_figures(rig: Rig, name: str) -> bytes:
+    """NaN and negative figures where a scrape reads them: the first line."""
     envelope, rows = _demo_file(rig)
-    buffers = json.loads(rows)
-    buffers[0]["physical_bytes"] = float("nan")
-    buffers[1]["mapped_bytes"] = -(80 << 30)
-    envelope = {**envelope, "source": name.removesuffix(".json")}
-    return json.dumps(envelope).encode() + b"\n" + json.dumps(buffers).encode()
+    snap = json.loads(json.dumps(envelope["snapshot"]))
+    snap["families"][0]["physical_bytes"] = float("nan")
+    snap["accounts"][0]["mapped_pages"] = -(80 << 30)
+    envelope = {**envelope, "source": name.removesuffix(".json"), "snapshot": snap}
+    return json.dumps(envelope).encode() + b"\n" + rows
+
+
+def _inflated(snapshot: dict, figure_bytes: int) -> dict:
+    """`snapshot` (a first line's) claiming `figure_bytes` reserved, physical and mapped in
+    every family, its totals made to match (so only the labels can give it away)."""
+    snap = json.loads(json.dumps(snapshot))
+    for fam in snap["families"]:
+        fam["reserved_bytes"] = fam["physical_bytes"] = fam["mapped_bytes"] = figure_bytes
+    for figure in ("reserved_bytes", "physical_bytes", "mapped_bytes"):
+        snap["totals"][figure] = figure_bytes * len(snap["families"])
+    return snap
 
 
 def _symlinks(rig: Rig) -> dict[str, str]:
@@ -172,7 +184,7 @@ ATTACKS: dict[str, Callable[[Rig], dict[str, str]]] = {
         and {"types.json": "schema"}
     ),
     "nan_and_negative_figures": lambda r: (
-        _plant(r, "nan.json", _nan_rows(r, "nan.json")) and {"nan.json": "schema"}
+        _plant(r, "nan.json", _nan_figures(r, "nan.json")) and {"nan.json": "schema"}
     ),
     "future_heartbeat": lambda r: (
         _plant(r, "future.json", _forged(r, "future.json", published_at=time.time() + 86400))
@@ -219,8 +231,11 @@ def test_a_forged_file_cannot_replace_the_engine_series(rig):
     buffers = json.loads(rows)
     for b in buffers:
         b["physical_bytes"] = b["mapped_bytes"] = 80 << 30
+    snap = _inflated(envelope["snapshot"], 80 << 30)
     forged.write_bytes(
-        json.dumps({**envelope, "source": "forged"}).encode() + b"\n" + json.dumps(buffers).encode()
+        json.dumps({**envelope, "source": "forged", "snapshot": snap}).encode()
+        + b"\n"
+        + json.dumps(buffers).encode()
     )
     try:
         if nobody_uid() is not None:
@@ -244,6 +259,55 @@ def test_a_forged_file_cannot_replace_the_engine_series(rig):
     wait_until(lambda: set(rig.headlines()) == {GOOD, DEMO}, 10, "the demo is served again")
 
 
+def test_bad_buffer_rows_fail_that_sources_buffer_map_only(rig):
+    """A trusted owner's file with a good first line (its own engine labels) and NaN,
+    negative, then deeply nested buffer rows: served from its first line; the rows are
+    checked when /debug/kv asks, fail for that source only, are counted, and never touch
+    the good sources' metrics or buffer maps."""
+    envelope, rows = _demo_file(rig)
+    snap = {**envelope["snapshot"], "labels": {"model_name": "rows-model", "tp_rank": "0"}}
+    head = json.dumps({**envelope, "source": "rows", "snapshot": snap}).encode()
+    buffers = json.loads(rows)
+    buffers[0]["physical_bytes"] = float("nan")
+    buffers[1]["mapped_bytes"] = -(80 << 30)
+    planted = _plant(rig, "rows.json", head + b"\n" + json.dumps(buffers).encode())
+    try:
+        for second_line, expected in (
+            (json.dumps(buffers).encode(), "schema: buffers[0]: physical_bytes=nan"),
+            (b"[" * 200_000 + b"]" * 200_000, "nesting:"),
+        ):
+            before = _error_counts(rig).get("buffers", 0)
+            planted.write_bytes(head + b"\n" + second_line)
+            os.utime(planted, ns=(time.time_ns(), time.time_ns()))  # a new version
+            t0 = time.monotonic()
+            assert rig.get("/healthz").status_code == 200
+            assert time.monotonic() - t0 < 1.0
+
+            def shown() -> dict[str, dict]:
+                return {s["labels"]["model_name"]: s for s in rig.debug()["sources"]}
+
+            wait_until(
+                lambda e=expected: (
+                    (shown().get("rows-model") or {}).get("buffers_error", "")
+                    and shown()["rows-model"]["buffers_error"].startswith(e)
+                ),
+                10,
+                "the rows' failure shown",
+            )
+            srcs = shown()
+            assert srcs["rows-model"]["up"] and srcs["rows-model"]["buffers"] == []
+            for good in (GOOD, DEMO):
+                assert srcs[good]["buffers_error"] is None and srcs[good]["up"]
+            assert srcs[DEMO]["buffers"]
+            heads = rig.headlines()
+            assert set(heads) == {GOOD, DEMO, "rows-model"} and heads[DEMO] < 1.0
+            assert _error_counts(rig)["buffers"] >= before + 1
+            assert "rows.json" not in rig.refused()  # served: its metrics are fine
+            _canary_untouched(rig)
+    finally:
+        planted.unlink()
+
+
 def test_thousands_of_files_do_not_slow_health_or_push_out_live_sources(rig):
     names = [f"flood{i:05d}.json" for i in range(3000)]
     for name in names:
@@ -261,7 +325,7 @@ def test_thousands_of_files_do_not_slow_health_or_push_out_live_sources(rig):
         assert problems[0]["reason"] == "too_many_files"
         assert len(problems) <= 101  # bounded, whatever the directory holds
         text = rig.get("/metrics").text
-        assert text.count("kvledger_snapshot_file_errors_total{") == 9  # one series per reason
+        assert text.count("kvledger_snapshot_file_errors_total{") == 10  # one series per reason
         _canary_untouched(rig)
     finally:
         for name in names:

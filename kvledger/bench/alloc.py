@@ -24,7 +24,7 @@ from allocator import BackgroundMapper, SlotLayout, SwaPool
 from allocator.backend import Backend
 from allocator.specs import vmm_layer_specs
 
-# DeepSeek-V4 SWA geometry (DESIGN.md): 584-byte tokens, 256 per page, pages padded to 576 B multiples.
+# DeepSeek-V4 SWA geometry (docs/background.md#deepseek-v4-geometry): 584-byte tokens, 256 per page, pages padded to 576 B multiples.
 SWA_SLOT_BYTES = 584
 SWA_SLOTS_PER_ROW = 256
 SWA_ROW_BYTES = -(-SWA_SLOT_BYTES * SWA_SLOTS_PER_ROW // 576) * 576

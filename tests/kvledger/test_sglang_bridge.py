@@ -112,7 +112,7 @@ def check(rg: Rig) -> Any:
 
 
 def usage_gb(snap: Any) -> float:
-    """sglang:kv_cache_memory_usage_gb: physical bytes of all families / 2^30 (DESIGN.md)."""
+    """sglang:kv_cache_memory_usage_gb: physical bytes of all families / 2^30 (docs/background.md#the-metric-contract)."""
     return snap.total("physical_bytes") / GB
 
 

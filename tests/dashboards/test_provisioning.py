@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 
 from kvledger.dashboards import files, kv_dashboard
+from tests.dashboards import names
 
-PROVISIONING = files.ROOT / "grafana" / "provisioning"
+PROVISIONING = names.ROOT / "grafana" / "provisioning"
 
 
 def test_datasource_uid_is_the_dashboards_default():

@@ -106,13 +106,34 @@ def test_stale_source_exports_service_metrics_only():
 
 
 def test_two_sources_with_the_same_engine_labels_give_one_engine_series():
-    with small_ledger() as sl:
+    """Same engine labels (an engine restarted before its old file was cleaned up): one set
+    of engine series, from the source published last, whichever order they are read in."""
+    with small_ledger(layers=2) as old, small_ledger(layers=3) as new:  # different headlines
         src = Sources()
-        src.add_ledger(sl.ledger, source="a")
-        src.add_ledger(sl.ledger, source="b")
-        samples = _samples(build_families(src.read()))
-        assert len([s for s in samples if s[0] == m.HEADLINE]) == 1
-        assert len([s for s in samples if s[0] == "kvledger_up"]) == 2
+        src.add_ledger(old.ledger, source="a")
+        src.add_ledger(new.ledger, source="b")
+        views = {v.source: v for v in src.read()}
+        physical = {s: v.snapshot.total("physical_bytes") for s, v in views.items()}
+        assert physical["a"] != physical["b"]
+        for winner, loser in (("a", "b"), ("b", "a")):
+            at = {winner: 2000.0, loser: 1000.0}
+            timed = [
+                dataclasses.replace(
+                    v, published=dataclasses.replace(v.published, published_at=at[s])
+                )
+                for s, v in sorted(views.items(), key=lambda kv: kv[0] == winner)
+            ]
+            samples = _samples(build_families(timed))
+            headline = [v for name, _, v in samples if name == m.HEADLINE]
+            assert headline == [physical[winner] / GIB], winner
+            swa = [
+                v
+                for name, labels, v in samples
+                if name == "sglang:kv_cache_physical_bytes" and labels["family"] == "swa_kv"
+            ]
+            assert swa == [views[winner].snapshot.rollup("family")[("swa_kv",)]["physical_bytes"]]
+            ups = {labels["source"]: v for name, labels, v in samples if name == "kvledger_up"}
+            assert ups == {"a": 1, "b": 1}
 
 
 def test_every_sample_is_declared_with_its_labels_and_no_total_values():

@@ -1,7 +1,7 @@
 """`kvledger` command line: one module per subcommand, imported only when that subcommand runs.
 
 A subcommand module defines `add_arguments(parser)` and `run(args) -> int`; its
-docstring's first paragraph is its `--help` description. Bad input ends with one
+docstring is its `--help` description, so it is written for users. Bad input ends with one
 line on stderr naming the value and what was expected, and exit status 2.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -56,9 +58,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def _description(module: object, fallback: str) -> str:
-    doc = getattr(module, "__doc__", None) or ""
-    first = doc.strip().split("\n\n", 1)[0].strip()
-    return first or fallback
+    """A subcommand module's docstring as its --help text, less the "`kvledger NAME`: " tag."""
+    doc = inspect.cleandoc(getattr(module, "__doc__", None) or "")
+    doc = re.sub(r"^`kvledger [\w ]+`: ", "", doc)
+    return doc[:1].upper() + doc[1:] if doc else fallback
 
 
 def build_parser(command: str | None = None) -> Parser:

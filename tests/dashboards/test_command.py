@@ -3,9 +3,11 @@ configs, rules, the alerts' unit tests) and by Grafana's dashboard schema."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,9 @@ from kvledger.cli import main
 from kvledger.dashboards import files
 
 # grafana-foundation-sdk (dev extra) needs Python >= 3.11.
+grafana_schema: types.ModuleType | None
 try:
-    from tests.dashboards import grafana_schema
+    grafana_schema = importlib.import_module("tests.dashboards.grafana_schema")
 except ImportError:  # pragma: no cover - Python 3.10 or no SDK installed
     grafana_schema = None
 needs_sdk = pytest.mark.skipif(
@@ -99,6 +102,7 @@ def test_promtool_test_rules(out):
 @needs_sdk
 def test_dashboard_matches_grafanas_schema(out):
     data = json.loads((out / "grafana" / "dashboards" / "kvledger-kv-cache.json").read_text())
+    assert grafana_schema is not None
     assert grafana_schema.problems(data) == []
 
 
@@ -119,5 +123,6 @@ def test_the_schema_check_sees_a_bad_field(out, path, bad, expected):
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = bad
+    assert grafana_schema is not None
     found = grafana_schema.problems(data)
     assert any(expected in p for p in found), found

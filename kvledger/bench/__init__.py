@@ -2,9 +2,9 @@
 
 docs/benchmarks.md has the results measured so far, the commands that produced
 them and what they mean. Run `kvledger bench NAME --help` for a benchmark's
-options. (For developers: each
-benchmark is a module `kvledger.bench.NAME` with `add_arguments(parser)` and
-`run(args) -> int`; one missing from the build is listed as "not available".)
+options. (For developers: each benchmark is a module `kvledger.bench.NAME` with
+`add_arguments(parser)` and `run(args) -> int`; one missing from the build is
+listed as "not available".)
 """
 
 from __future__ import annotations

@@ -106,9 +106,9 @@ def test_stale_source_exports_service_metrics_only():
         assert up == [0]
 
 
-def test_two_sources_with_the_same_engine_labels_give_one_engine_series():
-    """Same engine labels (an engine restarted before its old file was cleaned up): one set
-    of engine series, from the source published last, whichever order they are read in."""
+def test_two_live_views_with_the_same_engine_labels_give_the_last_published_one_series():
+    """The collector's own guard (live_by_engine), given two live views with the same engine
+    labels: one set of engine series, from the view published last, in either order."""
     with small_ledger(layers=2) as old, small_ledger(layers=3) as new:  # different headlines
         src = Sources()
         src.add_ledger(old.ledger, source="a")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from importlib import resources
@@ -51,6 +52,7 @@ def alert_table() -> str:
     rows = ["| alert | severity | for | fires when |", "|---|---|---|---|"]
     for a in rules.ALERTS:
         when = " ".join(a.description.split()).replace("|", "\\|")
+        when = re.sub(r"\{\{ \$labels\.(\w+) \}\}", r"`\1`", when)
         rows.append(f"| `{a.name}` | {a.severity} | {a.for_} | {when} |")
     return "\n".join(rows)
 

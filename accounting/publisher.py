@@ -1,9 +1,13 @@
 """Publish ledger snapshots to a directory, one file per source, for an exporter in another process.
 
 Every `interval` seconds a `Publisher` takes `ledger.snapshot()` and writes it,
-wrapped in a heartbeat envelope, to `<directory>/<source>.json`: written whole to a
-temporary file in the same directory, then `os.replace`d over the old one, so a
-reader sees either the previous file or the next, never a torn one.
+wrapped in a heartbeat envelope, to `<directory>/<source>.json`. The directory is
+opened once and checked (`accounting.snapdir`: ours or root's, not writable by
+others, created 0700); each file is written whole to a new file under an
+unpredictable name (O_CREAT | O_EXCL | O_NOFOLLOW) and renamed over the old one,
+all relative to the directory's descriptor, so a reader sees either the previous
+file or the next, never a torn one, and a planted link is never followed.
+`close()` removes the file only if it is still the one this publisher wrote.
 
 Who publishes: while the engine allocates, the allocating thread itself, when a
 publish is due (the ledger's event hook checks a monotonic deadline every 64
@@ -44,15 +48,34 @@ from collections.abc import Mapping
 from typing import Any
 
 from accounting.ledger import Ledger
+from accounting.snapdir import SnapshotDir
 from accounting.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
 ENVELOPE_SCHEMA = 1
 SUFFIX = ".json"
+# Publish intervals a publisher accepts and a reader believes (seconds).
+MIN_INTERVAL_S = 0.01
+MAX_INTERVAL_S = 3600.0
 # Labels that name a source, in this order, when present in the ledger's labels.
 SOURCE_LABELS = ("model_name", "engine_type", "dp_rank", "pp_rank", "tp_rank", "moe_ep_rank")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def check_interval(value: object, what: str) -> float:
+    """`value` as seconds between publishes: a finite number in [MIN_INTERVAL_S,
+    MAX_INTERVAL_S], else ValueError naming `what`."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not MIN_INTERVAL_S <= value <= MAX_INTERVAL_S
+    ):
+        raise ValueError(
+            f"{what}={value!r}, expected a number of seconds in "
+            f"[{MIN_INTERVAL_S:g}, {MAX_INTERVAL_S:g}]"
+        )
+    return float(value)
 
 
 def source_id(labels: Mapping[str, str], pid: int) -> str:
@@ -128,15 +151,11 @@ class Publisher:
         *,
         interval: float = 1.0,
         source: str | None = None,
+        group_writable: bool = False,
+        fsync: bool = False,
     ) -> None:
-        if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
-            raise ValueError(
-                f"Publisher: interval={interval!r}, expected a positive number of seconds"
-            )
+        check_interval(interval, "Publisher: interval")
         self.ledger = ledger
-        self.directory = os.fspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
-        self.interval = float(interval)
         self.pid = os.getpid()
         self.source = source or source_id(ledger.labels, self.pid)
         if _UNSAFE.search(self.source) or self.source.startswith("."):
@@ -144,8 +163,13 @@ class Publisher:
                 f"Publisher: source={self.source!r}, expected letters, digits, '_', '.', '-' "
                 "and no leading '.'"
             )
-        self.path = os.path.join(self.directory, self.source + SUFFIX)
-        self._tmp_path = os.path.join(self.directory, f".{self.source}{SUFFIX}.tmp")
+        self.interval = float(interval)
+        self.fsync = fsync
+        self._dir = SnapshotDir(directory, create=True, group_writable=group_writable)
+        self.directory = self._dir.path
+        self.name = self.source + SUFFIX
+        self.path = os.path.join(self.directory, self.name)
+        self._written: tuple[int, int] | None = None  # (st_dev, st_ino) of our file
         self._host = socket.gethostname()
         self._process_start = process_start_ticks(self.pid)
         self.sequence = 0
@@ -162,7 +186,11 @@ class Publisher:
         # thread by ~20%. The thread below only covers an idle engine: it wakes one interval
         # after a publish was due and found none, so a busy engine's thread rarely wakes.
         self._next_due = time.monotonic()
-        self._publish_safely()  # the first one here, on the caller's thread
+        try:
+            self._publish_safely()  # the first one here, on the caller's thread
+        except BaseException:
+            self._dir.close()
+            raise
         ledger.set_event_hook(self._publish_if_due)
         self._thread = threading.Thread(
             target=self._run, name=f"kvledger-publisher-{self.source}", daemon=True
@@ -208,27 +236,15 @@ class Publisher:
         return snap
 
     def _write(self, data: bytes) -> None:
-        # Few system calls (each releases the GIL): a fixed temp name (one publisher per
-        # path), so no mkstemp retries or fdopen wrapper.
-        tmp = self._tmp_path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:  # the directory was removed under us (a tmp cleaner): recreate
-            os.makedirs(self.directory, exist_ok=True)
-            fd = os.open(tmp, flags, 0o644)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            self._written = self._dir.write_replace(self.name, data, fsync=self.fsync)
+        except FileNotFoundError:
+            # The directory was removed under us (a tmp cleaner): open the path again, under
+            # the same checks (a directory someone else created there is refused).
+            if not self._dir.moved():
+                raise
+            self._dir.reopen()
+            self._written = self._dir.write_replace(self.name, data, fsync=self.fsync)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -256,8 +272,10 @@ class Publisher:
             self._thread.join()
         with self._write_lock:
             self._closed = True
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            if self._written is not None and not self._dir.closed:
+                with contextlib.suppress(OSError):
+                    self._dir.remove_if(self.name, self._written)
+            self._dir.close()
 
     def __enter__(self) -> Publisher:
         return self

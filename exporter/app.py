@@ -9,6 +9,13 @@ registry; nothing is global.
 
 With a `token`, `/debug/*` requires `Authorization: Bearer <token>`; `/metrics`
 and the health endpoints stay open, as Prometheus and probes expect.
+
+Nothing that touches the snapshot directory runs in the event loop: reads go
+through `exporter.serving.SourceReader` (one scan at a time in a worker thread;
+requests that arrive while a scan runs share the next one), so `/healthz` answers
+at once whatever the directory holds. `/metrics` bodies are rendered once per scan
+and format, and gzipped (once) for a client that sends `Accept-Encoding: gzip`;
+`/metrics` and `/healthz` are served by plain ASGI apps (exporter.serving).
 """
 
 from __future__ import annotations
@@ -17,13 +24,16 @@ import hmac
 from collections.abc import Callable
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
+from starlette.routing import Route
 
 from exporter import debug
 from exporter.collector import KvLedgerCollector
+from exporter.serving import HealthEndpoint, MetricsBodies, MetricsEndpoint, SourceReader
 from exporter.sources import Sources
 
 DEBUG_PARAMS = ("family", "rank", "layer")
@@ -45,7 +55,10 @@ class Problem(BaseModel):
 
 
 def _auth_dependency(token: str | None) -> Callable[..., None]:
-    bearer = HTTPBearer(auto_error=False, description="the token given to `kvledger serve --token`")
+    bearer = HTTPBearer(
+        auto_error=False,
+        description="the token of `kvledger serve --token-file FILE` (or $KVLEDGER_TOKEN)",
+    )
 
     def check(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
         if token is None:
@@ -79,6 +92,8 @@ def create_router(
     """The routes. `debug_html`, when given, renders `/debug/kv` for a browser (Accept:
     text/html) from the same `DebugKv` document the JSON carries."""
     collector = KvLedgerCollector(sources)
+    reader = SourceReader(sources)
+    bodies = MetricsBodies(collector)
     router = APIRouter()
     auth = _auth_dependency(token)
 
@@ -88,11 +103,8 @@ def create_router(
         summary="Prometheus exposition built from one snapshot per source",
         responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}},
     )
-    async def metrics(request: Request) -> Response:
-        # Built in the event loop: a scrape is a millisecond or two of work, less than a
-        # hop to the thread pool and back.
-        body, content_type = collector.render(request.headers.get("accept"))
-        return Response(content=body, media_type=content_type)
+    async def metrics(request: Request) -> Response:  # documents the route; served below
+        raise AssertionError("served by exporter.serving.MetricsEndpoint")
 
     @router.get(
         "/debug/kv",
@@ -105,7 +117,7 @@ def create_router(
             401: {"model": Problem},
         },
     )
-    def debug_kv(
+    async def debug_kv(
         request: Request,
         family: Annotated[
             str | None,
@@ -129,8 +141,18 @@ def create_router(
                 unknown[0],
                 f"unknown query parameter {unknown[0]!r}; expected one of {', '.join(DEBUG_PARAMS)}",
             )
+        _, views = await reader.read()
+
+        def build() -> debug.DebugKv:
+            doc = debug.build(views, family=family, rank=rank, layer=layer)
+            doc.files_not_served = [
+                debug.FileProblemModel(name=p.name, reason=p.reason, detail=p.detail)
+                for p in sources.problems()
+            ]
+            return doc
+
         try:
-            doc = debug.build(sources.read(), family=family, rank=rank, layer=layer)
+            doc = await anyio.to_thread.run_sync(build)
         except debug.FilterError as e:
             return _problem(e.param, str(e))
         if debug_html is not None and wants_html(request.headers.get("accept")):
@@ -138,23 +160,31 @@ def create_router(
         return doc
 
     @router.get("/healthz", response_model=Health, summary="The exporter process is serving")
-    def healthz() -> Health:
-        return Health(status="ok")
+    async def healthz() -> Health:  # documents the route; served below
+        raise AssertionError("served by exporter.serving.HealthEndpoint")
+
+    # The two hot routes as plain ASGI apps, matched before the documented ones above: a
+    # scrape or a probe then costs the event loop a lookup and two sends (exporter.serving).
+    router.routes[:0] = [
+        Route("/metrics", MetricsEndpoint(reader, bodies), methods=["GET"]),
+        Route("/healthz", HealthEndpoint(), methods=["GET"]),
+    ]
 
     @router.get(
         "/readyz",
         response_model=Readiness,
-        summary="Ready once at least one source has published",
+        summary="Ready while at least one source is up",
         responses={503: {"model": Readiness}},
     )
-    def readyz() -> Readiness | JSONResponse:
-        views = sources.read()
+    async def readyz() -> Readiness | JSONResponse:
+        _, views = await reader.read()
+        up = sum(v.up for v in views)
         ready = Readiness(
-            status="ready" if views else "waiting for a source to publish",
+            status="ready" if up else "waiting for a live source",
             sources=len(views),
-            up=sum(v.up for v in views),
+            up=up,
         )
-        if views:
+        if up:
             return ready
         return JSONResponse(status_code=503, content=ready.model_dump())
 

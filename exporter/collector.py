@@ -7,16 +7,15 @@ from the same snapshots. The work is O(sources x (families + accounts)); it neve
 touches slot counts or buffer lists.
 
 A stale source exports only its service metrics (`kvledger_up 0`, its age, epoch,
-interval): its figures are no longer true. When two live sources carry the same
-engine labels (an engine restarted before the old file was cleaned up), the one
-published last provides the engine series.
+interval): its figures are no longer true. Two live sources never carry the same
+engine labels here: `exporter.sources` marks both down as a conflict.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from prometheus_client.core import Metric
@@ -195,20 +194,26 @@ class KvLedgerCollector(Collector):
                 _MetricFamilies(),
                 views,
                 unreadable=len(self.sources.unreadable),
+                file_errors=self.sources.error_counts,
                 cache=self._samples,
             )
         return iter(families)
 
-    def render(self, accept: str | None) -> tuple[bytes, str]:
+    def render(
+        self, accept: str | None, views: Sequence[SourceView] | None = None
+    ) -> tuple[bytes, str]:
         """(body, content type) of a scrape: the same series as `collect()` written by
-        `exporter.exposition`, without building prometheus-client objects on the way."""
+        `exporter.exposition`, without building prometheus-client objects on the way.
+        `views`: what `sources.read()` returned, when the caller read it already."""
         openmetrics, ctype = content_type(accept)
-        views = self.sources.read()
+        if views is None:
+            views = self.sources.read()
         with self._lock:
             lines = _build(
                 _SampleLines(self._label_str),
                 views,
                 unreadable=len(self.sources.unreadable),
+                file_errors=self.sources.error_counts,
                 cache=self._lines,
             )
         return write_blocks(lines.blocks(), openmetrics=openmetrics), ctype
@@ -226,7 +231,12 @@ def build_families(
 
 
 def _build(
-    top: _ScrapeT, views: Sequence[SourceView], *, unreadable: int, cache: EngineCache | None
+    top: _ScrapeT,
+    views: Sequence[SourceView],
+    *,
+    unreadable: int,
+    cache: EngineCache | None,
+    file_errors: Mapping[str, int] | None = None,
 ) -> _ScrapeT:
     for v in views:
         service = {**engine_labels(v.labels), "source": v.source}
@@ -249,6 +259,8 @@ def _build(
         for source in set(cache) - {v.source for v in live}:
             del cache[source]
     top.add("kvledger_sources_unreadable", {}, unreadable)
+    for reason, count in sorted((file_errors or {}).items()):
+        top.add("kvledger_snapshot_file_errors_total", {"reason": reason}, count)
     return top
 
 

@@ -153,12 +153,28 @@ class Filters(BaseModel):
     layer: int | None = None
 
 
+class FileProblemModel(BaseModel):
+    """A snapshot file not served (or the directory itself, with an empty name)."""
+
+    name: str = Field(description="file name in the snapshot directory; empty for the directory")
+    reason: str = Field(
+        description="symlink, not_regular, owner, too_large, open, parse, "
+        "nesting, schema, too_many_files, or directory"
+    )
+    detail: str
+
+
 class DebugKv(BaseModel):
     generated_at: float
     filters: Filters
     figures: list[FigureDef] = Field(description="the figures table: what each figure counts")
     ranks: list[RankModel]
     sources: list[SourceModel]
+    files_not_served: list[FileProblemModel] = Field(
+        default_factory=list,
+        description="snapshot files refused, each with why (at most 100 listed; all are "
+        "counted in kvledger_snapshot_file_errors_total)",
+    )
 
 
 class FilterError(ValueError):

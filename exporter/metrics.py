@@ -112,8 +112,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "kvledger_up",
         "gauge",
         "1 while the source's publisher is alive and its heartbeat fresh; 0 once it stopped "
-        "without closing (its pid is gone or its heartbeat is too old), and then its figures "
-        "are no longer exported.",
+        "without closing (its pid is gone or its heartbeat is too old) or while another live "
+        "source carries the same engine labels (a conflict), and then its figures are not "
+        "exported.",
         ("source",),
     ),
     MetricSpec(
@@ -262,8 +263,18 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "kvledger_sources_unreadable",
         "gauge",
-        "Files in the snapshot directory that are not readable kvledger snapshots (skipped).",
+        "Files in the snapshot directory that are not served, now (refused for a reason "
+        "counted in kvledger_snapshot_file_errors_total; /debug/kv lists each with why).",
         (),
+        engine=False,
+    ),
+    MetricSpec(
+        "kvledger_snapshot_file_errors_total",
+        "counter",
+        "Snapshot files refused since the exporter started, per reason (each version of a "
+        "file counted once): symlink, not_regular, owner, too_large, open, parse, nesting, "
+        "schema, too_many_files. /debug/kv names the files.",
+        ("reason",),
         engine=False,
     ),
 )

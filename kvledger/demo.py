@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +60,7 @@ class DemoOptions:
     context_length: int = DEFAULT_CONTEXT_LENGTH
     labels: Mapping[str, str] | None = None
     snapshot_dir: str | None = None
+    snapshot_dir_group_writable: bool = False
     publish_interval: float = 1.0
     workload: WorkloadConfig | None = None
     start_workload: bool = True
@@ -102,7 +102,12 @@ class DemoSource:
             self.accounts[family] = self.ledger.add_account(fspecs, capacity_slots=usable)
         self.publisher: Publisher | None = None
         if o.snapshot_dir is not None:
-            self.publisher = Publisher(self.ledger, o.snapshot_dir, interval=o.publish_interval)
+            self.publisher = Publisher(
+                self.ledger,
+                o.snapshot_dir,
+                interval=o.publish_interval,
+                group_writable=o.snapshot_dir_group_writable,
+            )
             self._stack.callback(self.publisher.close)
         cfg = o.workload or WorkloadConfig(max_running=o.max_running_requests)
         self.workload = Workload(self.pool, self.accounts, cfg)
@@ -201,6 +206,7 @@ class DemoSource:
 
 
 def default_snapshot_dir() -> str:
-    import tempfile
+    """Kept for callers of the old name: `accounting.snapdir.default_snapshot_dir()`."""
+    from accounting.snapdir import default_snapshot_dir as default
 
-    return os.path.join(tempfile.gettempdir(), f"kvledger-{os.getuid()}")
+    return default()

@@ -18,24 +18,18 @@ import gc
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from types import FrameType
 from typing import Any
 
-from accounting.units import format_size, parse_size
+from accounting.units import format_size
+from kvledger.argtypes import number, one_line_errors, size
 from kvledger.cli import UsageError
+from kvledger.token import ENV
 
 log = logging.getLogger("kvledger.serve")
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -47,109 +41,221 @@ def _range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected a token count N or a range MIN:MAX"
         ) from None
-    if not 1 <= a <= b:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 <= MIN <= MAX")
+    if not 1 <= a <= b <= MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 <= MIN <= MAX <= {MAX_TOKENS}")
     return a, b
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a {kind.__name__}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a value > 0")
-        return value
-
-    return parse
+MAX_TOKENS = 1 << 24
+DAY = 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from accounting.publisher import MAX_INTERVAL_S, MIN_INTERVAL_S
+    from accounting.snapdir import default_snapshot_dir
     from kvledger import demo
 
+    one_line_errors(p)
     net = p.add_argument_group("server")
-    net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    net.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     net.add_argument(
-        "--token",
-        default=os.environ.get("KVLEDGER_TOKEN"),
-        help="bearer token required by /debug/* (default: $KVLEDGER_TOKEN; none: open)",
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; one other than loopback needs a token or --insecure-no-token "
+        "(default: %(default)s)",
+    )
+    net.add_argument(
+        "--port",
+        type=number(int, 0, 65535),
+        default=8000,
+        help="port, 0 for any free one (default: %(default)s)",
+    )
+    net.add_argument(
+        "--token-file",
+        metavar="FILE",
+        default=None,
+        help="file holding the bearer token /debug/* requires (yours, mode 0600 or 0640); "
+        f"default: ${ENV} if set, else no token",
+    )
+    net.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: see run()
+    net.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="allow a non-loopback --host without a token (/debug/* open to the network)",
     )
     net.add_argument(
         "--snapshot-dir",
         default=None,
-        help=f"directory engines publish snapshots into (default {demo.default_snapshot_dir()})",
+        help="directory engines publish snapshots into; created 0700, refused when another "
+        f"user owns it or others can write it (default: {default_snapshot_dir()})",
+    )
+    net.add_argument(
+        "--snapshot-dir-group-writable",
+        action="store_true",
+        help="accept a group-writable snapshot directory and its group's files (engines of "
+        "several users in one group); never one writable by others or owned by another user",
     )
     net.add_argument(
         "--stale-after",
-        type=_positive(float),
+        type=number(float, 0, DAY, lo_open=True),
         default=None,
         help="seconds before a silent source is stale (default: 3 publish intervals + 1 s)",
     )
     net.add_argument(
         "--forget-after",
-        type=_positive(float),
+        type=number(float, 0, 30 * DAY, lo_open=True),
         default=3600.0,
-        help="seconds after which a stale source is no longer listed (default 3600)",
+        help="seconds after which a stale source nothing replaced is no longer listed "
+        "(default: %(default)g)",
     )
     net.add_argument(
-        "--log-interval", type=_positive(float), default=10.0, help="seconds between log lines"
+        "--scan-interval",
+        type=number(float, 0, 60),
+        default=0.25,
+        help="seconds between reads of the snapshot directory in the background, so a scrape "
+        "finds new files parsed already; 0: only when a request comes (default: %(default)g)",
+    )
+    net.add_argument(
+        "--log-interval",
+        type=number(float, 0.1, DAY),
+        default=10.0,
+        help="seconds between status log lines (default: %(default)g)",
     )
     src = p.add_argument_group("embedded demo source")
-    src.add_argument("--no-demo", action="store_true", help="serve the snapshot directory only")
-    src.add_argument("--backend", choices=("host", "cuda"), default="host")
-    src.add_argument("--device", type=int, default=0, help="CUDA device (--backend cuda)")
     src.add_argument(
-        "--config", default=None, help="HF config.json (default: DeepSeek-V4-Flash shape)"
+        "--no-demo", action="store_true", help="serve the snapshot directory only, no demo source"
+    )
+    src.add_argument(
+        "--backend",
+        choices=("host", "cuda"),
+        default="host",
+        help="VMM backend of the demo's SWA pool (default: %(default)s)",
+    )
+    src.add_argument(
+        "--device",
+        type=number(int, 0, 1023),
+        default=0,
+        help="CUDA device with --backend cuda (default: %(default)s)",
+    )
+    src.add_argument(
+        "--config",
+        default=None,
+        help="HF config.json of a DeepSeek-V4 model (default: the DeepSeek-V4-Flash shape "
+        "shipped with kvledger)",
     )
     src.add_argument(
         "--budget",
-        type=_size,
+        type=size(1, 1 << 50),
         default=demo.DEFAULT_BUDGET,
-        help=f"KV-cache byte budget to size the pool (default {format_size(demo.DEFAULT_BUDGET)})",
+        help=f"KV-cache byte budget to size the pool (default: {format_size(demo.DEFAULT_BUDGET)})",
     )
-    src.add_argument("--model-name", default="deepseek-v4-flash", help="model_name label")
-    src.add_argument("--tp-rank", type=int, default=0, help="tp_rank label of the demo source")
     src.add_argument(
-        "--max-running-requests", type=_positive(int), default=demo.DEFAULT_MAX_RUNNING
+        "--model-name", default="deepseek-v4-flash", help="model_name label (default: %(default)s)"
     )
-    src.add_argument("--context-length", type=_positive(int), default=demo.DEFAULT_CONTEXT_LENGTH)
+    src.add_argument(
+        "--tp-rank",
+        type=number(int, 0, 1 << 16),
+        default=0,
+        help="tp_rank label of the demo source (default: %(default)s)",
+    )
+    src.add_argument(
+        "--max-running-requests",
+        type=number(int, 1, 1 << 20),
+        default=demo.DEFAULT_MAX_RUNNING,
+        help="request slots the pool is sized for (default: %(default)s)",
+    )
+    src.add_argument(
+        "--context-length",
+        type=number(int, 1, MAX_TOKENS),
+        default=demo.DEFAULT_CONTEXT_LENGTH,
+        help="tokens per request the pool is sized for (default: %(default)s)",
+    )
     src.add_argument(
         "--host-page-size",
-        type=_size,
+        type=size(4096, 1 << 30),
         default=demo.DEFAULT_HOST_GRANULARITY,
-        help="host backend page (granularity) (default 256KiB)",
+        help=f"host backend page (granularity) (default: "
+        f"{format_size(demo.DEFAULT_HOST_GRANULARITY)})",
     )
     src.add_argument(
-        "--interval", type=_positive(float), default=1.0, help="seconds between snapshots"
+        "--interval",
+        type=number(float, MIN_INTERVAL_S, MAX_INTERVAL_S),
+        default=1.0,
+        help="seconds between the demo's snapshots (default: %(default)g)",
     )
     wl = p.add_argument_group("built-in workload")
-    wl.add_argument("--rate", type=_positive(float), default=1.0, help="requests per second")
-    wl.add_argument("--prompt-tokens", type=_range, default=(256, 2048), help="N or MIN:MAX")
-    wl.add_argument("--output-tokens", type=_range, default=(64, 512), help="N or MIN:MAX")
     wl.add_argument(
-        "--step-ms", type=_positive(float), default=20.0, help="milliseconds per decode step"
+        "--rate",
+        type=number(float, 0, 1e6, lo_open=True),
+        default=1.0,
+        help="requests per second (default: %(default)g)",
     )
-    wl.add_argument("--seed", type=int, default=None)
+    wl.add_argument(
+        "--prompt-tokens",
+        type=_range,
+        default=(256, 2048),
+        help="prompt tokens per request, N or MIN:MAX (default: 256:2048)",
+    )
+    wl.add_argument(
+        "--output-tokens",
+        type=_range,
+        default=(64, 512),
+        help="output tokens per request, N or MIN:MAX (default: 64:512)",
+    )
+    wl.add_argument(
+        "--step-ms",
+        type=number(float, 0, 60_000, lo_open=True),
+        default=20.0,
+        help="milliseconds per decode step (default: %(default)g)",
+    )
+    wl.add_argument(
+        "--seed",
+        type=number(int, 0, 2**63 - 1),
+        default=None,
+        help="random seed of the workload (default: a fresh one each run)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from accounting.snapdir import default_snapshot_dir
     from exporter import html
     from exporter.app import create_app
     from exporter.sources import Sources
     from kvledger import demo as demo_mod
+    from kvledger.listen import bind
+    from kvledger.token import ARGV_REFUSED, TokenError, load_token
     from kvledger.workload import WorkloadConfig
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
-    snapshot_dir = args.snapshot_dir or demo_mod.default_snapshot_dir()
-    sock = _bind(args.host, args.port)
-    source: demo_mod.DemoSource | None = None
+    if args.token is not None:
+        raise UsageError(ARGV_REFUSED)
     try:
+        token = load_token(args.token_file)
+    except TokenError as e:
+        raise UsageError(str(e)) from None
+    snapshot_dir = args.snapshot_dir or default_snapshot_dir()
+    group = args.snapshot_dir_group_writable
+    sock = bind(
+        args.host, args.port, token=token is not None, insecure_no_token=args.insecure_no_token
+    )
+    source: demo_mod.DemoSource | None = None
+    sources: Sources | None = None
+    try:
+        try:
+            sources = Sources(
+                snapshot_dir,
+                stale_after=args.stale_after,
+                forget_after=args.forget_after,
+                create=True,
+                group_writable=group,
+            )
+        except (ValueError, OSError) as e:
+            raise UsageError(_one_line(e)) from None
+        if args.scan_interval > 0:
+            sources.start_scanning(args.scan_interval)
         if not args.no_demo:
             try:
                 workload = WorkloadConfig(
@@ -171,16 +277,16 @@ def run(args: argparse.Namespace) -> int:
                         context_length=args.context_length,
                         labels={"model_name": args.model_name, "tp_rank": str(args.tp_rank)},
                         snapshot_dir=snapshot_dir,
+                        snapshot_dir_group_writable=group,
                         publish_interval=args.interval,
                         workload=workload,
                     )
                 )
-            except (ValueError, OSError) as e:
-                raise UsageError(str(e)) from e
-        sources = Sources(
-            snapshot_dir, stale_after=args.stale_after, forget_after=args.forget_after
-        )
-        app = create_app(sources, token=args.token, debug_html=html.page)
+            except (ValueError, OSError, RuntimeError, AssertionError) as e:
+                # Bad input, and driver or OS errors at start (no GPU, no CUDA build, a
+                # driver refusal, out of memory): one line, exit 2.
+                raise UsageError(_one_line(e)) from None
+        app = create_app(sources, token=token, debug_html=html.page)
         server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         )
@@ -209,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if source is not None:
             source.close()
+        if sources is not None:
+            sources.close()
         sock.close()
     if source is not None:
         log.info("stopped: %s", closed_line(source))
@@ -231,26 +339,9 @@ def closed_line(source: Any) -> str:
     )
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--port {port}: expected 0..65535")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise UsageError(f"--host {host!r}: {e.strerror}") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise UsageError(f"--host {host} --port {port}: cannot bind: {e.strerror}") from None
-    # Listening from here on: a client that connects as soon as the URL is printed waits in
-    # the backlog until uvicorn accepts, instead of being refused.
-    sock.listen(socket.SOMAXCONN)
-    sock.set_inheritable(False)
-    return sock
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {text}"
 
 
 def _install_signal_handlers(server: Any, stop: threading.Event) -> None:

@@ -7,7 +7,14 @@
    file unchanged since the last scrape (cache hits) and once with every rank
    republished before each scrape (8 files parsed again). Wall-clock and CPU: this
    process's per scrape, and the exporter process's mean from /proc.
-2. Allocation-path overhead of accounting plus publishing, against the same
+2. Keep-alive against fresh connections, and many clients at once, over the same 8
+   ranks served by `kvledger serve --no-demo`: one client's scrape on a kept-alive
+   connection against one on a new connection each time, interleaved round by round
+   (a keep-alive request must not wait for a delayed ACK); then `--clients` keep-alive
+   clients (`kvledger.bench.loadgen`, a process of its own) scraping back to back for
+   `--concurrent-seconds` while every rank republishes once a second and this
+   process probes `/healthz` every 20 ms: errors, scrape p50/p99, `/healthz` p99.
+3. Allocation-path overhead of accounting plus publishing, against the same
    allocator with no observer and with a second no-observer pool as the noise
    floor, block by block in one run (`kvledger.bench.overhead` says how).
 """
@@ -18,7 +25,10 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,17 +37,60 @@ from accounting.buffers import Owner
 from accounting.dsv4 import Knobs, load_config, plan
 from accounting.events import PoolEvent
 from accounting.ledger import Ledger
-from accounting.publisher import Publisher
+from accounting.publisher import MAX_INTERVAL_S, MIN_INTERVAL_S, Publisher
+from accounting.snapdir import SnapshotDir
+from kvledger.argtypes import number, one_line_errors, size
 from kvledger.bench.overhead import bench_overhead, report
 from kvledger.serve_process import ServeProcess
 
 GIB = 1 << 30
 
 
+PARTS = ("scrape", "concurrent", "overhead")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--budget", default="80GiB", help="per-rank KV budget for the buffer maps")
-    p.add_argument("--scrapes", type=int, default=300, help="scrapes per scrape measurement")
+    one_line_errors(p)
+    p.add_argument(
+        "--ranks", type=number(int, 1, 256), default=8, help="ranks served (default: %(default)s)"
+    )
+    p.add_argument(
+        "--budget",
+        type=size(1 << 20, 1 << 44),
+        default=80 << 30,
+        help="per-rank KV budget for the buffer maps (default: 80GiB)",
+    )
+    p.add_argument(
+        "--scrapes",
+        type=number(int, 1, 1_000_000),
+        default=300,
+        help="scrapes per scrape measurement and keep-alive/fresh rounds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--clients",
+        type=number(int, 1, 1000),
+        default=200,
+        help="keep-alive clients of the concurrent case (default: %(default)s)",
+    )
+    p.add_argument(
+        "--concurrent-seconds",
+        type=number(float, 0, 3600, lo_open=True),
+        default=30.0,
+        help="length of the concurrent case (default: %(default)g)",
+    )
+    p.add_argument(
+        "--client-intervals",
+        type=_intervals,
+        default=(0.0, 1.0),
+        help="seconds between one client's scrapes, one concurrent run each, 0 for back to "
+        "back (default: 0,1)",
+    )
+    p.add_argument(
+        "--parts",
+        type=_parts,
+        default=PARTS,
+        help="which parts to run, comma-separated (default: scrape,concurrent,overhead)",
+    )
     p.add_argument(
         "--batch",
         type=_batches,
@@ -46,23 +99,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seconds",
-        type=float,
+        type=number(float, 0, 3600, lo_open=True),
         default=5.0,
-        help="measured seconds per pool and batch size in the overhead run (default 5)",
+        help="measured seconds per pool and batch size in the overhead run (default: %(default)g)",
     )
     p.add_argument(
         "--block-ms",
-        type=float,
+        type=number(float, 0, 10_000, lo_open=True),
         default=5.0,
-        help="length of one block of decode steps; the pools take turns block by block",
+        help="length of one block of decode steps; the pools take turns block by block "
+        "(default: %(default)g)",
     )
     p.add_argument(
         "--publish-interval",
-        type=float,
+        type=number(float, MIN_INTERVAL_S, MAX_INTERVAL_S),
         default=1.0,
-        help="publisher interval during the overhead run (default 1 s, the Publisher default)",
+        help="publisher interval during the overhead run (default: %(default)g s, the "
+        "Publisher default)",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
+
+
+def _intervals(text: str) -> tuple[float, ...]:
+    parse = number(float, 0, 3600)
+    try:
+        return tuple(parse(x) for x in text.split(","))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    out = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in out if x not in PARTS]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected some of {','.join(PARTS)}")
+    return out
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -120,11 +191,37 @@ def _snapshot_versions(pub: Publisher, ledger: Ledger) -> tuple[bytes, bytes]:
 
 
 def _replace(path: str, data: bytes) -> None:
-    """Write `data` to `path` the way a publisher does: a temporary file, then a rename."""
-    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Write `data` to `path` the way a publisher does (accounting.snapdir)."""
+    with SnapshotDir(os.path.dirname(path), create=False) as d:
+        d.write_replace(os.path.basename(path), data)
+
+
+def _rank_files(
+    stack: contextlib.ExitStack, ranks: int, budget: int
+) -> tuple[str, int, Callable[[], None]]:
+    """(directory, buffers, republish) for `ranks` published ranks, closed by `stack`.
+
+    "Republished" = every rank's file replaced by a different snapshot. The bench writes
+    snapshots encoded beforehand (as a publisher would: a new file, renamed into place), so
+    that building them (~2 ms a rank) does not load the machine between scrapes; what
+    publishing costs the engine is the overhead part's business."""
+    directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-"))
+    ledgers = [rank_ledger(r, budget) for r in range(ranks)]
+    pubs = [
+        stack.enter_context(Publisher(led, directory, interval=3600, source=f"rank{r}"))
+        for r, led in enumerate(ledgers)
+    ]
+    buffers = sum(len(led.snapshot().buffers) for led in ledgers)
+    versions = [_snapshot_versions(pub, led) for pub, led in zip(pubs, ledgers, strict=True)]
+    turn = [0]
+
+    def republish() -> None:
+        turn[0] ^= 1
+        for pub, v in zip(pubs, versions, strict=True):
+            _replace(pub.path, v[turn[0]])
+
+    republish()
+    return directory, buffers, republish
 
 
 def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
@@ -134,25 +231,7 @@ def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
     from exporter.sources import Sources
 
     with contextlib.ExitStack() as stack:
-        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-"))
-        ledgers = [rank_ledger(r, budget) for r in range(ranks)]
-        pubs = [
-            stack.enter_context(Publisher(led, directory, interval=3600, source=f"rank{r}"))
-            for r, led in enumerate(ledgers)
-        ]
-        buffers = sum(len(led.snapshot().buffers) for led in ledgers)
-        # "Republished" = every rank's file replaced by a different snapshot before a scrape.
-        # The bench writes snapshots encoded beforehand (as a publisher would: temporary file,
-        # rename), so that building them (~2 ms a rank) does not load the machine between
-        # scrapes; what publishing costs the engine is the overhead part's business.
-        versions = [_snapshot_versions(pub, led) for pub, led in zip(pubs, ledgers, strict=True)]
-        turn = [0]
-
-        def republish() -> None:
-            turn[0] ^= 1
-            for pub, v in zip(pubs, versions, strict=True):
-                _replace(pub.path, v[turn[0]])
-
+        directory, buffers, republish = _rank_files(stack, ranks, budget)
         republish()
         sources = Sources(directory)
         renderer = KvLedgerCollector(sources)  # what GET /metrics calls
@@ -189,9 +268,21 @@ def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
         results["in_process_republished"] = timed(lambda: renderer.render(accept), republish)
         results["files_parsed_per_republished_scrape"] = (sources.parses - parses) / scrapes
 
+        # No background scanning: every republished file is parsed by the scrape itself (the
+        # worst case; the concurrent part runs `serve` as deployed).
         server = stack.enter_context(
             ServeProcess(
-                ["--no-demo", "--port", "0", "--snapshot-dir", directory, "--log-interval", "3600"]
+                [
+                    "--no-demo",
+                    "--port",
+                    "0",
+                    "--snapshot-dir",
+                    directory,
+                    "--log-interval",
+                    "3600",
+                    "--scan-interval",
+                    "0",
+                ]
             )
         )
         host, port = server.url.split("//", 1)[1].rsplit(":", 1)
@@ -216,43 +307,248 @@ def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
     return results
 
 
-def run(args: argparse.Namespace) -> int:
-    from accounting.units import parse_size
+# -- 2. keep-alive and many clients ----------------------------------------------------------
+def _stats(ms: list[float]) -> dict[str, float]:
+    if not ms:
+        return {"n": 0}
+    return {
+        "n": len(ms),
+        "min_ms": min(ms),
+        "p50_ms": _pct(ms, 50),
+        "p99_ms": _pct(ms, 99),
+        "max_ms": max(ms),
+    }
 
-    budget = parse_size(args.budget)
-    scrape = bench_scrape(args.ranks, budget, args.scrapes)
-    print(
-        f"scrape: {scrape['ranks']} ranks, {scrape['buffers']} buffers, {scrape['series']} series, "
-        f"{scrape['exposition_bytes']} bytes per scrape"
+
+def _many_clients(
+    server: ServeProcess,
+    host: str,
+    port: int,
+    republish: Callable[[], None],
+    get: Callable[[Any, str], float],
+    clients: int,
+    seconds: float,
+    interval: float,
+) -> dict[str, Any]:
+    """`clients` keep-alive clients (back to back, or one scrape each per `interval`) in a
+    process of their own; ranks republish once a second (publishers at the default
+    interval); /healthz probed from here every 20 ms."""
+    import http.client
+
+    stop = threading.Event()
+
+    def republishing() -> None:
+        while not stop.wait(1.0):
+            republish()
+
+    rep = threading.Thread(target=republishing, daemon=True)
+    rep.start()
+    load = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvledger.bench.loadgen",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--clients",
+            str(clients),
+            "--seconds",
+            str(seconds),
+            "--interval",
+            str(interval),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
-    for key in ("in_process_cached", "in_process_republished", "http_cached", "http_republished"):
-        r = scrape[key]
-        extra = (
-            f"  server cpu mean {r['server_cpu_mean_ms']:.3f} ms"
-            if "server_cpu_mean_ms" in r
-            else ""
+    health_ms: list[float] = []
+    health_errors = 0
+    probe = http.client.HTTPConnection(host, port, timeout=30)
+    c0 = server.cpu_seconds()
+    started = time.monotonic()
+    try:
+        time.sleep(min(1.0, seconds / 10))  # let the clients connect
+        while load.poll() is None and time.monotonic() - started < seconds:
+            try:
+                health_ms.append(get(probe, "/healthz"))
+            except (OSError, RuntimeError, http.client.HTTPException):
+                health_errors += 1
+                probe.close()
+                probe = http.client.HTTPConnection(host, port, timeout=30)
+            time.sleep(0.02)
+        out, _ = load.communicate(timeout=seconds + 120)
+    finally:
+        stop.set()
+        rep.join()
+        if load.poll() is None:
+            load.kill()
+            load.wait()
+        probe.close()
+    loaded = json.loads(out)
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "interval": interval,
+        "requests": loaded["requests"],
+        "errors": loaded["errors"],
+        "scrapes_per_second": loaded["requests"] / seconds,
+        "scrape": _stats(loaded["latencies_ms"]),
+        "healthz": _stats(health_ms),
+        "healthz_errors": health_errors,
+        "server_cpu_seconds": server.cpu_seconds() - c0,
+    }
+
+
+def bench_concurrent(
+    ranks: int, budget: int, rounds: int, clients: int, seconds: float, intervals: tuple[float, ...]
+) -> dict[str, Any]:
+    import http.client
+
+    from kvledger.bench.loadgen import ACCEPT
+
+    headers = {"Accept": ACCEPT, "Accept-Encoding": "gzip"}
+    with contextlib.ExitStack() as stack:
+        directory, _, republish = _rank_files(stack, ranks, budget)
+        server = stack.enter_context(
+            ServeProcess(
+                ["--no-demo", "--port", "0", "--snapshot-dir", directory, "--log-interval", "3600"]
+            )
         )
+        host, port_text = server.url.split("//", 1)[1].rsplit(":", 1)
+        port = int(port_text)
+
+        def get(conn: http.client.HTTPConnection, path: str) -> float:
+            t0 = time.perf_counter()
+            conn.request("GET", path, headers=headers)
+            r = conn.getresponse()
+            r.read()
+            if r.status != 200:
+                raise RuntimeError(f"GET {path}: HTTP {r.status}")
+            return (time.perf_counter() - t0) * 1000
+
+        # One client: a kept-alive connection against a new one per scrape, interleaved, the
+        # order swapped every round. The fresh time includes the TCP handshake.
+        kept = http.client.HTTPConnection(host, port, timeout=30)
+        for _ in range(20):
+            get(kept, "/metrics")
+        keep_ms: list[float] = []
+        fresh_ms: list[float] = []
+        for i in range(rounds):
+            for which in ("keep", "fresh") if i % 2 == 0 else ("fresh", "keep"):
+                if which == "keep":
+                    keep_ms.append(get(kept, "/metrics"))
+                else:
+                    conn = http.client.HTTPConnection(host, port, timeout=30)
+                    fresh_ms.append(get(conn, "/metrics"))
+                    conn.close()
+        results: dict[str, Any] = {
+            "one_client_keep_alive": _stats(keep_ms),
+            "one_client_fresh_connection": _stats(fresh_ms),
+        }
+
+        for interval in intervals:
+            results.setdefault("concurrent", []).append(
+                _many_clients(server, host, port, republish, get, clients, seconds, interval)
+            )
+        kept.close()
+    return results
+
+
+def _line(name: str, st: dict[str, float]) -> str:
+    if not st.get("n"):
+        return f"  {name:28s} (no samples)"
+    return (
+        f"  {name:28s} p50 {st['p50_ms']:8.3f} ms  p99 {st['p99_ms']:8.3f} ms  "
+        f"min {st['min_ms']:8.3f}  max {st['max_ms']:8.3f}  (n={st['n']})"
+    )
+
+
+def report_concurrent(c: dict[str, Any]) -> list[str]:
+    keep, fresh = c["one_client_keep_alive"], c["one_client_fresh_connection"]
+    diff = keep["p50_ms"] - fresh["p50_ms"]
+    lines = [
+        "one client, GET /metrics, interleaved round by round:",
+        _line("keep-alive connection", keep),
+        _line("new connection each time", fresh),
+        f"  keep-alive p50 - fresh p50 = {diff:+.3f} ms; target <= +1 ms: "
+        f"{'met' if diff <= 1 else 'NOT met'}",
+    ]
+    for many in c["concurrent"]:
+        errors = sum(many["errors"].values()) + many["healthz_errors"]
+        pace = (
+            "back to back"
+            if many["interval"] == 0
+            else f"one scrape each per {many['interval']:g} s"
+        )
+        lines += [
+            f"{many['clients']} keep-alive clients, {pace}, for {many['seconds']:g} s, every "
+            f"rank republished each second: {many['requests']} scrapes "
+            f"({many['scrapes_per_second']:.0f}/s), server cpu {many['server_cpu_seconds']:.1f} s",
+            _line("scrape", many["scrape"]),
+            _line("/healthz (every 20 ms)", many["healthz"]),
+            f"  errors {errors} {many['errors'] or ''}; target 0: "
+            f"{'met' if errors == 0 else 'NOT met'}; /healthz p99 target <= 50 ms: "
+            f"{'met' if many['healthz'].get('p99_ms', 1e9) <= 50 else 'NOT met'}",
+        ]
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    out: dict[str, Any] = {"pid": os.getpid()}
+    if "scrape" in args.parts:
+        scrape = out["scrape"] = bench_scrape(args.ranks, args.budget, args.scrapes)
         print(
-            f"  {key:24s} wall p50 {r['p50_ms']:7.3f} ms p99 {r['p99_ms']:7.3f} ms   "
-            f"cpu p50 {r['cpu_p50_ms']:7.3f} ms p99 {r['cpu_p99_ms']:7.3f} ms{extra}  (n={r['n']})"
+            f"scrape: {scrape['ranks']} ranks, {scrape['buffers']} buffers, "
+            f"{scrape['series']} series, {scrape['exposition_bytes']} bytes per scrape"
         )
-    worst = scrape["http_republished"]
-    print(
-        f"  target p99 <= 5 ms, GET over loopback with every rank republished: wall "
-        f"{'met' if worst['p99_ms'] <= 5 else 'NOT met'}; in-process cpu p99 "
-        f"{scrape['in_process_republished']['cpu_p99_ms']:.3f} ms"
-    )
-    overheads = []
-    for batch in args.batch:
-        over = bench_overhead(
-            batch=batch,
-            seconds=args.seconds,
-            publish_interval=args.publish_interval,
-            block_ms=args.block_ms,
+        for key in (
+            "in_process_cached",
+            "in_process_republished",
+            "http_cached",
+            "http_republished",
+        ):
+            r = scrape[key]
+            extra = (
+                f"  server cpu mean {r['server_cpu_mean_ms']:.3f} ms"
+                if "server_cpu_mean_ms" in r
+                else ""
+            )
+            print(
+                f"  {key:24s} wall p50 {r['p50_ms']:7.3f} ms p99 {r['p99_ms']:7.3f} ms   "
+                f"cpu p50 {r['cpu_p50_ms']:7.3f} ms p99 {r['cpu_p99_ms']:7.3f} ms{extra}  "
+                f"(n={r['n']})"
+            )
+        worst = scrape["http_republished"]
+        print(
+            f"  target p99 <= 5 ms, GET over loopback with every rank republished: wall "
+            f"{'met' if worst['p99_ms'] <= 5 else 'NOT met'}; in-process cpu p99 "
+            f"{scrape['in_process_republished']['cpu_p99_ms']:.3f} ms"
         )
-        overheads.append(over)
-        for line in report(over):
+    if "concurrent" in args.parts:
+        out["concurrent"] = bench_concurrent(
+            args.ranks,
+            args.budget,
+            args.scrapes,
+            args.clients,
+            args.concurrent_seconds,
+            args.client_intervals,
+        )
+        for line in report_concurrent(out["concurrent"]):
             print(line)
+    if "overhead" in args.parts:
+        out["overhead"] = []
+        for batch in args.batch:
+            over = bench_overhead(
+                batch=batch,
+                seconds=args.seconds,
+                publish_interval=args.publish_interval,
+                block_ms=args.block_ms,
+            )
+            out["overhead"].append(over)
+            for line in report(over):
+                print(line)
     if args.json:
-        print(json.dumps({"scrape": scrape, "overhead": overheads, "pid": os.getpid()}, indent=2))
+        print(json.dumps(out, indent=2))
     return 0

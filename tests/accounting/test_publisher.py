@@ -4,6 +4,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -119,7 +120,9 @@ def test_publisher_thread_survives_a_failing_snapshot(tmp_path):
         assert pub._thread.is_alive()
 
 
-@pytest.mark.parametrize("interval", [0, -1, "1", True])
+@pytest.mark.parametrize(
+    "interval", [0, -1, "1", True, float("nan"), float("inf"), -float("inf"), 0.001, 7200]
+)
 def test_bad_interval_is_refused_naming_it(tmp_path, interval):
     with pytest.raises(ValueError, match="interval"):
         Publisher(Ledger(), tmp_path, interval=interval)
@@ -200,3 +203,50 @@ def test_a_busy_engine_publishes_from_its_allocating_thread_and_an_idle_one_from
         assert pub.sequence > seq
         assert any(name.startswith("kvledger-publisher") for name in who[len(busy) :])
     assert ledger._event_hook is None  # close() removed its hook
+
+
+def test_links_planted_at_every_name_are_never_followed(tmp_path):
+    """A link at the file's name is replaced; links at temporary-looking names are ignored
+    (temporaries are created O_EXCL under unpredictable names); the targets keep their bytes."""
+    canary = tmp_path / "canary"
+    canary.write_bytes(b"secret")
+    os.chmod(canary, 0o600)
+    before = os.stat(canary)
+    d = tmp_path / "snap"
+    d.mkdir(mode=0o700)
+    ledger = Ledger({"tp_rank": "0"})
+    name = f"tp0-pid{os.getpid()}"
+    for planted in (f"{name}.json", f".{name}.json.tmp", f".{name}.json.0000000000000000.tmp"):
+        os.symlink(canary, d / planted)
+    with Publisher(ledger, d, interval=1000) as pub:
+        for _ in range(3):
+            pub.publish()
+        assert not os.path.islink(pub.path)
+        assert parse(Path(pub.path).read_bytes())[0]["source"] == name
+    assert canary.read_bytes() == b"secret"
+    assert os.stat(canary).st_mtime_ns == before.st_mtime_ns
+
+
+def test_close_removes_only_the_file_it_wrote(tmp_path):
+    with Publisher(Ledger({"tp_rank": "0"}), tmp_path, interval=1000) as pub:
+        other = tmp_path / "other"
+        other.write_bytes(b"someone else's")
+        os.replace(other, pub.path)  # replaced under the publisher
+    assert Path(pub.path).read_bytes() == b"someone else's"
+
+
+def test_a_directory_writable_by_others_is_refused(tmp_path):
+    from accounting.snapdir import SnapshotDirError
+
+    d = tmp_path / "snap"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    with pytest.raises(SnapshotDirError, match="writable by others"):
+        Publisher(Ledger(), d)
+    assert os.listdir(d) == []
+
+
+def test_fsync_option_publishes_the_same_bytes(tmp_path):
+    with small_ledger() as sl, Publisher(sl.ledger, tmp_path / "a", interval=1000, fsync=True) as a:
+        envelope, _ = parse(Path(a.path).read_bytes())
+        assert envelope["snapshot"]["epoch"] == sl.ledger.epoch

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -206,3 +208,96 @@ def test_debug_html_hook_serves_browsers_the_same_document(small):
     # without the hook a browser gets the JSON
     r = TestClient(create_app(src)).get("/debug/kv", headers={"accept": browser})
     assert r.headers["content-type"].startswith("application/json")
+
+
+def test_gzip_when_asked_once_per_scan_and_identical_once_unzipped(small):
+    import gzip
+
+    src = Sources()
+    src.add_ledger(small.ledger)
+    client = TestClient(create_app(src))
+    # httpx asks for gzip by default and unzips: ask explicitly and read the raw bytes.
+    plain = client.get("/metrics", headers={"accept-encoding": "identity"})
+    assert "content-encoding" not in plain.headers
+    assert plain.headers["vary"] == "Accept-Encoding"
+    with client.stream("GET", "/metrics", headers={"accept-encoding": "gzip"}) as r:
+        raw = b"".join(r.iter_raw())
+    assert r.headers["content-encoding"] == "gzip"
+    assert len(raw) < len(plain.content) / 3
+    unzipped = gzip.decompress(raw).decode()
+    # the same series (the age gauge moves between two scans)
+    drop_age = lambda t: [ln for ln in t.splitlines() if "age_seconds" not in ln]  # noqa: E731
+    assert drop_age(unzipped) == drop_age(plain.text)
+    with client.stream("GET", "/metrics", headers={"accept-encoding": "gzip;q=0, br"}) as r:
+        assert "content-encoding" not in r.headers
+
+
+@pytest.mark.parametrize(
+    "header, expected",
+    [
+        (None, False),
+        ("gzip", True),
+        ("br, GZIP;q=0.5", True),
+        ("gzip;q=0", False),
+        ("gzip;q=nope", False),
+        ("x-gzip", True),
+        ("deflate, identity", False),
+    ],
+)
+def test_accepts_gzip(header, expected):
+    from exporter.serving import accepts_gzip
+
+    assert accepts_gzip(header) is expected
+
+
+def test_ready_only_while_a_source_is_up_and_refused_files_are_listed(tmp_path, small):
+    import json
+
+    from accounting.publisher import parse
+
+    src = Sources(tmp_path, stale_after=60, clock=lambda: 2e9)  # every heartbeat is old
+    client = TestClient(create_app(src))
+    with Publisher(small.ledger, tmp_path, interval=1000) as pub:
+        envelope, _ = parse(Path(pub.path).read_bytes())
+        r = client.get("/readyz")
+        assert r.status_code == 503 and r.json() == {
+            "status": "waiting for a live source",
+            "sources": 1,
+            "up": 0,
+        }
+    (tmp_path / "bad.json").write_bytes(json.dumps({**envelope, "interval": "x"}).encode())
+    body = client.get("/debug/kv").json()
+    assert body["files_not_served"] == [
+        {"name": "bad.json", "reason": "parse", "detail": body["files_not_served"][0]["detail"]}
+    ]
+    metrics = client.get("/metrics").text
+    assert 'kvledger_snapshot_file_errors_total{reason="parse"} 1\n' in metrics
+    assert "kvledger_sources_unreadable 1\n" in metrics
+
+
+def test_healthz_answers_while_a_scan_is_stuck(small):
+    """A scan that takes long (a huge or slow directory) does not hold /healthz up."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class SlowSources(Sources):
+        def read(self):
+            release.wait(10)
+            return super().read()
+
+    src = SlowSources()
+    src.add_ledger(small.ledger)
+    app = create_app(src)
+    with TestClient(app) as client:
+        done: list[int] = []
+        scrape = threading.Thread(target=lambda: done.append(client.get("/metrics").status_code))
+        scrape.start()
+        t0 = time.monotonic()
+        assert client.get("/healthz").status_code == 200
+        assert time.monotonic() - t0 < 1.0
+        assert not done  # the scrape is still waiting for its scan
+        release.set()
+        scrape.join(10)
+        assert done == [200]

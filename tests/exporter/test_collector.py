@@ -106,9 +106,22 @@ def test_stale_source_exports_service_metrics_only():
         assert up == [0]
 
 
+def test_two_live_sources_with_the_same_engine_labels_export_no_engine_series():
+    """A conflict (exporter.sources): neither source's figures are believed, both are down."""
+    with small_ledger(layers=2) as a, small_ledger(layers=3) as b:  # two engines, same labels
+        src = Sources()
+        src.add_ledger(a.ledger, source="a")
+        src.add_ledger(b.ledger, source="b")
+        samples = _samples(build_families(src.read()))
+        assert [s for s in samples if s[0] == m.HEADLINE] == []
+        up = {s[1]["source"]: s[2] for s in samples if s[0] == "kvledger_up"}
+        assert up == {"a": 0, "b": 0}
+
+
 def test_two_live_views_with_the_same_engine_labels_give_the_last_published_one_series():
-    """The collector's own guard (live_by_engine), given two live views with the same engine
-    labels: one set of engine series, from the view published last, in either order."""
+    """The collector's own guard (live_by_engine), given two views marked live with the same
+    engine labels (exporter.sources marks such a pair down as a conflict before it gets
+    here): one set of engine series, from the view published last, in either order."""
     with small_ledger(layers=2) as old, small_ledger(layers=3) as new:  # different headlines
         src = Sources()
         src.add_ledger(old.ledger, source="a")
@@ -120,7 +133,7 @@ def test_two_live_views_with_the_same_engine_labels_give_the_last_published_one_
             at = {winner: 2000.0, loser: 1000.0}
             timed = [
                 dataclasses.replace(
-                    v, published=dataclasses.replace(v.published, published_at=at[s])
+                    v, up=True, published=dataclasses.replace(v.published, published_at=at[s])
                 )
                 for s, v in sorted(views.items(), key=lambda kv: kv[0] == winner)
             ]

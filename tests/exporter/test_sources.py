@@ -4,11 +4,25 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
+from accounting.ledger import Ledger
 from accounting.publisher import Publisher, parse
+from accounting.snapdir import SnapshotDirError
 from exporter.sources import Sources
+from tests.hostile import nobody_uid
 from tests.ledgers import small_ledger
+
+
+def _plant(directory: Path, name: str, envelope: dict, rows: bytes, **changes) -> Path:
+    """A file like a publisher's, named `name`.json, its envelope changed by `changes`."""
+    d = {**envelope, "source": name, **changes}
+    path = directory / f"{name}.json"
+    path.write_bytes(json.dumps(d).encode() + b"\n" + rows)
+    return path
 
 
 def test_reads_published_files_and_caches_by_file_identity(tmp_path):
@@ -74,44 +88,175 @@ def test_stale_sources_are_forgotten_after_the_bound(tmp_path):
         assert os.path.exists(pub.path)  # forgotten, not deleted
 
 
-def test_dead_pid_marks_stale_at_once(tmp_path):
+def test_dead_pid_is_listed_down_until_a_restart_takes_its_place(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
-        pub.publish()
-        d, rows = parse(Path(pub.path).read_bytes())
-        d["pid"] = child.pid
-        d["source"] = "dead"
-        (tmp_path / "dead.json").write_bytes(json.dumps(d).encode() + b"\n" + rows)
-        views = {v.source: v for v in Sources(tmp_path).read()}
-        assert views[pub.source].up
-        assert not views["dead"].up
-        assert f"pid {child.pid}" in views["dead"].stale_reason
+    with small_ledger({"model_name": "m", "tp_rank": "0"}) as sl:
+        with Publisher(sl.ledger, tmp_path, interval=1000) as pub:
+            envelope, rows = parse(Path(pub.path).read_bytes())
+        # A crashed rank: its file stays, its pid is gone; nothing has replaced it yet.
+        dead = _plant(tmp_path, "dead", envelope, rows, pid=child.pid)
+        src = Sources(tmp_path)
+        [v] = src.read()
+        assert not v.up and f"pid {child.pid} has exited" in v.stale_reason
+        assert dead.exists()
+        # The restart publishes with the same engine labels: the dead one goes, file and all.
+        with Publisher(sl.ledger, tmp_path, interval=1000) as pub:
+            [v] = src.read()
+            assert v.source == pub.source and v.up
+            assert not dead.exists() and src.removed == 1
 
 
 def test_reused_pid_marks_stale(tmp_path):
     with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
-        pub.publish()
-        d, rows = parse(Path(pub.path).read_bytes())
-        d["process_start"] -= 1  # same pid, another process
-        d["source"] = "reused"
-        (tmp_path / "reused.json").write_bytes(json.dumps(d).encode() + b"\n" + rows)
+        envelope, rows = parse(Path(pub.path).read_bytes())
+        _plant(tmp_path, "reused", envelope, rows, process_start=envelope["process_start"] - 1)
+        os.unlink(pub.path)  # alone, so no live source takes its place
+        [v] = Sources(tmp_path).read()
+        assert v.source == "reused" and "another process" in v.stale_reason
+
+
+def test_two_live_sources_with_the_same_engine_labels_are_both_a_conflict(tmp_path):
+    """A second file that imitates an engine cannot replace its series: neither is believed."""
+    labels = {"model_name": "m", "tp_rank": "0"}
+    with small_ledger(labels) as sl, Publisher(sl.ledger, tmp_path, source="real") as real:
+        envelope, rows = parse(Path(real.path).read_bytes())
+        _plant(tmp_path, "imitation", envelope, rows)
         views = {v.source: v for v in Sources(tmp_path).read()}
-        assert "another process" in views["reused"].stale_reason
+        assert set(views) == {"real", "imitation"}
+        assert not views["real"].up and not views["imitation"].up
+        assert "conflict: imitation" in views["real"].stale_reason
+        assert "conflict: real" in views["imitation"].stale_reason
+        os.unlink(tmp_path / "imitation.json")
+        [v] = Sources(tmp_path).read()
+        assert v.source == "real" and v.up
 
 
-def test_foreign_and_temporary_files_are_skipped(tmp_path):
+def test_files_that_are_not_snapshots_are_refused_once_per_version(tmp_path):
     (tmp_path / "junk.json").write_text("{not json")
-    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}) + "\n[]")
     (tmp_path / ".x.tmp").write_text("partial")
     (tmp_path / "notes.txt").write_text("hi")
     src = Sources(tmp_path)
     assert src.read() == []
-    assert set(src.unreadable) == {str(tmp_path / "junk.json"), str(tmp_path / "other.json")}
+    assert {p.name: p.reason for p in src.problems()} == {
+        "junk.json": "parse",
+        "other.json": "schema",
+    }
+    parses = src.parses
+    for _ in range(3):
+        src.read()
+    assert src.parses == parses  # refused files are not read again while unchanged
+    assert src.error_counts["parse"] == 1 and src.error_counts["schema"] == 1
     os.unlink(tmp_path / "junk.json")
     src.read()
     assert set(src.unreadable) == {str(tmp_path / "other.json")}
+    (tmp_path / "other.json").write_text("[1]\n[]")  # a new version is read again
+    src.read()
+    assert src.error_counts["schema"] == 2
 
 
-def test_missing_directory_reads_empty(tmp_path):
-    assert Sources(tmp_path / "nope").read() == []
+def test_links_fifos_devices_and_big_files_are_refused_without_reading(tmp_path):
+    canary = tmp_path / "canary.bin"
+    canary.write_bytes(b"x")
+    d = tmp_path / "snap"
+    d.mkdir(mode=0o700)
+    os.symlink("/dev/zero", d / "zero.json")
+    os.symlink(canary, d / "link.json")
+    os.mkfifo(d / "fifo.json")
+    (d / "dir.json").mkdir()
+    with open(d / "big.json", "wb") as f:
+        f.truncate(64 << 20)  # sparse: nothing is read, the size alone refuses it
+    expected = {
+        "zero.json": "symlink",
+        "link.json": "symlink",
+        "fifo.json": "not_regular",
+        "dir.json": "not_regular",
+        "big.json": "too_large",
+    }
+    if os.geteuid() == 0:
+        os.mknod(d / "null.json", 0o600 | 0o020000, os.makedev(1, 3))  # /dev/null's numbers
+        expected["null.json"] = "not_regular"
+    src = Sources(d)
+    assert src.read() == []
+    assert {p.name: p.reason for p in src.problems()} == expected
+    assert canary.read_bytes() == b"x"
+
+
+@pytest.mark.skipif(nobody_uid() is None, reason="needs root and a 'nobody' user")
+def test_a_file_owned_by_another_user_is_refused(tmp_path):
+    with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
+        envelope, rows = parse(Path(pub.path).read_bytes())
+    planted = _plant(tmp_path, "planted", envelope, rows)
+    os.chown(planted, nobody_uid(), -1)
+    src = Sources(tmp_path)
+    assert src.read() == []
+    [p] = src.problems()
+    assert p.reason == "owner" and f"uid {nobody_uid()}" in p.detail
+
+
+def test_caps_on_files_and_parses_per_scan(tmp_path):
+    for i in range(30):
+        (tmp_path / f"junk{i:02d}.json").write_text("nope")
+    src = Sources(tmp_path)
+    src.files.max_files, src.files.max_parses = 20, 8
+    src.read()
+    assert src.parses == 8 and src.files.skipped == 10
+    src.read()
+    src.read()
+    assert src.parses == 20  # the rest of the first 20, 8 per scan
+    [first, *_] = src.problems()
+    assert first.reason == "too_many_files" and "10 files" in first.detail
+    assert src.error_counts["too_many_files"] == 1
+
+
+def test_missing_directory_reads_empty_until_it_exists(tmp_path):
+    src = Sources(tmp_path / "nope")
+    assert src.read() == []
+    assert "does not exist" in src.problems()[0].detail
+    with Publisher(Ledger({"tp_rank": "0"}), tmp_path / "nope", interval=1000):
+        [v] = src.read()
+        assert v.up
+    assert src.problems() == []
+
+
+def test_an_existing_bad_directory_is_refused_at_once(tmp_path):
+    os.chmod(tmp_path, 0o777)
+    with pytest.raises(SnapshotDirError, match="writable by others"):
+        Sources(tmp_path)
+
+
+def test_a_directory_replaced_later_serves_nothing_and_says_why(tmp_path):
+    d = tmp_path / "snap"
+    with Publisher(Ledger({"tp_rank": "0"}), d, interval=1000) as pub:
+        src = Sources(d)
+        assert len(src.read()) == 1
+        os.rename(d, tmp_path / "old")
+        d.mkdir()
+        os.chmod(d, 0o777)
+        assert src.read() == []
+        assert "writable by others" in src.problems()[0].detail
+        pub.close()
+    src.close()
+    src.close()
+
+
+def test_background_scanning_parses_files_before_anyone_reads(tmp_path):
+    with Publisher(Ledger({"tp_rank": "0"}), tmp_path, interval=1000) as pub:
+        src = Sources(tmp_path)
+        src.start_scanning(0.02)
+        with pytest.raises(RuntimeError, match="already"):
+            src.start_scanning(0.02)
+        deadline = time.monotonic() + 5
+        while src.parses == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert src.parses == 1
+        pub.publish()
+        while src.parses == 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert src.parses == 2
+        [v] = src.read()
+        assert src.parses == 2 and v.published.sequence == pub.sequence  # parsed already
+        src.close()
+        assert src._scanner is None
+        src.close()  # idempotent

@@ -26,17 +26,31 @@ def test_bench_scrape_runs_and_reports_both_measurements(capsys):
             "1",
             "--publish-interval",
             "0.05",
+            "--clients",
+            "3",
+            "--concurrent-seconds",
+            "1",
+            "--client-intervals",
+            "0,0.2",
             "--json",
         ]
     )
     assert rc == 0
     out = capsys.readouterr().out
     assert "scrape: 2 ranks" in out and "overhead" in out
+    assert "3 keep-alive clients, back to back" in out
+    assert "3 keep-alive clients, one scrape each per 0.2 s" in out
     data = json.loads(out[out.index("{") :])
     assert data["scrape"]["ranks"] == 2
     for key in ("in_process_cached", "in_process_republished", "http_cached", "http_republished"):
         assert data["scrape"][key]["n"] == 5
     assert data["scrape"]["files_parsed_per_republished_scrape"] == 2
+    conc = data["concurrent"]
+    assert conc["one_client_keep_alive"]["n"] == conc["one_client_fresh_connection"]["n"] == 5
+    assert [c["interval"] for c in conc["concurrent"]] == [0.0, 0.2]
+    for c in conc["concurrent"]:
+        assert c["errors"] == {} and c["healthz_errors"] == 0
+        assert c["requests"] >= 3 and c["healthz"]["n"] >= 1
     [over] = data["overhead"]
     assert over["batch"] == 16 and over["snapshots_published"] >= 1
     assert over["blocks_per_pool"] >= 1 and over["steps_per_block"] >= 1
@@ -65,3 +79,22 @@ def test_overhead_refuses_bad_arguments_naming_them():
         bench_overhead(batch=0, seconds=0.01, publish_interval=1.0)
     with pytest.raises(ValueError, match="seconds=0"):
         bench_overhead(batch=1, seconds=0, publish_interval=1.0)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--seconds", "nan"], "--seconds: 'nan'"),
+        (["--concurrent-seconds", "inf"], "--concurrent-seconds: 'inf'"),
+        (["--ranks", "0"], "--ranks: '0'"),
+        (["--publish-interval", "0"], "--publish-interval: '0'"),
+        (["--client-intervals", "1,nan"], "--client-intervals"),
+        (["--parts", "bogus"], "--parts"),
+    ],
+)
+def test_bench_scrape_refuses_bad_numbers_with_one_line(capsys, args, needle):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "scrape", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -185,11 +186,27 @@ def test_busy_port_exits_2_naming_it(tmp_path):
         (["--budget", "lots"], "lots"),
         (["--budget", "1MiB"], "budget_bytes=1048576"),
         (["--prompt-tokens", "9:3"], "9:3"),
-        (["--port", "70000"], "--port 70000"),
+        (["--port", "70000"], "--port: '70000'"),
         (["--config", "/nonexistent/config.json"], "/nonexistent/config.json"),
+        (["--interval", "nan"], "--interval: 'nan'"),
+        (["--interval", "inf"], "--interval: 'inf'"),
+        (["--interval", "0"], "--interval: '0'"),
+        (["--stale-after=-inf"], "--stale-after: '-inf'"),
+        (["--forget-after", "NaN"], "--forget-after: 'NaN'"),
+        (["--log-interval", "1e400"], "--log-interval: '1e400'"),
+        (["--rate", "0"], "--rate: '0'"),
+        (["--step-ms", "nan"], "--step-ms: 'nan'"),
+        (["--tp-rank", "-1"], "--tp-rank: '-1'"),
+        (["--max-running-requests", "0"], "--max-running-requests: '0'"),
+        (["--host-page-size", "1"], "--host-page-size: '1'"),
+        (["--backend", "cuda", "--device", "99999"], "--device: '99999'"),
+        (["--token", "s3cret"], "--token-file FILE"),
+        (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token"),
+        (["--host", "0.0.0.0"], "--insecure-no-token"),
+        (["--host", "no.such.host.invalid"], "no.such.host.invalid"),
     ],
 )
-def test_bad_options_exit_2_naming_the_value(tmp_path, args, needle):
+def test_bad_options_exit_2_with_one_line_naming_the_value(tmp_path, args, needle):
     proc = _serve("--port", "0", "--snapshot-dir", str(tmp_path), *args)
     try:
         _, err = proc.communicate(timeout=30)
@@ -197,4 +214,105 @@ def test_bad_options_exit_2_naming_the_value(tmp_path, args, needle):
         stop(proc)
     assert proc.returncode == 2, err
     assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "s3cret" not in err
     assert list(tmp_path.glob("*.json")) == []
+
+
+def test_the_token_comes_from_a_private_file_or_the_environment(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    os.chmod(token, 0o644)
+    proc = _serve("--port", "0", "--snapshot-dir", str(tmp_path / "s"), "--token-file", str(token))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "chmod 600" in err, err
+    os.chmod(token, 0o600)
+    for args, env in (
+        (["--token-file", str(token)], {}),
+        ([], {"KVLEDGER_TOKEN": "s3cret"}),
+    ):
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvledger",
+                "serve",
+                "--no-demo",
+                "--port",
+                "0",
+                "--host",
+                "0.0.0.0",
+                "--snapshot-dir",
+                str(tmp_path / "s"),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={**repo_env(), **env},
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            port = proc.stdout.readline().split()[2].split(":")[2].split("/")[0]
+            base = f"http://127.0.0.1:{port}"
+            assert httpx.get(f"{base}/debug/kv").status_code == 401
+            ok = httpx.get(f"{base}/debug/kv", headers={"authorization": "Bearer s3cret"})
+            assert ok.status_code == 200
+            with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+                assert b"s3cret" not in f.read()
+        finally:
+            stop(proc)
+
+
+def test_a_non_loopback_bind_without_token_needs_the_explicit_flag(tmp_path):
+    proc = _serve(
+        "--no-demo",
+        "--port",
+        "0",
+        "--host",
+        "0.0.0.0",
+        "--insecure-no-token",
+        "--snapshot-dir",
+        str(tmp_path),
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("kvledger serve: http://0.0.0.0:")
+    finally:
+        stop(proc)
+
+
+def test_keep_alive_requests_do_not_wait_for_delayed_acks(tmp_path):
+    """Accepted sockets have TCP_NODELAY: the second and later requests on one connection
+    answer in milliseconds, not the ~40 ms of a delayed ACK."""
+    import http.client
+
+    proc = _serve("--no-demo", "--port", "0", "--snapshot-dir", str(tmp_path))
+    try:
+        assert proc.stdout is not None
+        host_port = proc.stdout.readline().split()[2].split("//")[1].split("/")[0]
+        conn = http.client.HTTPConnection(host_port, timeout=10)
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            conn.request("GET", "/metrics")
+            r = conn.getresponse()
+            r.read()
+            times.append(time.perf_counter() - t0)
+            assert r.status == 200
+        conn.close()
+        later = sorted(times[5:])
+        assert later[len(later) // 2] < 0.02, times
+    finally:
+        stop(proc)
+
+
+def test_a_snapshot_dir_others_can_write_is_refused_at_start(tmp_path):
+    d = tmp_path / "snap"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    proc = _serve("--port", "0", "--snapshot-dir", str(d))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2, err
+    assert "writable by others" in err and len(err.strip().splitlines()) == 1, err
+    assert os.listdir(d) == []

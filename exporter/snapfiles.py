@@ -1,0 +1,283 @@
+"""Reading the snapshot directory: which files are read, how, and what a refused one costs.
+
+`SnapshotFiles.scan()` lists the directory through its descriptor
+(`accounting.snapdir.SnapshotDir`) and returns the files that are served. A
+file is read only if it is named `<source>.json` (no leading dot), is a regular
+file (lstat before opening, fstat after), is owned by this process's user or
+root (in group mode: any member of the directory's group), is at most
+`max_bytes` long, and passes `exporter.validate`. It is opened with O_NOFOLLOW
+and O_NONBLOCK, so a link planted in its place fails and a FIFO cannot hang the
+read; devices are refused by the lstat before any open.
+
+Every refusal is kept per file (`problems`: name -> reason and a one-line detail,
+shown in /debug/kv) and counted per reason (`error_counts`, a small fixed set of
+reasons: `exporter.validate.REASONS`). A file is identified by (st_dev, st_ino,
+st_size, st_mtime_ns); one that was parsed, or refused, is not read again until
+that identity changes. A scan looks at most `max_files` names and parses at most
+`max_parses` changed files (the others wait for the next scan), so its cost is
+bounded whatever the directory holds; past `max_files`, files already served are
+kept first, so a flood of new files cannot push a live source out.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from accounting.publisher import SUFFIX
+from accounting.snapdir import SnapshotDir, SnapshotDirError, trusted_owners
+from accounting.snapshot import Snapshot
+from exporter.validate import REASONS, Refused, load
+
+log = logging.getLogger(__name__)
+
+MAX_FILE_BYTES = 8 << 20  # a DeepSeek-V4 rank's file is ~0.2 MiB
+MAX_FILES = 1024  # snapshot files looked at per scan; more are one "too_many_files" problem
+MAX_PARSES = 64  # changed files parsed per scan
+MAX_PROBLEMS_SHOWN = 100  # problems listed in /debug/kv (all are counted)
+
+Ident = tuple[int, int, int, int]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    name: str
+    reason: str  # one of exporter.validate.REASONS
+    detail: str
+
+
+_KIND = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+
+
+class SnapshotFiles(Generic[T]):
+    """The served files of one snapshot directory. `make(envelope, snapshot, name)` turns
+    a file that passed every check into what is cached and returned (once per identity).
+
+    The directory is opened on the first scan that finds it (or at once with `create`);
+    an existing directory that breaks the rules raises SnapshotDirError here, and later
+    (the path replaced by another directory) becomes `directory_problem`, with no files
+    served until it is right again.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        make: Callable[[dict[str, Any], Snapshot, str], T],
+        *,
+        create: bool = False,
+        group_writable: bool = False,
+        max_files: int = MAX_FILES,
+        max_parses: int = MAX_PARSES,
+        max_bytes: int = MAX_FILE_BYTES,
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self._make = make
+        self._create = create
+        self.group_writable = group_writable
+        self.max_files = max_files
+        self.max_parses = max_parses
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._dir: SnapshotDir | None = None
+        self._cache: dict[str, tuple[Ident, T | None]] = {}
+        self.problems: dict[str, FileProblem] = {}
+        self.error_counts: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self.directory_problem: str | None = None
+        self.skipped = 0  # snapshot files past max_files at the last scan
+        self.parses = 0  # files parsed so far
+        self._open_dir(raise_errors=True)
+
+    def _open_dir(self, *, raise_errors: bool) -> bool:
+        try:
+            self._dir = SnapshotDir(
+                self.path, create=self._create, group_writable=self.group_writable
+            )
+        except FileNotFoundError:
+            self.directory_problem = f"snapshot directory {self.path} does not exist (yet)"
+            return False
+        except (SnapshotDirError, OSError) as e:
+            if raise_errors and isinstance(e, SnapshotDirError):
+                raise
+            why = str(e) if isinstance(e, SnapshotDirError) else f"{self.path}: {e.strerror}"
+            if why != self.directory_problem:
+                log.warning("%s; serving no file sources until it is fixed", why)
+            self.directory_problem = why
+            return False
+        self.directory_problem = None
+        return True
+
+    # -- scanning ----------------------------------------------------------------------------
+    def scan(self, now: float) -> list[tuple[str, Ident, T]]:
+        """(name, identity, made value) of every file served now, in name order."""
+        with self._lock:
+            if self._dir is not None and self._dir.moved():
+                self._dir.close()
+                self._dir = None
+            if self._dir is None and not self._open_dir(raise_errors=False):
+                self._cache.clear()
+                self.problems.clear()
+                return []
+            assert self._dir is not None
+            return self._scan(self._dir, now)
+
+    def _scan(self, d: SnapshotDir, now: float) -> list[tuple[str, Ident, T]]:
+        names = [
+            e.name for e in d.names() if not e.name.startswith(".") and e.name.endswith(SUFFIX)
+        ]  # dot files are temporaries of a write in progress; other names are not ours
+        # Files already served first (for the cap on files and on parses), so a flood of
+        # new files can neither push a live source out nor delay its next version.
+        names.sort(key=lambda n: (not self._served(n), n))
+        skipped = max(0, len(names) - self.max_files)
+        names = names[: self.max_files]
+        out: list[tuple[str, Ident, T]] = []
+        parses = 0
+        for name in names:
+            try:
+                st = d.lstat(name)
+            except FileNotFoundError:
+                continue  # removed since the listing (a publisher closing)
+            ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = self._cache.get(name)
+            if cached is None or cached[0] != ident:
+                if parses >= self.max_parses:
+                    if cached is not None and cached[1] is not None:
+                        out.append((name, cached[0], cached[1]))  # the older version, for now
+                    continue
+                parses += 1
+                cached = (ident, self._load(d, name, st, now))
+                self._cache[name] = cached
+            if cached[1] is not None:
+                out.append((name, ident, cached[1]))
+        seen = set(names)
+        for name in set(self._cache) - seen:
+            del self._cache[name]
+        for name in set(self.problems) - seen:
+            del self.problems[name]
+        if skipped and not self.skipped:
+            log.warning(
+                "snapshot directory %s: %d files past the first %d not read",
+                self.path,
+                skipped,
+                self.max_files,
+            )
+            self.error_counts["too_many_files"] += 1
+        self.skipped = skipped
+        out.sort(key=lambda x: x[0])
+        return out
+
+    def _served(self, name: str) -> bool:
+        cached = self._cache.get(name)
+        return cached is not None and cached[1] is not None
+
+    def _load(self, d: SnapshotDir, name: str, st: os.stat_result, now: float) -> T | None:
+        try:
+            data = self._read(d, name, st)
+            self.parses += 1
+            envelope, snap = load(data, name, now)
+        except Refused as e:
+            self._refuse(name, e)
+            return None
+        self.problems.pop(name, None)
+        return self._make(envelope, snap, os.path.join(self.path, name))
+
+    def _check(self, name: str, st: os.stat_result) -> None:
+        if stat.S_ISLNK(st.st_mode):
+            raise Refused("symlink", "a symbolic link; only regular files are read")
+        if not stat.S_ISREG(st.st_mode):
+            kind = _KIND.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise Refused("not_regular", f"{kind}; only regular files are read")
+        if st.st_uid not in trusted_owners() and not (
+            self.group_writable and self._dir is not None and st.st_gid == self._dir_gid()
+        ):
+            raise Refused(
+                "owner",
+                f"owned by uid {st.st_uid}; expected uid {os.geteuid()} (this user) or root"
+                + (" or the directory's group" if self.group_writable else ""),
+            )
+        if st.st_size > self.max_bytes:
+            raise Refused("too_large", f"{st.st_size} bytes, over the cap of {self.max_bytes}")
+
+    def _dir_gid(self) -> int:
+        assert self._dir is not None
+        return os.fstat(self._dir.fd).st_gid
+
+    def _read(self, d: SnapshotDir, name: str, lst: os.stat_result) -> bytes:
+        self._check(name, lst)  # before any open: a device is never opened
+        try:
+            fd = d.open_regular(name)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise Refused("symlink", "a symbolic link; only regular files are read") from None
+            raise Refused("open", f"cannot open: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            self._check(name, st)  # what was opened, in case the name was swapped meanwhile
+            chunks, left = [], self.max_bytes + 1
+            while left > 0:
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+        except OSError as e:
+            raise Refused("open", f"cannot read: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        if len(data) > self.max_bytes:
+            raise Refused("too_large", f"over the cap of {self.max_bytes} bytes")
+        return data
+
+    def _refuse(self, name: str, e: Refused) -> None:
+        old = self.problems.get(name)
+        if old is None or (old.reason, old.detail) != (e.reason, e.detail):
+            log.warning("snapshot file %s/%s not served: %s", self.path, name, e)
+        self.error_counts[e.reason] += 1
+        self.problems[name] = FileProblem(name, e.reason, e.detail)
+
+    # -- removal and lifetime ----------------------------------------------------------------
+    def remove(self, name: str, ident: Ident) -> bool:
+        """Remove `name` if it is still the file `ident` names (a dead source superseded by
+        a restart); the cached entry goes with it."""
+        with self._lock:
+            if self._dir is None:
+                return False
+            try:
+                removed = self._dir.remove_if(name, ident[:2])
+            except OSError as e:
+                log.warning("cannot remove %s/%s: %s", self.path, name, e.strerror)
+                return False
+            if removed:
+                self._cache.pop(name, None)
+            return removed
+
+    def shown_problems(self) -> list[FileProblem]:
+        """Up to MAX_PROBLEMS_SHOWN problems, the directory's own first."""
+        with self._lock:
+            out = sorted(self.problems.values(), key=lambda p: p.name)[:MAX_PROBLEMS_SHOWN]
+        if self.skipped:
+            detail = f"{self.skipped} files past the first {self.max_files} were not read"
+            out.insert(0, FileProblem("", "too_many_files", detail))
+        if self.directory_problem is not None:
+            out.insert(0, FileProblem("", "directory", self.directory_problem))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._dir is not None:
+                self._dir.close()
+                self._dir = None
+            self._cache.clear()

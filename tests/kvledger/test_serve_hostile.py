@@ -1,0 +1,359 @@
+"""`kvledger serve` against a hostile host: planted links, FIFOs, devices, huge, deep, wrong
+and forged files, a flood of files, and a directory another user created first.
+
+One live `kvledger serve` (real uvicorn, its embedded demo publishing) over a private
+snapshot directory, with a second good source published from this process. For each
+attack: nothing outside the directory is written (a canary's bytes and mtime), no
+forged series is exported, both good sources keep publishing and exporting, `/healthz`
+answers fast, and the refused file is named with its reason in /debug/kv and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from accounting.ledger import Ledger
+from accounting.publisher import Publisher, parse
+from exporter import metrics as m
+from kvledger.serve_process import ServeProcess
+from tests.hostile import as_nobody, nobody_uid, shared_tmp
+from tests.servers import repo_env, stop, wait_until
+
+pytestmark = pytest.mark.slow
+GOOD = "good-model"
+DEMO = "deepseek-v4-flash"
+
+
+@dataclass
+class Rig:
+    base: str
+    directory: Path
+    canary: Path
+    canary_stat: os.stat_result
+    publisher: Publisher
+    demo_name: str
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(f"{self.base}{path}", timeout=5, **kw)
+
+    def headlines(self) -> dict[str, float]:
+        """model_name -> headline GiB of every engine series exported."""
+        out = {}
+        for fam in text_string_to_metric_families(self.get("/metrics").text):
+            for s in fam.samples:
+                if s.name == m.HEADLINE:
+                    out[s.labels["model_name"]] = s.value
+        return out
+
+    def sequences(self) -> dict[str, int]:
+        return {s["labels"]["model_name"]: s["sequence"] for s in self.debug()["sources"]}
+
+    def debug(self) -> dict:
+        return self.get("/debug/kv").json()
+
+    def refused(self) -> dict[str, str]:
+        return {p["name"]: p["reason"] for p in self.debug()["files_not_served"]}
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory) -> Iterator[Rig]:
+    root = tmp_path_factory.mktemp("hostile")
+    directory = root / "snap"
+    canary = root / "canary"
+    canary.write_bytes(b"the service user's own file\n")
+    os.chmod(canary, 0o600)
+    server = ServeProcess(
+        [
+            "--port",
+            "0",
+            "--snapshot-dir",
+            str(directory),
+            "--interval",
+            "0.2",
+            "--rate",
+            "20",
+            "--log-interval",
+            "3600",
+        ]
+    )
+    demo_name = f"{DEMO}-tp0-pid{server.proc.pid}.json"
+    ledger = Ledger({"model_name": GOOD, "tp_rank": "0"})
+    publisher = Publisher(ledger, directory, interval=0.2)
+    try:
+        r = Rig(server.url, directory, canary, os.stat(canary), publisher, demo_name)
+        wait_until(lambda: set(r.headlines()) == {GOOD, DEMO}, 20, "both good sources exported")
+        yield r
+    finally:
+        publisher.close()
+        assert server.close() == 0
+
+
+def _plant(rig: Rig, name: str, data: bytes) -> Path:
+    path = rig.directory / name
+    path.write_bytes(data)
+    return path
+
+
+def _demo_file(rig: Rig) -> tuple[dict, bytes]:
+    return parse((rig.directory / rig.demo_name).read_bytes())
+
+
+def _forged(rig: Rig, name: str, **changes) -> bytes:
+    """The demo's own file with `changes`, named for `name` (as a forger would copy it)."""
+    envelope, rows = _demo_file(rig)
+    envelope = {**envelope, "source": name.removesuffix(".json"), **changes}
+    return json.dumps(envelope).encode() + b"\n" + rows
+
+
+def _with_snapshot(rig: Rig, name: str, **snap_changes) -> bytes:
+    envelope, rows = _demo_file(rig)
+    snap = {**envelope["snapshot"], **snap_changes}
+    envelope = {**envelope, "source": name.removesuffix(".json"), "snapshot": snap}
+    return json.dumps(envelope).encode() + b"\n" + rows
+
+
+def _nan_rows(rig: Rig, name: str) -> bytes:
+    envelope, rows = _demo_file(rig)
+    buffers = json.loads(rows)
+    buffers[0]["physical_bytes"] = float("nan")
+    buffers[1]["mapped_bytes"] = -(80 << 30)
+    envelope = {**envelope, "source": name.removesuffix(".json")}
+    return json.dumps(envelope).encode() + b"\n" + json.dumps(buffers).encode()
+
+
+def _symlinks(rig: Rig) -> dict[str, str]:
+    """Links to the canary at every name a publisher writes: its file and the temporary
+    names (the fixed one of old and a random-looking one), for both good sources."""
+    for final in (rig.demo_name, f"{GOOD}-tp0-pid{os.getpid()}.json"):
+        for name in (f".{final}.tmp", f".{final}.0123456789abcdef.tmp"):
+            os.symlink(rig.canary, rig.directory / name)
+        # At the file's own name: refused while there, replaced (not followed) by the next
+        # publish.
+        tmp = rig.directory / f"planted-{final}"
+        os.symlink(rig.canary, tmp)
+        os.replace(tmp, rig.directory / final)
+    os.symlink(rig.canary, rig.directory / "canary.json")
+    os.symlink("/dev/zero", rig.directory / "zero.json")
+    return {"canary.json": "symlink", "zero.json": "symlink"}
+
+
+def _device(rig: Rig) -> dict[str, str]:
+    os.mkfifo(rig.directory / "fifo.json")
+    out = {"fifo.json": "not_regular"}
+    if os.geteuid() == 0:
+        os.mknod(rig.directory / "char.json", 0o600 | 0o020000, os.makedev(1, 5))  # /dev/zero
+        out["char.json"] = "not_regular"
+    return out
+
+
+ATTACKS: dict[str, Callable[[Rig], dict[str, str]]] = {
+    "symlinks": _symlinks,
+    "fifo_and_devices": _device,
+    "oversized": lambda r: (
+        os.truncate(_plant(r, "big.json", b""), 1 << 30) or {"big.json": "too_large"}
+    ),
+    "deep_nesting": lambda r: (
+        _plant(r, "deep.json", b"[" * 200_000 + b"]" * 200_000 + b"\n[]")
+        and {"deep.json": "nesting"}
+    ),
+    "wrong_types": lambda r: (
+        _plant(r, "types.json", _forged(r, "types.json", interval="1", pid="1"))
+        and {"types.json": "schema"}
+    ),
+    "nan_and_negative_figures": lambda r: (
+        _plant(r, "nan.json", _nan_rows(r, "nan.json")) and {"nan.json": "schema"}
+    ),
+    "future_heartbeat": lambda r: (
+        _plant(r, "future.json", _forged(r, "future.json", published_at=time.time() + 86400))
+        and {"future.json": "schema"}
+    ),
+    "not_json": lambda r: _plant(r, "junk.json", b"\xff\x00garbage\n") and {"junk.json": "parse"},
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_a_planted_file_is_refused_and_the_good_sources_keep_flowing(rig, attack):
+    before = rig.sequences()
+    counts_before = _error_counts(rig)
+    planted = set(os.listdir(rig.directory))
+    expected = ATTACKS[attack](rig)
+    try:
+        t0 = time.monotonic()
+        assert rig.get("/healthz").status_code == 200
+        assert time.monotonic() - t0 < 1.0
+        wait_until(lambda: expected.items() <= rig.refused().items(), 10, f"{attack} refused")
+        wait_until(
+            lambda: all(rig.sequences().get(k, -1) > v for k, v in before.items()),
+            10,
+            "both good sources published again",
+        )
+        heads = rig.headlines()
+        assert set(heads) == {GOOD, DEMO}
+        assert heads[DEMO] < 1.0  # the demo's 512 MiB budget, never a forged figure
+        counts = _error_counts(rig)
+        for reason in set(expected.values()):
+            n = sum(1 for v in expected.values() if v == reason)
+            assert counts.get(reason, 0) - counts_before.get(reason, 0) >= n, (reason, counts)
+        _canary_untouched(rig)
+    finally:
+        for name in set(os.listdir(rig.directory)) - planted:
+            os.unlink(rig.directory / name)
+
+
+def test_a_forged_file_cannot_replace_the_engine_series(rig):
+    """Owned by another user: refused. Owned by a trusted user but imitating the demo's
+    engine labels: a conflict, neither is exported, and the 80 GiB figure never is."""
+    forged = _plant(rig, "forged.json", _forged(rig, "forged.json"))
+    envelope, rows = _demo_file(rig)
+    buffers = json.loads(rows)
+    for b in buffers:
+        b["physical_bytes"] = b["mapped_bytes"] = 80 << 30
+    forged.write_bytes(
+        json.dumps({**envelope, "source": "forged"}).encode() + b"\n" + json.dumps(buffers).encode()
+    )
+    try:
+        if nobody_uid() is not None:
+            os.chown(forged, nobody_uid(), -1)
+            wait_until(lambda: rig.refused().get("forged.json") == "owner", 10, "owner refused")
+            assert set(rig.headlines()) == {GOOD, DEMO}
+            assert rig.headlines()[DEMO] < 1.0
+            os.chown(forged, 0, -1)
+            os.utime(forged)  # a new version: read again
+        views = lambda: {s["source"]: s for s in rig.debug()["sources"]}  # noqa: E731
+        wait_until(lambda: "forged" in views(), 10, "the forged file is read")
+        both = views()
+        assert not both["forged"]["up"] and "conflict" in both["forged"]["stale_reason"]
+        demo = both[rig.demo_name.removesuffix(".json")]
+        assert not demo["up"] and "conflict" in demo["stale_reason"]
+        heads = rig.headlines()
+        assert DEMO not in heads and all(v < 1.0 for v in heads.values())
+        _canary_untouched(rig)
+    finally:
+        forged.unlink()
+    wait_until(lambda: set(rig.headlines()) == {GOOD, DEMO}, 10, "the demo is served again")
+
+
+def test_thousands_of_files_do_not_slow_health_or_push_out_live_sources(rig):
+    names = [f"flood{i:05d}.json" for i in range(3000)]
+    for name in names:
+        (rig.directory / name).write_bytes(b"{}\n[]")
+    try:
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert rig.get("/healthz").status_code == 200
+            assert time.monotonic() - t0 < 1.0
+            t0 = time.monotonic()
+            heads = rig.headlines()
+            assert time.monotonic() - t0 < 3.0
+            assert set(heads) == {GOOD, DEMO}
+        problems = rig.debug()["files_not_served"]
+        assert problems[0]["reason"] == "too_many_files"
+        assert len(problems) <= 101  # bounded, whatever the directory holds
+        text = rig.get("/metrics").text
+        assert text.count("kvledger_snapshot_file_errors_total{") == 9  # one series per reason
+        _canary_untouched(rig)
+    finally:
+        for name in names:
+            os.unlink(rig.directory / name)
+
+
+def _error_counts(rig: Rig) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(rig.get("/metrics").text):
+        for s in fam.samples:
+            if s.name == "kvledger_snapshot_file_errors_total":
+                out[s.labels["reason"]] = s.value
+    return out
+
+
+def _canary_untouched(rig: Rig) -> None:
+    st = os.stat(rig.canary)
+    assert rig.canary.read_bytes() == b"the service user's own file\n"
+    assert (st.st_mtime_ns, st.st_size, st.st_ino) == (
+        rig.canary_stat.st_mtime_ns,
+        rig.canary_stat.st_size,
+        rig.canary_stat.st_ino,
+    )
+
+
+@pytest.mark.skipif(nobody_uid() is None, reason="needs root and a 'nobody' user")
+@pytest.mark.parametrize("explicit", [True, False])
+def test_a_directory_another_user_created_first_is_refused_at_start(explicit):
+    """The predictable default (`<tmp>/kvledger-<uid>`) or an explicit --snapshot-dir,
+    created first by another user with a link to a file of ours planted in it."""
+    with shared_tmp() as tmp:
+        d = tmp / f"kvledger-{os.geteuid()}"
+        victim = tmp / "victim"
+        victim.write_bytes(b"keep")
+        as_nobody(
+            f"import os; os.mkdir({str(d)!r}, 0o777); os.chmod({str(d)!r}, 0o777); "
+            f"os.symlink({str(victim)!r}, {str(d / 'x.json')!r})"
+        )
+        args = ["--snapshot-dir", str(d)] if explicit else []
+        env = {k: v for k, v in repo_env().items() if k != "XDG_RUNTIME_DIR"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvledger", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**env, "TMPDIR": str(tmp)},
+            text=True,
+        )
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            stop(proc)
+        assert proc.returncode == 2, err
+        assert f"owned by uid {nobody_uid()}" in err and len(err.strip().splitlines()) == 1
+        assert sorted(os.listdir(d)) == ["x.json"]
+        assert victim.read_bytes() == b"keep"
+
+
+def test_a_crashed_engine_is_down_until_its_restart_replaces_it(rig):
+    """kill -9 leaves the file behind: the source is listed down (its alert fires) until a
+    restart with the same engine labels publishes; then the dead one leaves /metrics and
+    its file is removed at the next scan, not an hour later."""
+
+    def engine() -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.exporter.publisher_proc", str(rig.directory), "5", "0.2"],
+            stdout=subprocess.PIPE,
+            env=repo_env(),
+            text=True,
+        )
+        assert proc.stdout is not None
+        return proc, proc.stdout.readline().split()[1]
+
+    def up() -> dict[str, bool]:
+        return {s["source"]: s["up"] for s in rig.debug()["sources"]}
+
+    first, name = engine()
+    try:
+        wait_until(lambda: up().get(name) is True, 20, "the engine is up")
+        first.kill()
+        first.wait()
+        wait_until(lambda: up().get(name) is False, 10, "the crashed engine is down")
+        assert (rig.directory / f"{name}.json").exists()
+        second, name2 = engine()
+        try:
+            wait_until(lambda: up().get(name2) is True, 20, "the restart is up")
+            t0 = time.monotonic()
+            wait_until(lambda: name not in up(), 5, "the dead source is gone")
+            assert time.monotonic() - t0 < 5
+            assert not (rig.directory / f"{name}.json").exists()
+            assert "mp-test" in rig.headlines()
+        finally:
+            stop(second)
+    finally:
+        stop(first)
+    wait_until(lambda: name2 not in up(), 10, "a clean stop removes its own file")

@@ -9,8 +9,18 @@ torch). Recognised shapes of pool object, by the attributes they carry:
   `kv_score_buffer.kv_score` is the tensor). `c4_kv_pool`, `c128_kv_pool` and
   `c4_indexer_kv_pool` alias the same sub-pools and are not walked again.
 - SWAKVPool: `full_kv_pool` and `swa_kv_pool`, with `layers_mapping`.
+- HybridLinearKVPool (linear-attention / Mamba state beside full attention):
+  `full_kv_pool` (walked as its own kind, layers mapped back through
+  `full_attention_layer_id_mapping`) and `mamba_pool.mamba_cache`, whose `conv`
+  tensors (family `mamba_conv`) and `temporal` tensor (family `mamba_temporal`) stack
+  every state layer along dim 0 and the request slots along dim 1.
 - MHATokenToKVPool: per-layer `k_buffer` / `v_buffer` lists (families `k`, `v`).
-- Any other KVCache with a per-layer `kv_buffer` list (family `kv`).
+- Any other KVCache with a per-layer `kv_buffer` list (family `kv`; MLA pools).
+
+A pool of none of these shapes is refused (`ValueError`), or, with
+`allow_unknown=True`, reported as such: kind `unknown`, every tensor storage
+reachable from it under family `unknown`, never classified into a family it may
+not have.
 
 Every tensor storage is counted once, keyed by its device and data pointer,
 however many attributes or views reach it. Storages reachable from the pool
@@ -32,6 +42,8 @@ from accounting.ledger import Account, Ledger
 # Families of the DeepSeek-V4 pool (docs/background.md#deepseek-v4-geometry, defined in accounting.dsv4), then the generic ones.
 DSV4_FAMILIES = FAMILIES
 GENERIC_FAMILIES = ("k", "v", "kv", "swa_k", "swa_v", "swa_kv", "other")
+STATE_FAMILIES = ("mamba_conv", "mamba_temporal")
+UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,7 @@ class Found:
 @dataclass(frozen=True)
 class Inventory:
     pool: str
-    kind: str  # "dsv4", "swa", "mha", "kv"
+    kind: str  # "dsv4", "hybrid_linear", "swa", "mha", "kv", or "unknown" (allow_unknown)
     specs: tuple[BufferSpec, ...]
     accounts: tuple[Account, ...] = ()
 
@@ -70,6 +82,8 @@ class Inventory:
 def pool_kind(pool: Any) -> str:
     if all(hasattr(pool, a) for a in ("swa_kv_pool", "kv_pools", "compress_state_pools")):
         return "dsv4"
+    if hasattr(pool, "full_kv_pool") and hasattr(getattr(pool, "mamba_pool", None), "mamba_cache"):
+        return "hybrid_linear"
     if hasattr(pool, "full_kv_pool") and hasattr(pool, "swa_kv_pool"):
         return "swa"
     if isinstance(getattr(pool, "k_buffer", None), (list, tuple)):
@@ -78,20 +92,36 @@ def pool_kind(pool: Any) -> str:
         return "kv"
     raise ValueError(
         f"pool of type {type(pool).__name__}: expected an SGLang KV pool "
-        "(DeepSeekV4TokenToKVPool, SWAKVPool, MHATokenToKVPool or a KVCache with kv_buffer)"
+        "(DeepSeekV4TokenToKVPool, HybridLinearKVPool, SWAKVPool, MHATokenToKVPool or a "
+        "KVCache with kv_buffer)"
     )
 
 
-def inventory(pool: Any, *, name: str = "kv") -> Inventory:
+def inventory(pool: Any, *, name: str = "kv", allow_unknown: bool = False) -> Inventory:
     """The pool's buffers as BufferSpecs, one per unique storage; registers nothing.
 
     Where one storage backs several tensors (SGLang 0.5.23's MHA pool allocates a
     layer's K and V as two halves of one buffer), the spec covers the storage: its
     family joins theirs (`k` + `v` -> `kv`), its tensor bytes add theirs up.
+    A pool of no known shape raises ValueError, or with `allow_unknown` is kind
+    `unknown` with its reachable storages in family `unknown`.
     """
-    kind = pool_kind(pool)
-    found = list(_walk(pool, kind))
-    found += [Found("other", None, t) for t in _reachable_tensors(pool)]
+    try:
+        kind = pool_kind(pool)
+    except ValueError:
+        if not allow_unknown:
+            raise
+        kind = UNKNOWN
+    if kind == UNKNOWN:
+        found = [Found(UNKNOWN, None, t) for t in _reachable_tensors(pool)]
+        if not found:
+            raise ValueError(
+                f"pool of type {type(pool).__name__}: not a known SGLang KV pool and no "
+                "tensor reachable from it"
+            )
+    else:
+        found = list(_walk(pool, kind))
+        found += [Found("other", None, t) for t in _reachable_tensors(pool)]
     groups: dict[tuple[str, int], list[Found]] = {}
     for f in found:
         groups.setdefault(_storage_key(f.tensor), []).append(f)
@@ -167,13 +197,22 @@ def _joined_family(families: list[str]) -> str:
     return "+".join(uniq)
 
 
-def register_pool(ledger: Ledger, pool: Any, *, name: str = "kv") -> Inventory:
-    """Walk `pool` and add one runtime-owned account per family to `ledger`."""
-    inv = inventory(pool, name=name)
-    accounts = []
-    for family, specs in inv.families().items():
-        capacity = max(s.capacity_slots for s in specs)
-        accounts.append(ledger.add_account(specs, key=f"{name}/{family}", capacity_slots=capacity))
+def register_pool(
+    ledger: Ledger, pool: Any, *, name: str = "kv", allow_unknown: bool = False
+) -> Inventory:
+    """Walk `pool` and add one runtime-owned account per family to `ledger`; all or nothing."""
+    inv = inventory(pool, name=name, allow_unknown=allow_unknown)
+    accounts: list[Account] = []
+    try:
+        for family, specs in inv.families().items():
+            capacity = max(s.capacity_slots for s in specs)
+            accounts.append(
+                ledger.add_account(specs, key=f"{name}/{family}", capacity_slots=capacity)
+            )
+    except BaseException:
+        for account in accounts:
+            ledger.remove_account(account)
+        raise
     return Inventory(pool=inv.pool, kind=inv.kind, specs=inv.specs, accounts=tuple(accounts))
 
 
@@ -181,6 +220,8 @@ def register_pool(ledger: Ledger, pool: Any, *, name: str = "kv") -> Inventory:
 def _walk(pool: Any, kind: str, prefix: str = "") -> Iterator[Found]:
     if kind == "dsv4":
         yield from _walk_dsv4(pool)
+    elif kind == "hybrid_linear":
+        yield from _walk_hybrid_linear(pool)
     elif kind == "swa":
         yield from _walk_swa(pool)
     elif kind == "mha":
@@ -208,6 +249,30 @@ def _walk_swa(pool: Any) -> Iterator[Found]:
                 local = layer - int(getattr(sub, "start_layer", 0) or 0)
                 layer = to_global.get((local, is_swa), layer)
             yield Found(f.family, layer, f.tensor, f.capacity_slots)
+
+
+def _walk_hybrid_linear(pool: Any) -> Iterator[Found]:
+    mapping = getattr(pool, "full_attention_layer_id_mapping", None) or {}
+    to_global = {int(local): int(g) for g, local in mapping.items()}
+    full = pool.full_kv_pool
+    if full is not None:
+        start = int(getattr(full, "start_layer", 0) or 0)
+        for f in _walk(full, pool_kind(full)):
+            layer = f.layer
+            if layer is not None:
+                layer = to_global.get(layer - start, layer)
+            yield Found(f.family, layer, f.tensor, f.capacity_slots)
+    cache = pool.mamba_pool.mamba_cache
+    for t in getattr(cache, "conv", None) or ():
+        yield Found("mamba_conv", None, t, _slots_along_dim1(t))
+    temporal = getattr(cache, "temporal", None)
+    if temporal is not None:
+        yield Found("mamba_temporal", None, temporal, _slots_along_dim1(temporal))
+
+
+def _slots_along_dim1(t: Any) -> int | None:
+    """Request slots of a [layers, slots, ...] state tensor."""
+    return int(t.shape[1]) if len(t.shape) >= 2 else None
 
 
 def _walk_dsv4(pool: Any) -> Iterator[Found]:

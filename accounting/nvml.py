@@ -1,18 +1,44 @@
 """Device truth from NVML (nvidia-ml-py). The only module that imports `pynvml`.
 
-NVML's v2 memory struct reports `used` equal to `torch.cuda.mem_get_info`; v1's
-`used` also counts the driver's reserved memory (about 615 MiB on an H200), so
-v2 is asked for. The reader compares the growth of `used` since a baseline taken
-before the pools were built with what the ledger holds:
+Which GPU: the one the process's CUDA device really is. A CUDA ordinal names another
+GPU as soon as `CUDA_VISIBLE_DEVICES` or `CUDA_DEVICE_ORDER` remaps devices (NVML
+numbers every GPU of the host, in PCI order), so the NVML handle is looked up by the
+CUDA device's UUID (`torch.cuda.get_device_properties(i).uuid`), else by its PCI bus id,
+and never by the ordinal.
 
-    device_bytes  = used_now - used_at_baseline
+Which figure (the reader's `basis`):
+
+- `process`: NVML's per-process used memory (`nvmlDeviceGetComputeRunningProcesses`,
+  the entry with this pid). Not moved by other processes on a shared GPU. It leaves
+  out memory the driver allocates with the context but does not attribute to the
+  process (on an H200 a constant 9,240,576 B below the device-wide delta), which the
+  deltas below cancel.
+- `device`: NVML's device-wide `used` (v2 struct, equal to `torch.cuda.mem_get_info`;
+  v1 also counts the driver's reserved memory, about 615 MiB on an H200). Used where
+  NVML does not list this process (a container's pid namespace, a sandbox).
+
+The reader compares the growth since its baseline (taken when it is built) with what
+the ledger and torch explain:
+
+    device_bytes  = figure_now - figure_at_baseline
     ledger_bytes  = VMM physical bytes (live handles, mapped or kept)
-                    + torch's reserved bytes (where runtime-owned buffers live)
+                    + growth of torch's reserved bytes since the baseline
+                      (runtime-owned KV buffers and everything else torch's caching
+                      allocator holds: weights, activations, CUDA graph pools)
+                    + outside-torch bytes frozen at the last re-baseline point
     unattributed  = device_bytes - ledger_bytes
 
-Anything else the process allocated outside torch and the VMM pools shows up as
-unattributed. Missing NVML, no device, or a sandbox that hides processes
-degrade to `available: False` with the reason; nothing raises.
+Memory the process takes outside torch and the VMM pools -- kernel modules (a
+Triton kernel's first launch loads its module: about 2 MiB), the executable graphs
+and workspaces a CUDA graph capture instantiates (about 72 MiB seen in an SGLang
+process) -- is unattributed until `rebaseline()` names it: the growth outside torch at
+that point is frozen as `outside_torch_bytes` and explained from then on. The SGLang
+plugin re-baselines after CUDA graph capture. `detail` also splits torch's reserved
+bytes into the KV storage it holds (`torch_kv_bytes`, the ledger's runtime-owned
+physical bytes) and the rest (`torch_non_kv_bytes`).
+
+Missing NVML, no device, or a device NVML cannot identify degrade to
+`available: False` with the reason; nothing raises.
 """
 
 from __future__ import annotations
@@ -22,6 +48,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from accounting.buffers import Owner
 from accounting.reconcile import result, vmm_physical_bytes
 
 _init_lock = threading.Lock()
@@ -39,46 +66,145 @@ def _nvml() -> Any:
     return pynvml
 
 
-def used_bytes(device: int) -> int:
-    """NVML v2 `used` bytes of one device. Raises when NVML is missing or fails."""
+def cuda_device_ids(device: int) -> tuple[str | None, str | None]:
+    """(UUID, PCI bus id) of CUDA device `device` as this process numbers it (torch)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    parts = [getattr(props, a, None) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    pci = None
+    if all(isinstance(p, int) for p in parts):
+        pci = f"{parts[0]:08x}:{parts[1]:02x}:{parts[2]:02x}.0"
+    return (str(uuid) if uuid is not None else None), pci
+
+
+def device_handle(device: int) -> Any:
+    """NVML's handle of CUDA device `device`, found by UUID, else by PCI bus id."""
     nv = _nvml()
-    handle = nv.nvmlDeviceGetHandleByIndex(device)
+    uuid, pci = cuda_device_ids(device)
+    errors = []
+    if uuid:
+        names = [uuid] if uuid.startswith(("GPU-", "MIG-")) else [f"GPU-{uuid}", f"MIG-{uuid}"]
+        for name in names:
+            try:
+                return nv.nvmlDeviceGetHandleByUUID(name)
+            except Exception as e:
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+    if pci:
+        try:
+            return nv.nvmlDeviceGetHandleByPciBusId_v2(pci)
+        except Exception as e:
+            errors.append(f"pci {pci}: {type(e).__name__}: {e}")
+    raise LookupError(
+        f"CUDA device {device}: NVML knows no GPU with its UUID or PCI bus id "
+        f"({'; '.join(errors) or 'the device reports neither'}); the CUDA ordinal is not used"
+    )
+
+
+def device_identity(handle: Any) -> str:
+    try:
+        value = _nvml().nvmlDeviceGetUUID(handle)
+    except Exception:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def used_bytes(device: int) -> int:
+    """NVML v2 `used` bytes of CUDA device `device`. Raises when NVML is missing or fails."""
+    return _used(device_handle(device))
+
+
+def _used(handle: Any) -> int:
+    nv = _nvml()
     return int(nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2).used)
 
 
 def process_used_bytes(device: int, pid: int | None = None) -> int | None:
-    """Memory NVML attributes to `pid` on `device`; None where NVML cannot see processes."""
+    """Memory NVML attributes to `pid` on CUDA device `device`; None where NVML cannot see it."""
     try:
-        nv = _nvml()
-        handle = nv.nvmlDeviceGetHandleByIndex(device)
-        procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
+        return _process_used(device_handle(device), os.getpid() if pid is None else pid)
     except Exception:
         return None
-    pid = os.getpid() if pid is None else pid
-    for p in procs:
-        if p.pid == pid and p.usedGpuMemory is not None:
-            return int(p.usedGpuMemory)
-    return None
 
 
-def nvml_truth(
-    device: int = 0, *, torch_reserved: Callable[[], int] | None = None
-) -> Callable[[Any], dict[str, Any]]:
-    """Truth reader for CUDA. Takes the baseline now: build it before the pools."""
+def _process_used(handle: Any, pid: int) -> int | None:
     try:
-        baseline: int | None = used_bytes(device)
-        why = ""
-    except Exception as e:
-        baseline, why = None, f"NVML unavailable: {type(e).__name__}: {e}"
+        procs = _nvml().nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:
+        return None
+    mine = [int(p.usedGpuMemory) for p in procs if p.pid == pid and p.usedGpuMemory is not None]
+    return sum(mine) if mine else None
 
-    def read(snapshot: Any) -> dict[str, Any]:
-        vmm = vmm_physical_bytes(snapshot)
-        torch_bytes = int(torch_reserved()) if torch_reserved is not None else 0
-        ledger = vmm + torch_bytes
-        if baseline is None:
-            return result("nvml", ledger_bytes=ledger, device_bytes=None, reason=why)
+
+def runtime_physical_bytes(snapshot: Any) -> int:
+    """Physical bytes of the snapshot's runtime-owned buffers: the KV storage torch's caching
+    allocator holds (a rank's ledger holds the pools of its one device)."""
+    return sum(b.physical_bytes for b in snapshot.buffers if b.spec.owner is Owner.RUNTIME)
+
+
+class NvmlTruth:
+    """Truth reader for CUDA (`Ledger.add_truth`). Takes its baseline when built: build it
+    before the memory it should explain, or `rebaseline()` once that memory is named."""
+
+    def __init__(
+        self,
+        device: int = 0,
+        *,
+        torch_reserved: Callable[[], int] | None = None,
+        pid: int | None = None,
+    ) -> None:
+        self.device = device
+        self.pid = os.getpid() if pid is None else pid
+        self._torch_reserved = torch_reserved
+        self.outside_torch_bytes = 0
+        self.rebaselined_at = ""
+        self.basis = ""
+        self.reason = ""
+        self._handle: Any = None
+        self.identity = ""
         try:
-            used = used_bytes(device)
+            self._handle = device_handle(device)
+            self.identity = device_identity(self._handle)
+            self._base_used: int | None = _used(self._handle)
+            self._base_process = _process_used(self._handle, self.pid)
+            self.basis = "process" if self._base_process is not None else "device"
+        except Exception as e:
+            self._base_used, self._base_process = None, None
+            self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
+        self._base_torch = self._torch()
+
+    def _torch(self) -> int:
+        return int(self._torch_reserved()) if self._torch_reserved is not None else 0
+
+    def _figures(self) -> tuple[str, int, int | None, int | None]:
+        """(basis, device growth since the baseline, used, process used)."""
+        used = _used(self._handle)
+        process = _process_used(self._handle, self.pid) if self._base_process is not None else None
+        if process is not None and self._base_process is not None:
+            return "process", process - self._base_process, used, process
+        assert self._base_used is not None
+        return "device", used - self._base_used, used, process
+
+    def rebaseline(self, snapshot: Any, point: str) -> int | None:
+        """Freeze the growth outside torch and the VMM pools so far as `outside_torch_bytes`
+        (explained from now on), naming the point; returns it, or None when unavailable."""
+        if self._base_used is None:
+            return None
+        _, grown, _, _ = self._figures()
+        torch_grown = self._torch() - self._base_torch
+        self.outside_torch_bytes = grown - vmm_physical_bytes(snapshot) - torch_grown
+        self.rebaselined_at = point
+        return self.outside_torch_bytes
+
+    def __call__(self, snapshot: Any) -> dict[str, Any]:
+        vmm = vmm_physical_bytes(snapshot)
+        reserved = self._torch()
+        ledger = vmm + (reserved - self._base_torch) + self.outside_torch_bytes
+        if self._base_used is None:
+            return result("nvml", ledger_bytes=ledger, device_bytes=None, reason=self.reason)
+        try:
+            basis, grown, used, process = self._figures()
         except Exception as e:
             return result(
                 "nvml",
@@ -86,14 +212,27 @@ def nvml_truth(
                 device_bytes=None,
                 reason=f"NVML read failed: {type(e).__name__}: {e}",
             )
+        torch_kv = runtime_physical_bytes(snapshot)
         detail = {
-            "device": device,
+            "device": self.device,
+            "nvml_uuid": self.identity,
+            "basis": basis,
             "used_bytes": used,
-            "baseline_used_bytes": baseline,
+            "baseline_used_bytes": self._base_used,
+            "process_used_bytes": process,
+            "baseline_process_used_bytes": self._base_process,
             "vmm_physical_bytes": vmm,
-            "torch_reserved_bytes": torch_bytes,
-            "process_used_bytes": process_used_bytes(device),
+            "torch_reserved_bytes": reserved,
+            "baseline_torch_reserved_bytes": self._base_torch,
+            "torch_kv_bytes": torch_kv,
+            "torch_non_kv_bytes": reserved - torch_kv,
+            "outside_torch_bytes": self.outside_torch_bytes,
+            "rebaselined_at": self.rebaselined_at,
         }
-        return result("nvml", ledger_bytes=ledger, device_bytes=used - baseline, detail=detail)
+        return result("nvml", ledger_bytes=ledger, device_bytes=grown, basis=basis, detail=detail)
 
-    return read
+
+def nvml_truth(device: int = 0, *, torch_reserved: Callable[[], int] | None = None) -> NvmlTruth:
+    """Truth reader for CUDA device `device` (this process's ordinal). Takes the baseline now:
+    build it before the pools."""
+    return NvmlTruth(device, torch_reserved=torch_reserved)

@@ -5,6 +5,9 @@ A truth reader is a callable `(snapshot) -> dict` registered with
 keys, so the exporter and the debug endpoint treat them alike:
 
     source              "host_memfd", "nvml", ...
+    basis               which figure of that truth was read: "memfd" (allocated blocks),
+                        "process" (NVML's per-process used memory), "device" (NVML's
+                        device-wide used memory); "" when unavailable
     available           False when the truth could not be read; `reason` says why
     reason              "" or why the truth is unavailable
     device_bytes        what the truth says is held (None when unavailable)
@@ -35,11 +38,13 @@ def result(
     ledger_bytes: int,
     device_bytes: int | None,
     reason: str = "",
+    basis: str = "",
     detail: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     available = device_bytes is not None
     return {
         "source": source,
+        "basis": basis if available else "",
         "available": available,
         "reason": reason,
         "device_bytes": device_bytes,
@@ -63,6 +68,6 @@ def host_memfd_truth(physical_bytes: Callable[[], int]) -> Callable[[Any], dict[
                 device_bytes=None,
                 reason=f"{type(e).__name__}: {e}",
             )
-        return result("host_memfd", ledger_bytes=ledger, device_bytes=device)
+        return result("host_memfd", ledger_bytes=ledger, device_bytes=device, basis="memfd")
 
     return read

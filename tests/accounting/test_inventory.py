@@ -136,6 +136,31 @@ def test_unknown_pool_refused() -> None:
         inventory({})
 
 
+def test_unknown_pool_reported_as_unknown_never_classified() -> None:
+    # A hybrid-linear-like pool: neither a DSV4, SWA, MHA nor kv_buffer shape.
+    conv = torch.zeros(4, 96)
+    pool = NS(full_attention=NS(blocks=[torch.zeros(8, 32)]), mamba=NS(conv=[conv, conv[:2]]))
+    with pytest.raises(ValueError, match="expected an SGLang KV pool"):
+        inventory(pool, name="x")
+    ledger = Ledger()
+    inv = register_pool(ledger, pool, name="hyb", allow_unknown=True)
+    assert inv.kind == "unknown" and set(inv.families()) == {"unknown"}
+    assert inv.storage_bytes == 8 * 32 * 4 + 4 * 96 * 4  # the view of conv adds nothing
+    snap = ledger.snapshot()
+    assert snap.rollup("family")[("unknown",)]["physical_bytes"] == inv.storage_bytes
+    with pytest.raises(ValueError, match="no tensor reachable"):
+        inventory(NS(size=3), allow_unknown=True)
+
+
+def test_register_pool_is_all_or_nothing() -> None:
+    pool = NS(k_buffer=[torch.zeros(4, 8)], v_buffer=[torch.zeros(4, 8)])
+    ledger = Ledger()
+    register_pool(ledger, NS(k_buffer=[], v_buffer=[torch.zeros(2, 2)]), name="p")  # p/v
+    with pytest.raises(ValueError, match="already registered"):
+        register_pool(ledger, pool, name="p")  # p/k is added, then p/v clashes
+    assert [a.key for a in ledger.accounts()] == ["p/v"]  # p/k was taken back
+
+
 def test_accounting_does_not_import_sglang() -> None:
     code = "import accounting, accounting.inventory, accounting.dsv4, sys; print('sglang' in sys.modules)"
     root = Path(__file__).resolve().parents[2]

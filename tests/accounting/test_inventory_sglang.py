@@ -163,3 +163,57 @@ def test_mha_and_swa_pools() -> None:
         assert fams[("kv",)]["tensor_bytes"] == 2 * 1 * (2048 + 16) * 2 * 64 * 2
         assert {s.layer for s in inv.specs if s.family == "swa_kv"} == {0, 2}
         assert {s.layer for s in inv.specs if s.family == "kv"} == {1}
+
+
+def test_hybrid_linear_pool_with_mamba_state() -> None:
+    import torch
+    from sglang.srt.configs.mamba_utils import (
+        Mamba2CacheParams,
+        Mamba2StateDType,
+        Mamba2StateShape,
+    )
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+    from tests.accounting.sglang_reference import published
+
+    with published(page_size=16):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1,
+            intermediate_size=256,
+            n_groups=1,
+            num_heads=4,
+            head_dim=64,
+            state_size=16,
+            conv_kernel=4,
+        )
+        dtypes = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+        params = Mamba2CacheParams(shape=shape, dtype=dtypes, layers=[0, 2])
+        mamba = MambaPool(
+            size=4, spec_state_size=0, cache_params=params, mamba_layer_ids=[0, 2], device="cpu"
+        )
+        pool = HybridLinearKVPool(
+            size=256,
+            dtype=torch.bfloat16,
+            page_size=16,
+            head_num=2,
+            head_dim=64,
+            full_attention_layer_ids=[1],
+            device="cpu",
+            mamba_pool=mamba,
+        )
+        ledger = Ledger()
+        inv = register_pool(ledger, pool, name="hybrid")
+        assert inv.kind == "hybrid_linear"
+        snap = ledger.snapshot()
+        assert not snap.violations
+        assert snap.total("physical_bytes") == sum(_unique_storages(pool).values()) > 0
+        fams = snap.rollup("family")
+        cache = mamba.mamba_cache
+        conv = sum(t.untyped_storage().nbytes() for t in cache.conv)
+        assert fams[("mamba_conv",)]["physical_bytes"] == conv
+        assert (
+            fams[("mamba_temporal",)]["physical_bytes"] == cache.temporal.untyped_storage().nbytes()
+        )
+        assert fams[("mamba_temporal",)]["capacity_slots"] == cache.temporal.shape[1]
+        # The full-attention layer keeps its global id (1), not its index in the sub-pool (0).
+        assert {s.layer for s in inv.specs if s.family == "kv"} == {1}

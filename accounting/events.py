@@ -30,6 +30,9 @@ class PoolEvent(enum.Enum):
     HANDLES_RELEASED = "handles_released"  # physical memory of `count` page ids given back
     PAGES_MAPPED = "pages_mapped"  # `count` page ids mapped into every layer; `seconds` spent
     PAGES_UNMAPPED = "pages_unmapped"  # `count` page ids unmapped from every layer
+    # `count` driver or OS calls failed (map, unmap, create, release: a limit such as the
+    # map count, the file-size limit or device memory); nothing held was leaked (allocator.store)
+    DRIVER_FAILURES = "driver_failures"
     SLOTS_OCCUPIED = "slots_occupied"  # `count` slots handed to live requests
     SLOTS_FREED = "slots_freed"  # `count` slots returned
 

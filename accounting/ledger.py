@@ -75,6 +75,7 @@ class Account:
         self.pages_unmapped_total = 0
         self.map_seconds_total = 0.0
         self.unmap_seconds_total = 0.0
+        self.driver_failures_total = 0
         self.map_calls = 0
         self.map_bucket_counts = [0] * (len(MAP_SECONDS_BUCKETS) + 1)
         self._flush: Callable[[], None] | None = None  # the attached allocator's, if any
@@ -131,6 +132,8 @@ class Account:
                 self.mapped_pages -= count
                 self.pages_unmapped_total += count
                 self.unmap_seconds_total += seconds
+            elif event is PoolEvent.DRIVER_FAILURES:
+                self.driver_failures_total += count
             else:  # pragma: no cover - exhaustive over PoolEvent
                 raise LedgerError(f"unknown event {event!r}")
             ledger._epoch += 1
@@ -217,6 +220,7 @@ class Account:
             unmap_seconds_total=self.unmap_seconds_total,
             map_calls=self.map_calls,
             map_bucket_counts=tuple(self.map_bucket_counts),
+            driver_failures_total=self.driver_failures_total,
         )
 
 

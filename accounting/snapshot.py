@@ -88,6 +88,8 @@ class AccountRow:
     unmap_seconds_total: float
     map_calls: int
     map_bucket_counts: tuple[int, ...]
+    # driver/OS calls of the VMM allocator that failed (accounting.events.DRIVER_FAILURES)
+    driver_failures_total: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

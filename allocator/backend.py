@@ -12,6 +12,7 @@ All sizes and addresses are multiples of `granularity`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 
@@ -40,3 +41,18 @@ def check_aligned(op: str, granularity: int, **values: int) -> None:
                 f"{op}: {name}={value!r}, expected a non-negative multiple of the "
                 f"granularity {granularity}"
             )
+
+
+def backend_stats(
+    reservations: dict[int, int], handle_sizes: Iterable[int], mappings: int
+) -> dict[str, int]:
+    """What a backend holds (both backends' `stats()`): reservations and their bytes,
+    handles and their bytes, mappings."""
+    sizes = list(handle_sizes)
+    return {
+        "reservations": len(reservations),
+        "reserved_bytes": sum(reservations.values()),
+        "handles": len(sizes),
+        "handle_bytes": sum(sizes),
+        "mappings": mappings,
+    }

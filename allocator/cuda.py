@@ -1,6 +1,7 @@
 """CUDA VMM backend over `cuda.bindings.driver`. The only module that imports cuda-python.
 
-Driver behaviour relied on (DESIGN.md, measured on an H200, driver 580):
+Driver behaviour relied on (docs/background.md#cuda-driver-facts, measured on an H200,
+driver 580):
 - `cuMemAddressReserve` takes address space only (1 TiB reserves fine, no device memory).
 - `cuMemCreate` commits device memory when the handle is created, not when mapped;
   a handle kept unmapped still holds its memory.
@@ -29,7 +30,7 @@ from typing import Any
 
 from cuda.bindings import driver as drv
 
-from allocator.backend import check_aligned
+from allocator.backend import backend_stats, check_aligned
 from allocator.errors import ClosedError, DriverError
 
 _SUCCESS = drv.CUresult.CUDA_SUCCESS
@@ -261,13 +262,8 @@ class CudaBackend:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "reservations": len(self._reservations),
-                "reserved_bytes": sum(self._reservations.values()),
-                "handles": len(self._handles),
-                "handle_bytes": sum(size for _, size in self._handles.values()),
-                "mappings": len(self._mappings),
-            }
+            sizes = [size for _, size in self._handles.values()]
+            return backend_stats(self._reservations, sizes, len(self._mappings))
 
     # -- lifetime -----------------------------------------------------------------------
     @property
@@ -314,17 +310,6 @@ class CudaBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def cuda_device_count() -> int:
-    """Devices the driver sees; 0 where there is no driver or no device."""
-    try:
-        if drv.cuInit(0)[0] != drv.CUresult.CUDA_SUCCESS:
-            return 0
-        err, n = drv.cuDeviceGetCount()
-        return int(n) if err == drv.CUresult.CUDA_SUCCESS else 0
-    except Exception:
-        return 0
 
 
 def driver_floor_seconds(

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from allocator.backend import check_aligned
+from allocator.backend import backend_stats, check_aligned
 from allocator.errors import ClosedError, DriverError
 
 _PROT_NONE = 0
@@ -52,6 +52,25 @@ _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 DEFAULT_GRANULARITY = 2 << 20  # the CUDA VMM granularity measured on an H200
+# Memory maps (VMAs) left for the rest of the process: each mapped page costs up to two
+# (itself and the split of the reservation around it), and at vm.max_map_count every mmap
+# in the process fails, Python's own allocator included (MemoryError anywhere). `map`
+# refuses (ENOMEM) before the process count gets within this many of the limit.
+MAP_COUNT_HEADROOM = 4096
+_DEFAULT_MAX_MAP_COUNT = 65530  # Linux's default vm.max_map_count
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            return int(f.read(32))
+    except (OSError, ValueError):
+        return _DEFAULT_MAX_MAP_COUNT
+
+
+def _process_map_count() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
 
 
 def _errno_error(op: str, address: int | None, detail: str = "") -> DriverError:
@@ -88,6 +107,9 @@ class HostBackend:
         self._reservations: dict[int, int] = {}  # address -> size
         self._mappings: dict[int, tuple[int, int]] = {}  # address -> (size, handle)
         self._granule_owner: dict[int, int] = {}  # granule address -> mapping address
+        self.map_limit = _max_map_count()
+        # How many of our mappings fit before the process map count must be read again.
+        self._map_room = self.map_limit - MAP_COUNT_HEADROOM - _process_map_count()
 
     # -- reservations -----------------------------------------------------------
     def reserve(self, size: int) -> int:
@@ -182,6 +204,8 @@ class HostBackend:
             granules = range(address, address + size, self.granularity)
             if any(g in self._granule_owner for g in granules):
                 raise DriverError("map", "EEXIST", "range is already mapped", address)
+            if 2 * (len(self._mappings) + 1) > self._map_room:
+                self._check_map_count(address)
             flags = _MAP_SHARED | _MAP_FIXED
             if _libc.mmap(address, size, _PROT_NONE, flags, fd, h.offset) in (None, _MAP_FAILED):
                 raise _errno_error("map", address)
@@ -189,6 +213,20 @@ class HostBackend:
             for g in granules:
                 self._granule_owner[g] = address
             h.mapped += 1
+
+    def _check_map_count(self, address: int) -> None:
+        """Near the budget of maps: read the process's count; refuse within the headroom."""
+        now = _process_map_count()
+        free = self.map_limit - MAP_COUNT_HEADROOM - now
+        if free < 2:
+            raise DriverError(
+                "map",
+                "ENOMEM",
+                f"the process has {now} memory maps, vm.max_map_count is {self.map_limit}; "
+                f"{MAP_COUNT_HEADROOM} are kept for the rest of the process",
+                address,
+            )
+        self._map_room = 2 * len(self._mappings) + free
 
     def set_access(self, address: int, size: int) -> None:
         check_aligned("set_access", self.granularity, address=address, size=size)
@@ -255,12 +293,8 @@ class HostBackend:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "reservations": len(self._reservations),
-                "reserved_bytes": sum(self._reservations.values()),
-                "handles": len(self._handles),
-                "mappings": len(self._mappings),
-            }
+            sizes = [h.size for h in self._handles.values()]
+            return backend_stats(self._reservations, sizes, len(self._mappings))
 
     # -- lifetime ---------------------------------------------------------------------------
     def _check_open(self, op: str) -> int:

@@ -10,6 +10,7 @@ refused (see allocator.activation).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 from allocator.errors import IncompatibleError
@@ -67,3 +68,34 @@ class SlotLayout:
         """(first page, last page) the slot's bytes touch; equal unless it straddles."""
         start = self.slot_offset(slot)
         return start // self.page_bytes, (start + self.slot_bytes - 1) // self.page_bytes
+
+    def first_slot_at(self, offset: int) -> int:
+        """The first slot whose bytes start at or after `offset`."""
+        lo, hi = 0, self.capacity_slots
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.slot_offset(mid) < offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def page_index(self) -> tuple[array[int], list[int], list[set[int]]]:
+        """Per slot, its home page (where its first byte lies, a C array of 4 bytes a slot);
+        per page, its tail (the slot straddling into the next page, or -1) and the other
+        slots starting in it."""
+        cap = self.capacity_slots
+        starts = [self.first_slot_at(p * self.page_bytes) for p in range(self.num_pages)]
+        starts.append(cap)
+        home_of = array("i")
+        tails = [-1] * self.num_pages
+        inner: list[set[int]] = []
+        for p in range(self.num_pages):
+            a, b = starts[p], starts[p + 1]
+            home_of.extend(array("i", [p]) * (b - a))
+            slots = set(range(a, b))
+            if b > a and self.slot_pages(b - 1)[1] != p:
+                slots.discard(b - 1)
+                tails[p] = b - 1
+            inner.append(slots)
+        return home_of, tails, inner

@@ -163,12 +163,12 @@ class TpCoordinator:
             raise ValueError(f"timeout_s={timeout_s!r}, expected a positive number of seconds")
         if pool.closed:
             raise ValueError(f"pool {pool.name!r} is closed, expected an open pool")
-        if pool._mapper is not None:
+        if pool.store.mapper is not None:
             raise ValueError(
                 f"pool {pool.name!r} has a background mapper, expected none: under TP its "
                 "timing would decide rank 0's slot ids (see allocator.tp)"
             )
-        if pool._tp is not None:
+        if pool.store.tp is not None:
             raise ValueError(f"pool {pool.name!r} already follows a TP group")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -214,15 +214,15 @@ class TpCoordinator:
                 )
             ledger.labels["tp_rank"] = str(self.rank)
             ledger.set_tp_status(self.status)
-        with pool._lock:
-            pool._tp = self
+        with pool.store.lock:
+            pool.store.tp = self
             try:
                 mine = self._choose_reserve(0, []) if self.rank == 0 else []
                 _, _, reserve, _ = self._exchange(HELLO, 0, reserve=mine)
                 self._check_pages(reserve, "unmapped", "reserve", HELLO, 0)
-                pool.tp_reserve_locked(reserve)
+                pool.store.tp_reserve_locked(reserve)
             except BaseException:
-                pool._tp = None
+                pool.store.tp = None
                 self._release_group()
                 raise
         if ahead_pages:
@@ -244,20 +244,22 @@ class TpCoordinator:
         self._op = (0, 0)
         if self._pending_reserve:  # announced at this op's exchange: marked at its end
             pages, self._pending_reserve = self._pending_reserve, []
-            self.pool.tp_reserve_locked(pages)
+            self.pool.store.tp_reserve_locked(pages)
 
     def plan_map(self, need: int) -> list[int]:
         """Page ids to map so that `need` more slots can be handed out; reserved pages the
         plan takes are published here first (mapped ahead, or now)."""
         pool = self.pool
         if self.rank == 0:
-            reserved = sorted(pool._tp_reserve)
+            reserved = sorted(pool.store.tp_reserve)
             try:
                 while True:
-                    plan = pool._plan_pages(need, reserved + pool._unmapped if reserved else None)
+                    plan = pool.plan_pages(
+                        need, reserved + pool.store.unmapped if reserved else None
+                    )
                     if plan is not None:
                         break
-                    pool._cond.wait(timeout=1.0)  # an ahead map in flight; capacity is short
+                    pool.store.cond.wait(timeout=1.0)  # an ahead map in flight; capacity is short
             except CapacityError as e:
                 self._exchange(MAP, need, refused=True)
                 raise CapacityError(f"{e} (TP rank 0 decides; every rank refuses)") from None
@@ -276,14 +278,14 @@ class TpCoordinator:
             self._check_pages(publish, "reserved", "publish", MAP, need)
             self._check_pages(plan, "unmapped", "map", MAP, need)
             self._check_pages(reserve, "unmapped", "reserve", MAP, need, exclude=plan)
-        pool.tp_publish_locked(publish)
+        pool.store.tp_publish_locked(publish)
         self._pending_reserve = reserve
         return plan
 
     def plan_unmap(self, excess: int) -> list[int]:
         """Spare page ids to unmap, `excess` of them."""
         if self.rank == 0:
-            plan = self.pool.tp_trim_plan(excess)
+            plan = self.pool.store.tp_trim_plan(excess)
             self._exchange(UNMAP, excess, plan=plan)
             return plan
         _, plan, _, _ = self._exchange(UNMAP, excess)
@@ -293,7 +295,7 @@ class TpCoordinator:
     # -- public ---------------------------------------------------------------------------
     def verify(self) -> None:
         """Exchange now and compare every rank's view with rank 0's (one collective)."""
-        with self.pool._lock:
+        with self.pool.store.lock:
             if self._failed is not None:
                 raise type(self._failed)(f"refused: this TP group failed earlier: {self._failed}")
             self._check_attached("verify")
@@ -317,8 +319,10 @@ class TpCoordinator:
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until every page reserved ahead is mapped (tests, benchmarks)."""
         pool = self.pool
-        with pool._cond:
-            return pool._cond.wait_for(lambda: pool.closed or pool.tp_ahead_idle(), timeout)
+        with pool.store.cond:
+            return pool.store.cond.wait_for(
+                lambda: pool.closed or pool.store.tp_ahead_idle(), timeout
+            )
 
     def close(self) -> None:
         """Stop mapping ahead, give the reserved pages back, detach from the pool (it works
@@ -327,15 +331,15 @@ class TpCoordinator:
             return
         self._closed = True
         self._stop.set()
-        with self.pool._cond:
-            self.pool._cond.notify_all()
+        with self.pool.store.cond:
+            self.pool.store.cond.notify_all()
         if self._thread is not None:
             self._thread.join()
         try:
-            with self.pool._lock:
-                if self.pool._tp is self:
-                    self.pool._tp = None
-                    self.pool.tp_drop_reserve_locked()
+            with self.pool.store.lock:
+                if self.pool.store.tp is self:
+                    self.pool.store.tp = None
+                    self.pool.store.tp_drop_reserve_locked()
         finally:
             self._release_group()
 
@@ -347,13 +351,13 @@ class TpCoordinator:
         want = self.ahead_pages - kept
         if want <= 0:
             return []
-        spare = len(pool._spare_sets)
-        live = pool._live_sets + max(0, len(plan) - spare)
+        spare = len(pool.store.kept)
+        live = pool.store.live_sets + max(0, len(plan) - spare)
         spare = max(0, spare - len(plan))
         budget = pool.physical_budget
         skip = set(plan)
         out: list[int] = []
-        for p in pool._unmapped:
+        for p in pool.store.unmapped:
             if len(out) == want:
                 break
             if p in skip:
@@ -370,13 +374,13 @@ class TpCoordinator:
     def _ahead_loop(self) -> None:
         pool = self.pool
         while not self._stop.is_set():
-            with pool._cond:
-                job = None if pool.closed else pool.tp_ahead_job()
+            with pool.store.cond:
+                job = None if pool.closed else pool.store.tp_ahead_job()
                 if job is None:
-                    pool._cond.wait(timeout=0.05)
+                    pool.store.cond.wait(timeout=0.05)
                     continue
             try:
-                pool.tp_ahead_map(*job)
+                pool.store.tp_ahead_map(*job)
             except Exception:
                 self._ahead_errors += 1
                 log.exception("TP pool %r: mapping page %d ahead failed", pool.name, job[0])
@@ -390,7 +394,7 @@ class TpCoordinator:
 
     # -- the exchange ----------------------------------------------------------------------
     def _check_attached(self, what: str) -> None:
-        if self._closed or self.pool._tp is not self:
+        if self._closed or self.pool.store.tp is not self:
             raise TpError(f"{what}: this coordinator is closed or no longer attached")
 
     def _release_group(self) -> None:
@@ -402,7 +406,7 @@ class TpCoordinator:
                 self._dist.destroy_process_group(group)
 
     def _view(self, kind: int, short: int, lists: list[list[int]], refused: bool) -> list[int]:
-        st = self.pool.tp_state()
+        st = self.pool.store.tp_state()
         code, n = self._op
         op_seq = self._ops_done + (1 if code else 0)
         view = [
@@ -516,7 +520,12 @@ class TpCoordinator:
         """A peer's check that rank 0's list fits its own pool before applying it."""
         pool = self.pool
         bad = [
-            (p, "out of range" if not 0 <= p < pool.layout.num_pages else pool.tp_page_state(p))
+            (
+                p,
+                "out of range"
+                if not 0 <= p < pool.layout.num_pages
+                else pool.store.tp_page_state(p),
+            )
             for p in pages
         ]
         bad = [(p, st) for p, st in bad if st != want]

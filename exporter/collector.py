@@ -300,6 +300,7 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         fam.add("kvledger_map_calls_total", labels, acc["map_calls"])
         fam.add("kvledger_map_seconds_total", labels, acc["map_seconds_total"])
         fam.add("kvledger_unmap_seconds_total", labels, acc["unmap_seconds_total"])
+        fam.add("kvledger_allocator_failures_total", labels, acc.get("driver_failures_total", 0))
         fam.add("kvledger_handle_pages", labels, acc["handle_pages"])
         fam.add("kvledger_mapped_pages", labels, acc["mapped_pages"])
         fam.add("kvledger_peak_handle_pages", labels, acc["peak_handle_pages"])

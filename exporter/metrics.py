@@ -227,6 +227,14 @@ METRICS: tuple[MetricSpec, ...] = (
         _ACCOUNT,
     ),
     MetricSpec(
+        "kvledger_allocator_failures_total",
+        "counter",
+        "Driver or OS calls of the VMM allocator that failed (map, unmap, create, release) at "
+        "a limit such as the process's map count, the file-size limit or device memory; the "
+        "allocation failed cleanly or the unmap is retried, nothing held was leaked.",
+        _ACCOUNT,
+    ),
+    MetricSpec(
         "kvledger_map_page_seconds",
         "histogram",
         "Seconds per page id of each map operation (its time divided by the page ids it "

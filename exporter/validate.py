@@ -257,6 +257,7 @@ def reconciliation_entry(d: Any, i: int) -> dict[str, Any]:
     detail = _scalars(d.get("detail") or {}, f"{where}.detail")
     return {
         "source": _str(d, "source", where) if "source" in d else "unknown",
+        "basis": _str(d, "basis", where) if "basis" in d else "",
         "available": available and device is not None,
         "reason": _str(d, "reason", where, MAX_TEXT) if "reason" in d else "",
         "device_bytes": device,

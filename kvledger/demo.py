@@ -204,9 +204,3 @@ class DemoSource:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def default_snapshot_dir() -> str:
-    """Kept for callers of the old name: `accounting.snapdir.default_snapshot_dir()`."""
-    from accounting.snapdir import default_snapshot_dir as default
-
-    return default()

@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "alloc": "the SWA pool's allocation path and page maps, side by side with the driver floor",
     "scrape": "scrape latency over many ranks, and the allocation-path cost of accounting",
     "tp": "tensor-parallel page operations across ranks",
+    "sglang": "SGLang's own DeepSeek-V4 allocator, native and bridged onto kvledger's VMM pool",
 }
 
 

@@ -161,7 +161,7 @@ def page_map(backend: Backend, layers: int, repeats: int) -> dict[str, float]:
         null_slot=False,
     ) as pool:
         # Fill the handle pool: map every page once, then free so each unmaps and keeps its set.
-        first_slots = [pool._first_slot_at(p * page) for p in range(layout.num_pages)]
+        first_slots = [layout.first_slot_at(p * page) for p in range(layout.num_pages)]
         pool.occupy(first_slots)
         pool.free(first_slots)
         for s in first_slots[:repeats]:

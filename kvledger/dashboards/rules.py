@@ -250,6 +250,17 @@ ALERTS: tuple[Alert, ...] = (
         "An exchange between TP ranks failed: a rank died or did not answer within the "
         "timeout, and the surviving ranks stopped with an error instead of hanging.",
     ),
+    Alert(
+        "KvLedgerAllocatorFailures",
+        f"increase({metric('kvledger_allocator_failures_total')}[5m]) > 0",
+        "0m",
+        "warning",
+        "The VMM allocator of {{ $labels.family }} hits a driver or OS limit (" + ENGINE + ")",
+        "Driver or OS calls of the VMM allocator failed in the last 5 minutes (the process's "
+        "map count, the file-size limit or device memory): allocations that needed a new page "
+        "failed and empty pages stay mapped until an unmap succeeds. The engine's log carries "
+        "one line per interval with the count and the latest error.",
+    ),
 )
 
 # Names Prometheus itself writes for every scrape, usable in rules next to the exporter's.

@@ -9,17 +9,18 @@ Only `bridge.attach` imports sglang, and only when the bridge is switched on;
 importing this package needs neither sglang nor a GPU. See docs/sglang-bridge.md.
 """
 
+from allocator.rows import RowFollower
 from kvledger.sglang_bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation
 from kvledger.sglang_bridge.bridge import Bridge, attach, bridge_of, detach
 from kvledger.sglang_bridge.compat import SwaFacts, incompatibilities
-from kvledger.sglang_bridge.follow import PageFollower, TokenObserver
+from kvledger.sglang_bridge.follow import TokenObserver
 
 __all__ = [
     "ENV_ENABLE",
     "ENV_REQUIRE",
     "Bridge",
     "BridgeActivation",
-    "PageFollower",
+    "RowFollower",
     "SwaFacts",
     "TokenObserver",
     "attach",

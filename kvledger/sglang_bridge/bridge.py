@@ -10,9 +10,14 @@ What changes on attach (nothing unless `KVLEDGER_SGLANG_DSV4_BRIDGE=1`):
   its items replaced, so holders of the list see the new tensors. Holders of the
   old tensors or their addresses do not: attach before CUDA graph capture,
   HiCache and PD registration.
-- One engine page is one row and one VMM slot (see `follow`); the rows SGLang
-  already handed out and row 0 (its padding page) are copied over.
-- The SWA sub-allocator is hooked (see `hooks`).
+- One engine page is one row of a page store (allocator.store) followed by a
+  `RowFollower` (allocator.rows); the rows SGLang already handed out and row 0
+  (its padding page) are copied over. A background mapper (allocator.mapper)
+  maps the rows at the front of SGLang's free list ahead and unmaps spares
+  behind, unless `pool_options` says `map_ahead=False`.
+- The SWA sub-allocator is hooked (see `hooks`); on CUDA the page ids it frees
+  are read back without a device synchronisation and fence their pages
+  (see `readback`).
 - The ledger gets the swa_kv family as a VMM account fed by the pool's events,
   and every other family as runtime-owned (SGLang keeps C4/C128, indexer and
   state pools).
@@ -36,7 +41,9 @@ from accounting.ledger import Account, Ledger
 from allocator.backend import Backend
 from allocator.errors import IncompatibleError
 from allocator.layout import SlotLayout
-from allocator.pool import SwaPool
+from allocator.mapper import BackgroundMapper
+from allocator.rows import RowFollower
+from allocator.store import PageStore
 from kvledger.sglang_bridge import registry
 from kvledger.sglang_bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation
 from kvledger.sglang_bridge.compat import (
@@ -46,8 +53,9 @@ from kvledger.sglang_bridge.compat import (
     pool_reasons,
     read_facts,
 )
-from kvledger.sglang_bridge.follow import PageFollower, TokenObserver
-from kvledger.sglang_bridge.hooks import AllocatorHooks
+from kvledger.sglang_bridge.follow import TokenObserver
+from kvledger.sglang_bridge.hooks import AHEAD_ROWS, AllocatorHooks
+from kvledger.sglang_bridge.readback import reader_for
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,17 @@ FAMILY = "swa_kv"
 _BRIDGES: weakref.WeakKeyDictionary[Any, Bridge] = weakref.WeakKeyDictionary()
 
 BackendSource = Backend | Callable[[], Backend] | None
+
+# The bridge's page-store policy unless `pool_options` says otherwise (docs/allocator.md):
+# two spares (room for the front of SGLang's free list mapped ahead), unmapped once they
+# stayed spare for 50 ms (a few scheduler steps: a page a finish empties and the next
+# admission refills is not unmapped and mapped again), and a background mapper.
+DEFAULT_POOL_OPTIONS: dict[str, Any] = {
+    "max_spare_pages": 2,
+    "unmap_grace_s": 0.05,
+    "map_ahead": True,
+    "ahead_rows": AHEAD_ROWS,
+}
 
 
 class Bridge:
@@ -72,8 +91,10 @@ class Bridge:
         self.facts: SwaFacts | None = None
         self.backend: Backend | None = None
         self.owns_backend = False
-        self.swa_pool: SwaPool | None = None
-        self.follower: PageFollower | None = None
+        self.store: PageStore | None = None
+        self.tensors: list[Any] = []  # the VMM views now in SGLang's kv_buffer
+        self.follower: RowFollower | None = None
+        self.mapper: BackgroundMapper | None = None
         self.hooks: AllocatorHooks | None = None
         self.swa_account: Account | None = None
         self.runtime_accounts: list[Account] = []
@@ -85,14 +106,33 @@ class Bridge:
 
     # -- views ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """The VMM pool's stats plus the follower's (empty when not active)."""
-        if self.swa_pool is None or self.follower is None:
+        """The page store's stats plus the follower's and the hooks' (empty when not active):
+        `held_pages` (engine pages held), `divergences`, `takes` and `give_backs` (calls
+        that moved pages), `waited_allocs` (takes that mapped on the spot, waiting on the
+        driver), `readback_waits` (CUDA: reads of freed ids that waited for their copy),
+        `resyncs` (times the free-list mirror was re-read), and the store's
+        `pages_mapped_total` / `pages_unmapped_total` and `driver_failures`."""
+        if self.store is None or self.follower is None or self.hooks is None:
             return {}
+        f = self.follower
         return {
-            **self.swa_pool.stats(),
-            "held_pages": self.follower.held_pages,
-            "divergences": self.follower.divergences,
+            **self.store.stats(),
+            "held_pages": f.held_rows,
+            "divergences": f.divergences,
+            "takes": f.takes,
+            "give_backs": f.give_backs,
+            "waited_allocs": f.waited,
+            "readback_waits": int(self.hooks.reader.waits),
+            "resyncs": self.hooks.resyncs,
         }
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Give back the freed pages whose ids are known and wait until the background mapper
+        has done what it can (mapped ahead, waited for fences, unmapped spares past their
+        grace). For tests and benchmarks; True when idle within `timeout`."""
+        if self.hooks is not None:
+            self.hooks.settle()
+        return self.mapper.wait_idle(timeout) if self.mapper is not None else True
 
     def physical_bytes(self) -> int:
         """The backend's device truth (host: memfd blocks), for accounting.reconcile."""
@@ -122,17 +162,18 @@ class Bridge:
         self.active = False
         if self.hooks is not None:
             self.hooks.remove()
-        assert self.swa_pool is not None and self.follower is not None and self.facts is not None
+        assert self.store is not None and self.follower is not None and self.facts is not None
         pool = self.pool
         try:
             if pool is not None:  # else the pool and its views of the VMM range are gone
-                native = _native_copy(self.swa_pool, self.follower, self.facts)
+                native = _native_copy(self.tensors, self.follower, self.facts)
                 bufs = pool.swa_kv_pool.kv_buffer
                 for i, t in enumerate(native):
                     bufs[i] = t
         finally:
+            self.tensors = []
             try:
-                self.swa_pool.close()
+                self.store.close()
             finally:
                 if self.owns_backend and self.backend is not None:
                     self.backend.close()
@@ -270,11 +311,13 @@ def _activate(
     bridge: Bridge, be: Backend, owns: bool, swa_alloc: Any, pool_options: Mapping[str, Any]
 ) -> None:
     """Register, map, copy, swap and hook; a failure at any step undoes the steps before it."""
-    import torch
 
     facts = bridge.facts
     assert facts is not None
     pool, ledger = bridge.pool, bridge.ledger
+    options = {**DEFAULT_POOL_OPTIONS, **pool_options}
+    map_ahead = bool(options.pop("map_ahead"))
+    ahead_rows = int(options.pop("ahead_rows"))
     layout = SlotLayout(
         capacity_slots=facts.rows,
         slot_bytes=facts.row_bytes,
@@ -293,25 +336,29 @@ def _activate(
             capacity_slots=facts.rows * facts.page_tokens,
         )
         undo.callback(ledger.remove_account, account)
-        swa_pool = SwaPool(
+        store = PageStore(
             be,
             layers=facts.layers,
-            layout=layout,
-            null_slot=True,
+            page_bytes=layout.page_bytes,
+            num_pages=layout.num_pages,
             observer=TokenObserver(account, facts.page_tokens),
             name=f"{bridge.pool_name}/{FAMILY}",
-            **dict(pool_options),
+            **options,
         )
-        undo.callback(swa_pool.close)  # runs before the account's removal: LIFO
-        follower = PageFollower(swa_pool)
-        sync = _device_sync(facts) if facts.devices[0].startswith("cuda") else None
-        hooks = AllocatorHooks(swa_alloc, follower, before_give_back=sync)
+        undo.callback(store.close)  # runs before the account's removal: LIFO
+        follower = RowFollower(store, rows=facts.rows, row_bytes=facts.row_bytes, name=store.name)
+        hooks = AllocatorHooks(
+            swa_alloc,
+            follower,
+            reader=reader_for(facts.devices[0]),
+            ahead_rows=ahead_rows if map_ahead else 0,
+        )
         live = hooks.held_by_engine()
         follower.take(live)
         bufs = pool.swa_kv_pool.kv_buffer
         native = list(bufs)
         vmm = [
-            swa_pool.buffer(i, torch.uint8, (facts.rows, facts.row_bytes))
+            store.byte_tensor(i, layout.buffer_bytes).view(facts.rows, facts.row_bytes)
             for i in range(facts.layers)
         ]
         for i, t in enumerate(vmm):
@@ -322,9 +369,14 @@ def _activate(
             bufs[i] = t
         undo.callback(hooks.remove)
         hooks.install()
+        # On CUDA the mapper always runs: it is the thread that waits for the fences of
+        # freed pages (a device synchronisation) before unmapping them (readback).
+        cuda = facts.devices[0].startswith("cuda")
+        mapper = BackgroundMapper(store) if map_ahead or cuda else None
         undo.pop_all()  # every step done: keep them
     bridge.backend, bridge.owns_backend = be, owns
-    bridge.swa_pool, bridge.follower, bridge.hooks = swa_pool, follower, hooks
+    bridge.store, bridge.tensors, bridge.follower = store, vmm, follower
+    bridge.hooks, bridge.mapper = hooks, mapper
     bridge.swa_account = account
     bridge.runtime_accounts = runtime
     bridge.active = True
@@ -335,19 +387,6 @@ def _register_native(bridge: Bridge) -> None:
     bridge.runtime_accounts = registry.register_runtime(
         bridge.pool, bridge.ledger, pool_name=bridge.pool_name, exclude=()
     )
-
-
-def _device_sync(facts: SwaFacts) -> Callable[[], None]:
-    device = facts.devices[0]
-
-    def sync() -> None:
-        # A page SGLang frees may still be read by kernels in flight; unmapping under them
-        # faults the context (DESIGN.md), so wait for the device first.
-        import torch
-
-        torch.cuda.synchronize(device)
-
-    return sync
 
 
 def swa_specs(
@@ -376,13 +415,13 @@ def swa_specs(
     ]
 
 
-def _native_copy(swa_pool: SwaPool, follower: PageFollower, facts: SwaFacts) -> list[Any]:
+def _native_copy(vmm: list[Any], follower: RowFollower, facts: SwaFacts) -> list[Any]:
     import torch
 
-    rows = [0, *follower.held()]
+    rows = [0, *follower.held().tolist()]
     out = []
     for i in range(facts.layers):
-        src = swa_pool.buffer(i, torch.uint8, (facts.rows, facts.row_bytes))
+        src = vmm[i]
         dst = torch.zeros((facts.rows, facts.row_bytes), dtype=torch.uint8, device=facts.devices[i])
         for row in rows:
             dst[row].copy_(src[row])

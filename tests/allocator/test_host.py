@@ -206,7 +206,13 @@ def test_close_leaves_no_memfd_no_mapping_and_no_reservation() -> None:
         lo, hi = (int(x, 16) for x in span.split("-"))
         for rlo, rhi in ranges:
             assert hi <= rlo or lo >= rhi, f"{lo:x}-{hi:x} overlaps a freed reservation"
-    assert be.stats() == {"reservations": 0, "reserved_bytes": 0, "handles": 0, "mappings": 0}
+    assert be.stats() == {
+        "reservations": 0,
+        "reserved_bytes": 0,
+        "handles": 0,
+        "handle_bytes": 0,
+        "mappings": 0,
+    }
 
 
 class _NoSpaceLibc:

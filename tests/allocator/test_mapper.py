@@ -46,7 +46,7 @@ def test_background_mapper_keeps_spares_between_the_watermarks(rig_factory: Make
         assert _physical(rig) == (mapped * 3 * PAGE,) * 3
         assert mapper.errors == 0
     # with the mapper gone the pool maps synchronously again
-    assert pool._mapper is None
+    assert pool.store.mapper is None
     pool.alloc(20)
 
 
@@ -107,7 +107,7 @@ def test_wait_idle_and_close_are_safe_to_repeat(rig_factory: MakeRig) -> None:
     assert mapper.wait_idle() and mapper.wait_idle()
     mapper.close()
     mapper.close()
-    assert rig.pool._mapper is None
+    assert rig.pool.store.mapper is None
     assert not mapper._thread.is_alive()
 
 
@@ -138,7 +138,7 @@ def test_occupy_waiting_on_a_busy_page_rechecks_its_ids(host: HostBackend) -> No
     layout = SlotLayout(capacity_slots=64, slot_bytes=16 * 1024, page_bytes=PAGE)
     gated = _GatedBackend(host, gate_address=-1)
     rig = Rig(gated, layers=2, layout=layout, min_spare_pages=1, max_spare_pages=1)
-    gated.gate_address = rig.pool._pages.address(0, 1)  # the mapper maps page 1 first
+    gated.gate_address = rig.pool.store.pages.address(0, 1)  # the mapper maps page 1 first
     errors: list[BaseException] = []
 
     def follow() -> None:
@@ -153,8 +153,8 @@ def test_occupy_waiting_on_a_busy_page_rechecks_its_ids(host: HostBackend) -> No
         t.start()
         deadline = time.monotonic() + 10
         while not errors and t.is_alive() and time.monotonic() < deadline:
-            with rig.pool._lock:
-                waiting = len(rig.pool._cond._waiters) > 0  # type: ignore[attr-defined]
+            with rig.pool.store.lock:
+                waiting = len(rig.pool.store.cond._waiters) > 0  # type: ignore[attr-defined]
             if waiting:
                 break
             time.sleep(0.001)
@@ -175,7 +175,7 @@ def test_wait_idle_waits_for_maps_with_kept_handle_sets_when_the_budget_is_spent
     pool = rig.pool
     pool.free(pool.alloc(3 + 2 * SLOTS_PER_PAGE))  # two page ids unmapped, their sets kept
     assert pool.stats()["kept_handle_sets"] == 2 and pool.stats()["physical_bytes"] == 9 * PAGE
-    pool.min_spare_pages = pool.max_spare_pages = 2
+    pool.store.min_spare_pages = pool.store.max_spare_pages = 2
     with BackgroundMapper(pool, idle_seconds=0.01) as mapper:
         assert mapper.wait_idle()
         # the budget allows no fresh set, but the kept ones are mapped ahead

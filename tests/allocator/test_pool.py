@@ -43,7 +43,7 @@ def _assert_backend_mapped(rig: Rig, pages: set[int], mapped: bool = True) -> No
     be = rig.backend
     for p in pages:
         for layer in range(rig.pool.layers):
-            addr = rig.pool._pages.address(layer, p)
+            addr = rig.pool.store.pages.address(layer, p)
             assert be.is_mapped(addr) == mapped, f"page {p} layer {layer}"
 
 
@@ -188,7 +188,7 @@ def test_handle_sets_are_kept_and_reused(rig_factory: MakeRig) -> None:
     rig = rig_factory(max_spare_pages=0, handle_pool_pages=2)
     pool = rig.pool
     ids = pool.alloc(3 + 3 * SLOTS_PER_PAGE)
-    sets_before = [pool._handles[p] for p in (1, 2, 3)]
+    sets_before = [pool.store.handles[p] for p in (1, 2, 3)]
     pool.free(ids)
     assert _mapped_pages(pool) == [0]
     stats = pool.stats()
@@ -200,7 +200,7 @@ def test_handle_sets_are_kept_and_reused(rig_factory: MakeRig) -> None:
     handles_before = rig.backend.stats()["handles"]
     pool.alloc(3 + 2 * SLOTS_PER_PAGE)
     assert rig.backend.stats()["handles"] == handles_before  # nothing created
-    reused = {tuple(pool._handles[p] or ()) for p in (1, 2)}
+    reused = {tuple(pool.store.handles[p] or ()) for p in (1, 2)}
     assert reused <= {tuple(s or ()) for s in sets_before}
     assert pool.stats()["kept_handle_sets"] == 0
 
@@ -423,6 +423,7 @@ def test_close_releases_everything_and_is_idempotent(rig_factory: MakeRig) -> No
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
     }
     assert rig.backend.physical_bytes() == 0
@@ -448,7 +449,13 @@ def test_construction_failure_leaves_nothing(host: HostBackend) -> None:
     fb = FailingBackend(host, "set_access", 1)
     with pytest.raises(Exception, match="INJECTED"):
         SwaPool(fb, layers=2, layout=lay)
-    assert host.stats() == {"reservations": 0, "reserved_bytes": 0, "handles": 0, "mappings": 0}
+    assert host.stats() == {
+        "reservations": 0,
+        "reserved_bytes": 0,
+        "handles": 0,
+        "handle_bytes": 0,
+        "mappings": 0,
+    }
     assert host.physical_bytes() == 0
 
 

@@ -16,7 +16,8 @@ from accounting.ledger import Account, Ledger, LedgerError
 from accounting.publisher import Publisher
 from allocator.host import HostBackend
 from allocator.layout import SlotLayout
-from allocator.pool import REPORT_EVERY, SwaPool
+from allocator.pool import SwaPool
+from allocator.reporting import REPORT_EVERY
 from tests.allocator.rigs import KIB, SMALL_GRANULARITY, pool_account
 
 LAYOUT = SlotLayout(capacity_slots=64, slot_bytes=16 * KIB, page_bytes=SMALL_GRANULARITY)
@@ -32,7 +33,7 @@ class Recorder:
         self.calls: list[tuple[Any, ...]] = []
 
     def _locked(self) -> bool:
-        return self.pool is not None and self.pool._lock._is_owned()  # type: ignore[attr-defined]
+        return self.pool is not None and self.pool.store.lock._is_owned()  # type: ignore[attr-defined]
 
     def on_pool_event(self, event: PoolEvent, count: int, seconds: float = 0.0) -> None:
         self.calls.append(("event", event, count, self._locked()))
@@ -191,8 +192,8 @@ def test_snapshots_from_any_thread_never_deadlock_with_allocation() -> None:
                 while not stop.is_set():
                     snap = ledger.snapshot()
                     assert snap.violations == ()
-                    with pool._lock:
-                        assert ledger.snapshot().accounts[0].occupied_slots == pool._occupied_count
+                    with pool.store.lock:
+                        assert ledger.snapshot().accounts[0].occupied_slots == pool.store.occupied
             except BaseException as e:
                 errors.append(e)
 

@@ -24,7 +24,7 @@ from allocator.errors import CapacityError, DriverError, SlotError
 from allocator.host import HostBackend
 from allocator.layout import SlotLayout
 from allocator.mapper import BackgroundMapper
-from allocator.pool import MAPPED
+from allocator.store import MAPPED
 from tests.allocator.rigs import (
     DSV4_ROW_BYTES,
     DSV4_SLOT_BYTES,
@@ -212,8 +212,8 @@ class PoolMachine(RuleBasedStateMachine):
     def settle(self) -> None:
         assert self.mapper is not None
         assert self.mapper.wait_idle(timeout=10)
-        with self.pool._lock:
-            assert len(self.pool._empty) <= self.pool.max_spare_pages
+        with self.pool.store.lock:
+            assert len(self.pool.store.spares) <= self.pool.max_spare_pages
 
     # -- invariants ---------------------------------------------------------------------------
     def _quiet_state(self) -> Any:
@@ -228,8 +228,8 @@ class PoolMachine(RuleBasedStateMachine):
             return
         pool, be, ledger = self.pool, self.backend, self.rig.ledger
         lay = pool.layout
-        with pool._cond:
-            assert pool._cond.wait_for(lambda: pool._busy == 0, timeout=10)
+        with pool.store.cond:
+            assert pool.store.cond.wait_for(lambda: pool.store.busy == 0, timeout=10)
             occupied = {i for i in range(lay.capacity_slots) if pool._occupied[i]}
             assert occupied - {pool.null_slot} == self.held
             # refcounts and tiers follow the occupied slots
@@ -238,24 +238,26 @@ class PoolMachine(RuleBasedStateMachine):
                 for p in set(lay.slot_pages(i)):
                     refs[p] += 1
             assert pool._refcount == refs
-            mapped = [p for p in range(lay.num_pages) if pool._state[p] == MAPPED]
-            assert set(pool._empty) == {p for p in mapped if refs[p] == 0}, "spare tier drifted"
+            mapped = [p for p in range(lay.num_pages) if pool.store.state[p] == MAPPED]
+            assert set(pool.store.spares) == {p for p in mapped if refs[p] == 0}, (
+                "spare tier drifted"
+            )
             # every page holding an occupied slot is mapped in every layer
             for p in {p for i in occupied for p in lay.slot_pages(i)}:
-                assert pool._state[p] == MAPPED
+                assert pool.store.state[p] == MAPPED
                 for layer in range(pool.layers):
-                    assert be.is_mapped(pool._pages.address(layer, p)), (p, layer)
+                    assert be.is_mapped(pool.store.pages.address(layer, p)), (p, layer)
             for p in range(lay.num_pages):
                 for layer in range(pool.layers):
-                    assert be.is_mapped(pool._pages.address(layer, p)) == (p in mapped)
+                    assert be.is_mapped(pool.store.pages.address(layer, p)) == (p in mapped)
             if self.mapper is None and not self.faulty:  # a failed trim may leave extra spares
-                assert len(pool._empty) <= pool.max_spare_pages
+                assert len(pool.store.spares) <= pool.max_spare_pages
             # physical: memfd blocks == pool's live handle sets == ledger (kept sets included)
             set_bytes = pool.layers * lay.page_bytes
             physical = be.physical_bytes()
-            assert physical == pool._live_sets * set_bytes
-            assert be.stats()["handles"] == pool._live_sets * pool.layers
-            assert pool._live_sets == len(mapped) + len(pool._spare_sets)
+            assert physical == pool.store.live_sets * set_bytes
+            assert be.stats()["handles"] == pool.store.live_sets * pool.layers
+            assert pool.store.live_sets == len(mapped) + len(pool.store.kept)
             if pool.physical_budget is not None:
                 assert physical <= pool.physical_budget
             assert be.stats()["mappings"] == len(mapped) * pool.layers
@@ -296,7 +298,9 @@ class PoolMachine(RuleBasedStateMachine):
         if self.rig is None:
             return
         self.faults.arm(None, None)
-        ranges = [(b, b + self.pool._pages.reserved_bytes) for b in self.pool._pages.bases]
+        ranges = [
+            (b, b + self.pool.store.pages.reserved_bytes) for b in self.pool.store.pages.bases
+        ]
         self.rig.close()
         assert self.mapper is None or not self.mapper._thread.is_alive()
         snap = self.rig.ledger.snapshot()
@@ -307,6 +311,7 @@ class PoolMachine(RuleBasedStateMachine):
             "reservations": 0,
             "reserved_bytes": 0,
             "handles": 0,
+            "handle_bytes": 0,
             "mappings": 0,
         }
         self.backend.close()

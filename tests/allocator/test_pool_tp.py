@@ -27,17 +27,17 @@ def test_trim_plan_names_the_pages_the_pool_unmaps(backend: HostBackend) -> None
         blocks = [pool.alloc(7) for _ in range(8)]
         for b in blocks[1:6]:
             pool.free(b)  # leaves spares beyond max_spare_pages: trimmed one free at a time
-        pool.max_spare_pages = 10  # keep the next frees' spares to read a plan first
+        pool.store.max_spare_pages = 10  # keep the next frees' spares to read a plan first
         for b in blocks[6:]:
             pool.free(b)
         excess = pool.stats()["spare_pages"] - 1
         assert excess > 0
-        plan = pool.tp_trim_plan(excess)
-        assert [pool.tp_page_state(p) for p in plan] == ["spare"] * excess
+        plan = pool.store.tp_trim_plan(excess)
+        assert [pool.store.tp_page_state(p) for p in plan] == ["spare"] * excess
         before = mapped(pool)
-        pool.max_spare_pages = 1
-        with pool._lock:
-            pool._trim_locked()
+        pool.store.max_spare_pages = 1
+        with pool.store.lock:
+            pool.store.trim_locked()
         assert before - mapped(pool) == set(plan)
         pool.free(blocks[0])
 
@@ -45,8 +45,8 @@ def test_trim_plan_names_the_pages_the_pool_unmaps(backend: HostBackend) -> None
 def test_tp_state_and_page_states(backend: HostBackend) -> None:
     with SwaPool(backend, layers=2, layout=LAYOUT, max_spare_pages=4) as pool:
         ids = pool.alloc(20)
-        with pool._lock:
-            st = pool.tp_state()
+        with pool.store.lock:
+            st = pool.store.tp_state()
         stats = pool.stats()
         assert st == {
             "occupied_slots": 20,
@@ -55,10 +55,10 @@ def test_tp_state_and_page_states(backend: HostBackend) -> None:
             "live_handle_sets": stats["live_handle_sets"],
             "reserved_pages": 0,
         }
-        assert pool.tp_page_state(0) == "used"
-        assert pool.tp_page_state(LAYOUT.num_pages - 1) == "unmapped"
+        assert pool.store.tp_page_state(0) == "used"
+        assert pool.store.tp_page_state(LAYOUT.num_pages - 1) == "unmapped"
         pool.free(ids)
-        assert "spare" in {pool.tp_page_state(p) for p in mapped(pool)}
+        assert "spare" in {pool.store.tp_page_state(p) for p in mapped(pool)}
 
 
 def test_tp_config_differs_when_a_choice_could(backend: HostBackend) -> None:

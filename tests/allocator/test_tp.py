@@ -265,7 +265,7 @@ def test_an_attached_pool_refuses_a_mapper_occupy_and_a_second_group(
         with pytest.raises(ValueError, match="already follows a TP group"):
             TpCoordinator(pool)
         assert tp.rank == 0 and tp.size == 1
-    assert pool._tp is None
+    assert pool.store.tp is None
     pool.occupy([5])  # detached: the pool works alone again
     pool.free([5])
 
@@ -295,7 +295,7 @@ def test_a_single_rank_group_exchanges_only_on_page_changes(world1: Any, pool: S
 def test_a_ledger_labelled_for_another_rank_is_refused(world1: Any, pool: SwaPool) -> None:
     with pytest.raises(ValueError, match="tp_rank='3', expected '0'"):
         TpCoordinator(pool, ledger=Ledger(labels={"tp_rank": "3"}))
-    assert pool._tp is None
+    assert pool.store.tp is None
 
 
 def test_rank0_refusal_is_a_capacity_error_and_changes_nothing(world1: Any) -> None:
@@ -327,26 +327,29 @@ def test_pages_mapped_ahead_are_published_without_a_map_on_the_allocation_path(
         ledger, account, pool = _ledger_pool(backend, max_spare_pages=4)
         with pool, TpCoordinator(pool, timeout_s=5, ahead_pages=2) as tp:
             assert tp.wait_idle(5.0)
-            reserved = sorted(pool._tp_reserve)
+            reserved = sorted(pool.store.tp_reserve)
             assert (
-                len(reserved) == 2 and [pool.tp_page_state(p) for p in reserved] == ["reserved"] * 2
+                len(reserved) == 2
+                and [pool.store.tp_page_state(p) for p in reserved] == ["reserved"] * 2
             )
             assert account.mapped_pages == 1 + 2  # the null slot's page and the two ahead
             calls: list[tuple[str, int]] = []
-            real_map = pool._pages.map_page
+            real_map = pool.store.pages.map_page
 
             def map_page(page: int, handles: Any) -> None:
                 calls.append((threading.current_thread().name, page))
                 real_map(page, handles)
 
-            pool._pages.map_page = map_page  # type: ignore[method-assign]
+            pool.store.pages.map_page = map_page  # type: ignore[method-assign]
             ids = pool.alloc(10)  # page 0 holds 6 more: it needs a reserved page
             assert pool.is_page_mapped(reserved[0])
-            assert len(pool._tp_reserve) == 2  # topped up at the end of the op
+            assert len(pool.store.tp_reserve) == 2  # topped up at the end of the op
             assert tp.wait_idle(5.0)
             main = threading.current_thread().name
             assert [p for name, p in calls if name == main] == []  # published, not mapped here
-            assert [p for _, p in calls] == [max(pool._tp_reserve)]  # the top-up, by the thread
+            assert [p for _, p in calls] == [
+                max(pool.store.tp_reserve)
+            ]  # the top-up, by the thread
             pool.free(ids)
             assert pool.stats()["physical_bytes"] == account.handle_pages * pool.set_bytes
         # pool.close() closed the coordinator first: the reserve is given back
@@ -362,7 +365,7 @@ def test_detaching_gives_the_reserved_pages_back_and_the_pool_works_alone(world1
             with TpCoordinator(pool, timeout_s=5, ahead_pages=3) as tp:
                 tp.wait_idle(5.0)
                 assert account.mapped_pages == 4
-            assert pool._tp is None and not pool._tp_reserve
+            assert pool.store.tp is None and not pool.store.tp_reserve
             assert account.mapped_pages == 1 and account.handle_pages == 1
             assert pool.stats()["live_handle_sets"] == 1
             assert len(pool.alloc(20)) == 20
@@ -374,7 +377,7 @@ def test_mapping_ahead_stays_within_the_physical_budget(world1: Any) -> None:
     with HostBackend(granularity=tp_worker.GRANULARITY) as backend:
         _, _, pool = _ledger_pool(backend, physical_budget=3 * 2 * layout.page_bytes)
         with pool, TpCoordinator(pool, timeout_s=5, ahead_pages=5) as tp:
-            assert len(pool._tp_reserve) == 2  # the null slot's page holds the third set
+            assert len(pool.store.tp_reserve) == 2  # the null slot's page holds the third set
             tp.wait_idle(5.0)
             assert pool.stats()["physical_bytes"] <= 3 * 2 * layout.page_bytes
 

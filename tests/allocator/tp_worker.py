@@ -113,7 +113,7 @@ def run_trace(
 
 
 def _page_counter(pool: SwaPool) -> int:
-    obs = pool._observer
+    obs = pool.store.observer
     return getattr(obs, "pages_mapped_total", 0) + getattr(obs, "pages_unmapped_total", 0)
 
 
@@ -189,7 +189,7 @@ def main() -> int:
     result["occupied"] = pool.occupied_ids()
     result["mapped"] = [p for p in range(LAYOUT.num_pages) if pool.is_page_mapped(p)]
     result["stats"] = pool.stats()
-    result["reserved"] = sorted(pool._tp_reserve)
+    result["reserved"] = sorted(pool.store.tp_reserve)
     result["host_physical"] = backend.physical_bytes()
     assert coordinator is not None
     coordinator.close()

@@ -94,7 +94,11 @@ def test_promtool_check_rules(out):
 
 @needs_promtool
 def test_promtool_test_rules(out):
-    r = promtool("test", "rules", "tests/alerts_test.yml", cwd=out / "prometheus")
+    tests = sorted(
+        str(p.relative_to(out / "prometheus")) for p in out.glob("prometheus/tests/*.yml")
+    )
+    assert "tests/alerts_test.yml" in tests
+    r = promtool("test", "rules", *tests, cwd=out / "prometheus")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout + r.stderr
 

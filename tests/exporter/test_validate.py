@@ -118,3 +118,17 @@ def test_a_heartbeat_in_the_future_is_refused(published):
 )
 def test_unparseable_and_deeply_nested_files_are_refused(data, reason):
     assert _refused(data).reason == reason
+
+
+def test_reconciliation_keeps_every_key_a_truth_reader_writes(published):
+    """The exporter passes on what accounting.reconcile.result says (basis included), with
+    the difference recomputed rather than taken from the file."""
+    from accounting.reconcile import result
+
+    envelope, rows = published
+    entry = result("nvml", ledger_bytes=100, device_bytes=164, basis="process", detail={"a": 1})
+    forged = json.loads(json.dumps(envelope))
+    forged["snapshot"]["reconciliation"] = [{**entry, "unattributed_bytes": 0}]
+    _, snap = load(_bytes(forged, rows), "s.json", time.time())
+    (got,) = snap.to_dict()["reconciliation"]
+    assert got == entry

@@ -3,9 +3,17 @@
 Imported only by tests marked `sglang` (and the writes helper they run). The
 pool, `ReqToTokenPool`, `SWATokenToKVPoolAllocator` and the free paths
 (`free_swa_out_of_window_slots`, `free_kv_row_segments`) are SGLang's own;
-`RequestKv` stands in for SGLang's `ReqKvInfo`, whose module
-(`managers.schedule_batch`) pulls in the OpenAI client and more that the light
-venv does not carry: it has the fields those free paths read.
+`RequestKv` (from `kvledger.bench.sglang_engine`) stands in for SGLang's
+`ReqKvInfo`, whose module (`managers.schedule_batch`) pulls in the OpenAI client
+and more that the light venv does not carry: it has the fields those free paths
+read.
+
+The rig is pinned to the CPU: its pools and allocators are on "cpu" on every
+machine, and `make_allocator` makes SGLang's paged allocators run their
+torch-native paths, which SGLang itself only picks on a CPU-only platform (where
+CUDA is present it picks its Triton kernels whatever the pool's device, and
+they cannot take CPU tensors). The CUDA pools are the `gpu` tests' business
+(test_sglang_bridge_gpu.py).
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ from typing import Any
 
 import torch
 
+from kvledger.bench.sglang_engine import RequestKv, pin_torch_native
 from tests.accounting.sglang_reference import published as reference_published
+
+__all__ = ["RequestKv"]
 
 PAGE = 256
 RATIOS = [0, 0, 4, 128, 4, 128]
@@ -71,7 +82,7 @@ def make_allocator(
 ) -> Any:
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
-    return SWATokenToKVPoolAllocator(
+    alloc = SWATokenToKVPoolAllocator(
         FULL_PAGES * PAGE,
         pool.swa_size,
         page_size=page_size,
@@ -81,36 +92,14 @@ def make_allocator(
         need_sort=need_sort,
         req_to_token_pool=req_to_token,
     )
+    pin_torch_native(alloc)
+    return alloc
 
 
 def make_req_to_token() -> Any:
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     return ReqToTokenPool(4, 4096, "cpu", False)
-
-
-class RequestKv:
-    """The fields of SGLang 0.5.23's ReqKvInfo that its SWA free paths read."""
-
-    def __init__(self) -> None:
-        self.req_pool_idx: int | None = None
-        self.cache_protected_len = 0
-        self.swa_evict_floor = 0
-        self.kv_allocated_len = 0
-        self._evicted: dict[Any, int] = {}
-
-    @property
-    def holds_kv(self) -> bool:
-        return self.req_pool_idx is not None
-
-    def swa_dead_lo(self, page_size: int) -> int:
-        return max(self.cache_protected_len, self.swa_evict_floor)
-
-    def get_evicted_seqlen(self, component_type: Any) -> int:
-        return self._evicted.get(component_type, 0)
-
-    def set_evicted_seqlen(self, component_type: Any, length: int) -> None:
-        self._evicted[component_type] = length
 
 
 @dataclass

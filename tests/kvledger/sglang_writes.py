@@ -60,16 +60,14 @@ def main() -> int:
         bridge = attach(pool, Ledger(), allocator=alloc, backend=backend, env={ENV_ENABLE: "1"})
         assert bridge.active, bridge.reason
         assert _drive(pool, alloc, r2t) == pages
-        bases = bridge.swa_pool._pages.bases
+        bases = bridge.store.pages.bases
         rows = [0, *pages]
         written = pool.swa_kv_pool.kv_buffer
         in_vmm = all(
-            bases[i] <= t.data_ptr() < bases[i] + bridge.swa_pool.layout.reserved_bytes
+            bases[i] <= t.data_ptr() < bases[i] + bridge.store.pages.reserved_bytes
             for i, t in enumerate(written)
         )
-        vmm_views = [
-            bridge.swa_pool.buffer(i, torch.uint8, tuple(t.shape)) for i, t in enumerate(written)
-        ]
+        vmm_views = [bridge.tensors[i].view(tuple(t.shape)) for i, t in enumerate(written)]
         equal = all(
             torch.equal(vmm_views[i][rows], native.swa_kv_pool.kv_buffer[i][rows])
             for i in range(len(written))

@@ -19,6 +19,7 @@ from accounting.reconcile import host_memfd_truth
 from allocator.errors import IncompatibleError
 from allocator.host import HostBackend
 from kvledger.sglang_bridge import ENV_ENABLE, ENV_REQUIRE, attach, bridge_of, detach
+from kvledger.sglang_bridge.bridge import DEFAULT_POOL_OPTIONS
 from kvledger.sglang_bridge.compat import WRAPPED_METHODS, expected_row_bytes
 from tests.kvledger import sglang_rig as rig
 
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.sglang
 GRAN = 48 * 4096  # >= one 149,760-byte SWA row; 7 VMM pages per 9-row layer buffer
 ROW = expected_row_bytes(rig.PAGE)
 ON = {ENV_ENABLE: "1"}
-EXACT = {"max_spare_pages": 0, "handle_pool_pages": 0}  # pages go back as soon as they empty
+# Pages go back as soon as they empty, on the freeing thread (no background mapper).
+EXACT = {"max_spare_pages": 0, "handle_pool_pages": 0, "unmap_grace_s": 0.0, "map_ahead": False}
 # SGLang keeps these; "other" is the full->SWA index mapping the allocator registers on the pool.
 RUNTIME_FAMILIES = {
     "other",
@@ -87,12 +89,14 @@ def _row_pages(row: int) -> set[int]:
 def check(rg: Rig) -> Any:
     """Pages, ledger figures and host reconciliation agree with SGLang's allocator."""
     br, alloc = rg.bridge, rg.alloc
+    if br.mapper is not None:
+        assert br.mapper.wait_idle()
     engine = br.hooks.held_by_engine()
-    assert br.follower.held() == engine
+    assert br.follower.held().tolist() == engine
     assert br.follower.divergences == 0
     need = set().union(*(_row_pages(p) for p in [0, *engine]))
-    sp = br.swa_pool
-    mapped = {p for p in range(sp.layout.num_pages) if sp.is_page_mapped(p)}
+    sp = br.store
+    mapped = {p for p in range(sp.num_pages) if sp.is_mapped(p)}
     assert need <= mapped
     assert len(mapped - need) <= sp.max_spare_pages
     snap = rg.ledger.snapshot()
@@ -101,7 +105,7 @@ def check(rg: Rig) -> Any:
     layers = len(rg.pool.swa_kv_pool.kv_buffer)
     assert swa["occupied_slots"] == rig.PAGE * len(engine)
     assert swa["occupied_slots"] == alloc.size_swa - alloc.swa_available_size()
-    assert swa["tensor_bytes"] == layers * sp.layout.rows * ROW
+    assert swa["tensor_bytes"] == layers * br.facts.rows * ROW
     assert swa["mapped_bytes"] == len(mapped) * GRAN * layers
     assert swa["physical_bytes"] == sp.stats()["physical_bytes"]
     (rec,) = snap.reconciliation
@@ -112,7 +116,7 @@ def check(rg: Rig) -> Any:
 
 
 def usage_gb(snap: Any) -> float:
-    """sglang:kv_cache_memory_usage_gb: physical bytes of all families / 2^30 (docs/background.md#the-metric-contract)."""
+    """sglang:kv_cache_memory_usage_gb: physical bytes of all families / 2^30 (docs/background.md#the-four-figures)."""
     return snap.total("physical_bytes") / GB
 
 
@@ -136,9 +140,10 @@ def scrape(ledger: Ledger) -> dict[tuple[str, str | None], float]:
 def check_scrape(rg: Rig) -> float:
     """The exporter's headline and swa_kv gauges; returns the headline."""
     got = scrape(rg.ledger)
-    swa = rg.bridge.swa_pool
+    swa = rg.bridge.store
     layers = len(rg.pool.swa_kv_pool.kv_buffer)
-    assert got[("sglang:kv_cache_tensor_bytes", "swa_kv")] == layers * swa.layout.rows * ROW
+    rows = rg.bridge.facts.rows
+    assert got[("sglang:kv_cache_tensor_bytes", "swa_kv")] == layers * rows * ROW
     assert got[("sglang:kv_cache_physical_bytes", "swa_kv")] == swa.stats()["physical_bytes"]
     headline = got[("sglang:kv_cache_memory_usage_gb", None)]
     assert headline == pytest.approx(usage_gb(rg.ledger.snapshot(reconcile=False)))
@@ -161,7 +166,7 @@ def test_attach_replaces_each_swa_buffer_in_place(r: Rig) -> None:
     after = [(tuple(t.shape), t.dtype, t.is_contiguous()) for t in buffers]
     assert after == before == [((rig.SWA_PAGES + 1, ROW), torch.uint8, True)] * len(rig.RATIOS)
     for layer, t in enumerate(buffers):
-        assert t.data_ptr() == br.swa_pool.tensors[layer].data_ptr()
+        assert t.data_ptr() == br.tensors[layer].data_ptr()
         assert r.pool.get_swa_raw_buffer(layer).data_ptr() == t.data_ptr()
         assert r.pool.get_swa_key_buffer_radix(layer).data_ptr() == t.data_ptr()
     assert others == {id(t) for t in r.pool.c4_kv_pool.kv_buffer} | {
@@ -199,33 +204,33 @@ def test_prefill_decode_window_eviction_and_finish_move_pages(r: Rig) -> None:
     a = s.prefill(300)  # 2 pages
     b = s.prefill(600)  # 3 pages
     snap = check(r)
-    assert r.bridge.follower.held_pages == 5
+    assert r.bridge.follower.held_rows == 5
     assert usage_gb(snap) > g0
     assert check_scrape(r) == pytest.approx(usage_gb(snap))
 
     for _ in range(230):  # a: 300 -> 530 and b: 600 -> 830 each cross into one more page
         s.decode([a, b])
     snap = check(r)
-    assert r.bridge.follower.held_pages == 7
+    assert r.bridge.follower.held_rows == 7
     peak = usage_gb(snap)
 
     s.evict_window(a)  # tokens [0, 256) of a left the 128-token window
     assert s.evicted(a) == 256
     snap = check(r)
-    assert r.bridge.follower.held_pages == 6
+    assert r.bridge.follower.held_rows == 6
     assert usage_gb(snap) <= peak
     assert check_scrape(r) == pytest.approx(usage_gb(snap))
 
     s.evict_window(b)  # b at 830: [0, 512) leaves the window
     assert s.evicted(b) == 512
     check(r)
-    assert r.bridge.follower.held_pages == 4
+    assert r.bridge.follower.held_rows == 4
 
     s.finish(b)
     check(r)
     s.finish(a)
     snap = check(r)
-    assert r.bridge.follower.held_pages == 0
+    assert r.bridge.follower.held_rows == 0
     assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 0
     assert usage_gb(snap) == g0  # back to the padding page and the runtime families
     assert check_scrape(r) == pytest.approx(g0)
@@ -240,8 +245,10 @@ def test_spare_pages_stay_mapped_with_default_pool_options(r: Rig) -> None:
     snap = check(r)
     swa = snap.rollup("family")[("swa_kv",)]
     assert swa["occupied_slots"] == 0
-    # One spare page id stays mapped and its handle set is counted, not lost.
-    assert swa["mapped_bytes"] == 2 * GRAN * len(rig.RATIOS)
+    # Spare page ids stay mapped (mapped ahead for the next allocations, up to the default
+    # max_spare_pages) and their handle sets are counted, not lost.
+    spares = DEFAULT_POOL_OPTIONS["max_spare_pages"]
+    assert swa["mapped_bytes"] == (1 + spares) * GRAN * len(rig.RATIOS)
     assert GRAN * len(rig.RATIOS) < swa["physical_bytes"] <= held
 
 
@@ -252,10 +259,10 @@ def test_free_group_returns_pages_at_group_end(r: Rig) -> None:
     r.alloc.free_group_begin()
     r.sched.finish(a)
     r.sched.finish(b)
-    assert r.bridge.follower.held_pages == 3  # SGLang defers; so does the mapping
+    assert r.bridge.follower.held_rows == 3  # SGLang defers; so does the mapping
     check(r)
     r.alloc.free_group_end()
-    assert r.bridge.follower.held_pages == 0
+    assert r.bridge.follower.held_rows == 0
     check(r)
 
 
@@ -273,12 +280,12 @@ def test_staged_frees_and_their_merge_are_followed() -> None:
         check(rg)
         big = s.prefill(5 * rig.PAGE)  # 2 free pages left: forces the merge
         assert rg.alloc.swa_attn_allocator.num_staged_pages == 0
-        assert rg.bridge.follower.held_pages == 7
+        assert rg.bridge.follower.held_rows == 7
         check(rg)
         s.finish(big)
         s.finish(reqs[1])
         check(rg)
-        assert rg.bridge.follower.held_pages == 0
+        assert rg.bridge.follower.held_rows == 0
     finally:
         rg.close()
 
@@ -287,7 +294,7 @@ def test_clear_gives_every_page_back(r: Rig) -> None:
     r.attach(pool_options=EXACT)
     r.sched.prefill(4 * rig.PAGE)
     r.alloc.clear()
-    assert r.bridge.follower.held_pages == 0
+    assert r.bridge.follower.held_rows == 0
     check(r)
 
 
@@ -306,13 +313,13 @@ def test_attach_with_live_pages_copies_them_and_follows(r: Rig) -> None:
         for p in [0, *pages]:
             t[p].fill_(layer * 16 + p + 1)
     r.attach(pool_options=EXACT)
-    assert r.bridge.follower.held() == pages
+    assert r.bridge.follower.held().tolist() == pages
     for layer, t in enumerate(sub.kv_buffer):
         for p in [0, *pages]:
             assert bool((t[p] == layer * 16 + p + 1).all())
     check(r)
     r.sched.finish(a)
-    assert r.bridge.follower.held_pages == 0
+    assert r.bridge.follower.held_rows == 0
     check(r)
 
 
@@ -323,6 +330,7 @@ def _nothing_changed(rg: Rig, buffers: list[Any]) -> None:
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
     }
     assert rg.backend.physical_bytes() == 0
@@ -370,7 +378,7 @@ def test_detach_restores_native_buffers_and_leaves_nothing_mapped(r: Rig) -> Non
 
     br = r.attach(pool_options=EXACT)
     a = r.sched.prefill(2 * rig.PAGE)
-    live = br.follower.held()
+    live = br.follower.held().tolist()
     sub = r.pool.swa_kv_pool
     for layer, t in enumerate(sub.kv_buffer):
         t[live[-1]].fill_(layer + 7)
@@ -381,6 +389,7 @@ def test_detach_restores_native_buffers_and_leaves_nothing_mapped(r: Rig) -> Non
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
     }
     assert r.backend.physical_bytes() == 0
@@ -395,7 +404,7 @@ def test_detach_restores_native_buffers_and_leaves_nothing_mapped(r: Rig) -> Non
     b = r.sched.prefill(rig.PAGE)
     again = r.attach(pool_options=EXACT)
     assert again is not br and again.active
-    assert again.follower.held() == r.bridge.hooks.held_by_engine() != []
+    assert again.follower.held().tolist() == r.bridge.hooks.held_by_engine() != []
     check(r)
     r.sched.finish(b)
     check(r)
@@ -521,7 +530,10 @@ def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
     into a native pool, and detach carries the rows back. A subprocess, because
     TRITON_INTERPRET is read when SGLang's kernels are defined."""
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    # Extend PYTHONPATH, never replace it: SGLang may be importable only through it
+    # (the device's carried wheels in /tmp/site).
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.kvledger.sglang_writes"],
         cwd=root,
@@ -541,6 +553,60 @@ def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
         "physical_bytes": 0,
     }
+
+
+class _FakeEvent:
+    """A CUDA event stand-in for the read-back path: not complete until the test says."""
+
+    def __init__(self) -> None:
+        self.complete = False
+
+    def query(self) -> bool:
+        return self.complete
+
+    def synchronize(self) -> None:
+        self.complete = True
+
+
+def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_needed(
+    r: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA read-back path on CPU: freed ids arrive later (a pinned copy and an event).
+    Until then the rows stay held and their pages mapped; an allocation after the copy
+    landed reads them without waiting; one that needs them sooner waits, and is counted."""
+    from kvledger.sglang_bridge import bridge as bridge_mod
+    from kvledger.sglang_bridge.readback import PendingIds
+
+    events: list[_FakeEvent] = []
+
+    class Reader:
+        waits = 0
+
+        def read(self, t: Any) -> PendingIds:
+            events.append(_FakeEvent())
+            return PendingIds(t.reshape(-1).clone(), events[-1], self)
+
+        def fence(self, pending: PendingIds) -> Any:
+            return pending
+
+    monkeypatch.setattr(bridge_mod, "reader_for", lambda device: Reader())
+    br = r.attach(pool_options=EXACT)
+    a = r.sched.prefill(2 * rig.PAGE)
+    rows = br.follower.held().tolist()
+    r.sched.finish(a)
+    assert br.follower.held_rows == 2  # not read back yet: nothing given back, nothing unmapped
+    assert all(br.store.is_mapped(p) for p in br.follower.pages_of(rows))
+    for ev in events:
+        ev.complete = True
+    b = r.sched.prefill(rig.PAGE)  # the copy landed: read without waiting
+    assert br.stats()["readback_waits"] == 0
+    check(r)
+    r.sched.finish(b)
+    c = r.sched.prefill(rig.PAGE)  # needs the ids just freed (SGLang hands them out first)
+    assert br.stats()["readback_waits"] == 1
+    check(r)
+    r.sched.finish(c)

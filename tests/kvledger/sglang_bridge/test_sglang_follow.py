@@ -1,4 +1,5 @@
-"""PageFollower and TokenObserver on the host backend, with SGLang's DSV4 SWA geometry (no sglang)."""
+"""RowFollower (on a page store) and TokenObserver on the host backend, with SGLang's DSV4 SWA
+geometry (no sglang)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from accounting.ledger import Ledger
 from accounting.reconcile import host_memfd_truth
 from allocator.host import HostBackend
 from allocator.layout import SlotLayout
-from allocator.pool import SwaPool
+from allocator.rows import RowFollower
+from allocator.store import PageStore
 from kvledger.sglang_bridge.compat import V4_TOKEN_BYTES, expected_row_bytes
-from kvledger.sglang_bridge.follow import PageFollower, TokenObserver
+from kvledger.sglang_bridge.follow import TokenObserver
 
 PAGE_TOKENS = 256
 ROW = expected_row_bytes(PAGE_TOKENS)  # 149,760
@@ -47,17 +49,21 @@ class Rig:
             specs, page_bytes=GRAN, capacity_slots=ROWS * PAGE_TOKENS
         )
         self.ledger.add_truth(host_memfd_truth(self.backend.physical_bytes))
-        self.pool = SwaPool(
+        self.pool = PageStore(
             self.backend,
             layers=LAYERS,
-            layout=self.layout,
+            page_bytes=GRAN,
+            num_pages=self.layout.num_pages,
             observer=TokenObserver(self.account, PAGE_TOKENS),
             **pool_options,  # type: ignore[arg-type]
         )
-        self.follower = PageFollower(self.pool)
+        self.follower = RowFollower(self.pool, rows=ROWS, row_bytes=ROW)
 
     def mapped(self) -> set[int]:
-        return {p for p in range(self.layout.num_pages) if self.pool.is_page_mapped(p)}
+        return {p for p in range(self.layout.num_pages) if self.pool.is_mapped(p)}
+
+    def held(self) -> list[int]:
+        return self.follower.held().tolist()  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self.pool.close()
@@ -76,18 +82,17 @@ def row_pages(row: int) -> set[int]:
     return set(range(a // GRAN, (a + ROW - 1) // GRAN + 1))
 
 
-def test_null_slot_is_the_padding_page(rig: Rig) -> None:
-    assert rig.pool.null_slot == 0
+def test_row_zero_is_the_padding_page(rig: Rig) -> None:
     assert rig.mapped() == row_pages(0) == {0}
-    assert rig.follower.held_pages == 0
+    assert rig.follower.held_rows == 0
     snap = rig.ledger.snapshot()
     assert snap.total("occupied_slots") == 0
     assert snap.total("physical_bytes") == GRAN * LAYERS == rig.backend.physical_bytes()
 
 
 def test_take_maps_the_rows_pages_and_counts_tokens(rig: Rig) -> None:
-    assert rig.follower.take([3, 5]) == [3, 5]
-    assert rig.follower.held() == [3, 5]
+    assert rig.follower.take([3, 5]) == 2
+    assert rig.held() == [3, 5]
     assert rig.mapped() == row_pages(0) | row_pages(3) | row_pages(5)
     snap = rig.ledger.snapshot()
     assert snap.violations == ()
@@ -100,9 +105,9 @@ def test_take_maps_the_rows_pages_and_counts_tokens(rig: Rig) -> None:
 
 def test_give_back_unmaps_what_empties(rig: Rig) -> None:
     rig.follower.take([1, 2, 3])
-    assert rig.follower.give_back([2]) == [2]
+    assert rig.follower.give_back([2]) == 1
     assert rig.mapped() == row_pages(0) | row_pages(1) | row_pages(3)
-    assert rig.follower.give_back([1, 3]) == [1, 3]
+    assert rig.follower.give_back([1, 3]) == 2
     assert rig.mapped() == {0}
     snap = rig.ledger.snapshot()
     assert snap.total("occupied_slots") == 0
@@ -111,9 +116,9 @@ def test_give_back_unmaps_what_empties(rig: Rig) -> None:
 
 def test_give_back_all(rig: Rig) -> None:
     rig.follower.take([1, 4, 8])
-    assert rig.follower.give_back_all() == [1, 4, 8]
-    assert rig.follower.held_pages == 0 and rig.mapped() == {0}
-    assert rig.follower.give_back_all() == []
+    assert rig.follower.give_back_all() == 3
+    assert rig.follower.held_rows == 0 and rig.mapped() == {0}
+    assert rig.follower.give_back_all() == 0
 
 
 def test_disagreements_are_counted_and_not_applied(
@@ -121,16 +126,36 @@ def test_disagreements_are_counted_and_not_applied(
 ) -> None:
     rig.follower.take([2])
     epoch = rig.ledger.epoch
-    assert rig.follower.take([2]) == []  # already held
-    assert rig.follower.give_back([4]) == []  # never taken
-    assert rig.follower.take([0, ROWS, -1]) == []  # padding page and out of range
-    assert rig.follower.take([5, 5]) == [5]  # a duplicate within one call
+    assert rig.follower.take([2]) == 0  # already held
+    assert rig.follower.give_back([4]) == 0  # never taken
+    assert rig.follower.take([0, ROWS, -1]) == 0  # padding page and out of range
+    assert rig.follower.take([6, 2]) == 1  # the held one is skipped, the other applied
     assert rig.follower.divergences == 6
     assert "disagree" in caplog.text
-    assert rig.follower.held() == [2, 5]
+    assert rig.held() == [2, 6]
     assert rig.ledger.epoch > epoch
     with pytest.raises(TypeError, match="expected an int"):
-        rig.follower.take(["3"])  # type: ignore[list-item]
+        rig.follower.take(["3"])
+
+
+def test_a_row_taken_twice_in_one_call_is_caught_and_the_counts_rebuilt(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang never hands out a page twice in one call; if it did, the counts check that
+    runs every REPORT_EVERY calls finds it, counts it and rebuilds the page counts, so the
+    page still unmaps when the row goes back."""
+    from allocator.reporting import REPORT_EVERY
+
+    rig.follower.take([5, 5])
+    for _ in range(REPORT_EVERY):
+        rig.follower.take([7])
+        rig.follower.give_back([7])
+    assert rig.follower.divergences == 1
+    assert "taken twice" in caplog.text
+    assert rig.held() == [5] and rig.follower.held_rows == 1
+    assert rig.ledger.snapshot().total("occupied_slots") == PAGE_TOKENS
+    rig.follower.give_back([5])
+    assert rig.mapped() == {0}
 
 
 def test_spares_follow_the_pool_options() -> None:
@@ -139,6 +164,7 @@ def test_spares_follow_the_pool_options() -> None:
         r.follower.take([1, 2])
         r.follower.give_back([1, 2])
         stats = r.pool.stats()
+        assert stats["mapped_pages"] == 2  # the padding page and the one spare
         assert stats["occupied_slots"] == 0
         assert stats["spare_pages"] == 1 and stats["kept_handle_sets"] == 1
         snap = r.ledger.snapshot()
@@ -157,6 +183,7 @@ def test_close_releases_everything() -> None:
         "reservations": 0,
         "reserved_bytes": 0,
         "handles": 0,
+        "handle_bytes": 0,
         "mappings": 0,
     }
     acc = r.ledger.accounts()[0]
@@ -164,19 +191,17 @@ def test_close_releases_everything() -> None:
     r.ledger.remove_account(acc)
 
 
-def test_follower_needs_a_null_slot() -> None:
+def test_follower_refuses_bad_geometry() -> None:
     with HostBackend(granularity=GRAN) as be:
         layout = SlotLayout(capacity_slots=ROWS, slot_bytes=ROW, page_bytes=GRAN)
-        with (
-            SwaPool(be, layers=1, layout=layout, null_slot=False) as pool,
-            pytest.raises(ValueError, match="no null slot"),
-        ):
-            PageFollower(pool)
-        with (
-            SwaPool(be, layers=1, layout=layout) as pool,
-            pytest.raises(ValueError, match="first_page"),
-        ):
-            PageFollower(pool, first_page=0)
+        with PageStore(be, layers=1, page_bytes=GRAN, num_pages=layout.num_pages) as store:
+            with pytest.raises(ValueError, match="first_row"):
+                RowFollower(store, rows=ROWS, row_bytes=ROW, first_row=0)
+            with pytest.raises(ValueError, match="exceed"):
+                RowFollower(store, rows=ROWS * 2, row_bytes=ROW)
+            RowFollower(store, rows=ROWS, row_bytes=ROW)
+            with pytest.raises(ValueError, match="already has a user"):
+                RowFollower(store, rows=ROWS, row_bytes=ROW)
 
 
 def test_token_observer_scales_slot_events_only() -> None:

@@ -73,7 +73,7 @@ def test_register_off_in_this_process_registers_nothing(monkeypatch: pytest.Monk
 
 
 def test_snapshot_dir_from_the_environment_or_the_shared_default() -> None:
-    from kvledger.demo import default_snapshot_dir
+    from accounting.snapdir import default_snapshot_dir
 
     assert snapshot_dir({"KVLEDGER_SNAPSHOT_DIR": "/x/y"}) == "/x/y"
     assert snapshot_dir({}) == default_snapshot_dir()

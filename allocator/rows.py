@@ -1,0 +1,301 @@
+"""The row follower: an engine hands out whole rows of a layer buffer; the page store follows.
+
+SGLang's paged allocator hands out pages of `page_size` tokens; the bridge lays its SWA
+buffer out so that one engine page is one row (`row_bytes`) of every layer buffer. The
+follower keeps, per row, whether the engine holds it and, per page id of the store, how
+many (row, end) incidences touch it: a row adds one for the page its first byte lies in and
+one for the page its last byte lies in (the same page twice when it does not straddle), so a
+page is in use exactly when its count is non-zero. Both are numpy arrays, updated with a
+handful of vectorised operations per call whatever the number of rows; Python work happens
+only for the pages whose use changes (a page filling up from empty, or emptying).
+
+Row 0 is the engine's padding row: held from the start, uncounted, never taken or given
+back. A row taken twice or given back while not held means the engine and the follower
+disagree: it is not applied, it is counted in `divergences` and logged, never raised (that
+would take the engine's scheduler down for a bookkeeping error). A duplicate inside one
+`take` is caught by the count check every `REPORT_EVERY` calls, which rebuilds the page
+counts from the held rows.
+
+Every take that found a page of its rows unmapped maps it on the spot: it waited on the
+driver, and `waited` counts it (the background mapper, fed with `ahead`, keeps that at 0).
+See docs/allocator.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from allocator.store import BUSY, MAPPED, Fence, PageStore
+
+log = logging.getLogger(__name__)
+
+
+def as_rows(ids: Any) -> np.ndarray:
+    """Row ids as a 1-D int64 numpy array: a CPU tensor is viewed, not copied."""
+    if type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype.kind in "iu":
+        return ids  # the hooks' case: a slice of the free-list mirror, a read-back view
+    if hasattr(ids, "numpy") and hasattr(ids, "device"):
+        if ids.device.type != "cpu":
+            raise ValueError(f"row ids on {ids.device}, expected host ids (read them back first)")
+        ids = ids.numpy()
+    out = np.asarray(ids)
+    if out.dtype.kind not in "iu":
+        if out.size == 0:
+            return np.zeros(0, np.int64)
+        raise TypeError(f"row ids of dtype {out.dtype}, expected an int")
+    return out.reshape(-1)
+
+
+class RowFollower:
+    def __init__(
+        self,
+        store: PageStore,
+        *,
+        rows: int,
+        row_bytes: int,
+        first_row: int = 1,
+        name: str = "rows",
+    ) -> None:
+        if not 0 < first_row < rows:
+            raise ValueError(f"first_row={first_row!r}, expected 0 < first_row < {rows} (rows)")
+        if rows * row_bytes > store.num_pages * store.page_bytes:
+            raise ValueError(
+                f"{rows} rows of {row_bytes} bytes exceed the store's "
+                f"{store.num_pages} pages of {store.page_bytes} bytes"
+            )
+        self.store = store
+        self.name = name
+        self.rows = rows
+        self.first_row = first_row
+        self._row_bytes = row_bytes
+        pb = store.page_bytes
+        start = np.arange(rows, dtype=np.int64) * row_bytes
+        self._pages2 = np.stack([start // pb, (start + row_bytes - 1) // pb], axis=1)
+        self._pages2 = self._pages2.astype(np.intp)
+        self._held = np.zeros(rows, dtype=np.bool_)
+        self._count = np.zeros(store.num_pages, dtype=np.int32)
+        self._state = np.frombuffer(store.state, dtype=np.uint8)  # the store's, shared
+        self.held_rows = 0
+        self.divergences = 0
+        self.takes = 0  # take calls that handed out at least one row
+        self.give_backs = 0  # give_back calls that returned at least one row
+        self.waited = 0  # takes that mapped a page on the spot: waited on the driver
+        with store.lock:
+            if store.user is not None:
+                raise ValueError(f"store {store.name!r} already has a user")
+            store.user = self
+            self._apply_take(np.zeros(1, np.int64), count=False)  # the padding row
+
+    # -- public ------------------------------------------------------------------------------
+    def take(self, ids: Any) -> int:
+        """The engine handed out rows `ids`: they are held, their pages in use (mapped now if
+        the mapper has not). Returns the number of rows applied; all or nothing on a
+        CapacityError or DriverError from mapping."""
+        r = as_rows(ids)
+        if r.size == 0:
+            return 0
+        store = self.store
+        with store.lock:
+            store.check_open("take")
+            if not self._all_rows_in(r, held=False):
+                r = self._sort_out(r, want_held=False, op="take")
+                if r.size == 0:
+                    return 0
+            self._apply_take(r, count=True)
+            self.takes += 1
+            due = store.tick()
+        if due:
+            self._check_counts()
+            store.safe_point()
+        return int(r.size)
+
+    def give_back(self, ids: Any, fence: Fence | None = None) -> int:
+        """The engine returned rows `ids` to its free list. Pages that empty become spares,
+        unmapped by the store's policy once `fence` (the GPU work that used them) is done.
+        Never raises for driver failures (counted by the store)."""
+        r = as_rows(ids)
+        if r.size == 0:
+            return 0
+        store = self.store
+        with store.lock:
+            store.check_open("give_back")
+            if not self._all_rows_in(r, held=True):
+                r = self._sort_out(r, want_held=True, op="give_back")
+                if r.size == 0:
+                    return 0
+            self._apply_give_back(r, fence)
+            self.give_backs += 1
+            due = store.tick()
+        if due:
+            self._check_counts()
+            store.safe_point()
+        return int(r.size)
+
+    def give_back_all(self, fence: Fence | None = None) -> int:
+        return self.give_back(self.held(), fence)
+
+    def held(self) -> np.ndarray:
+        """The rows held now, ascending (the padding row excluded)."""
+        with self.store.lock:
+            return np.flatnonzero(self._held[self.first_row :]) + self.first_row
+
+    def pages_of(self, ids: Any) -> list[int]:
+        """The page ids rows `ids` touch, ascending."""
+        return sorted(set(self._pages2[as_rows(ids)].ravel().tolist()))
+
+    def ahead(self, ids: Any) -> None:
+        """Rows the engine hands out next: the store's mapper maps their pages ahead."""
+        pages = self._pages2[as_rows(ids)].ravel()
+        with self.store.lock:
+            self.store.set_ahead(np.unique(pages).tolist())
+
+    def fragmented(self) -> bool:
+        """More page ids mapped than the held rows need packed, beyond the spares and one."""
+        store = self.store
+        per_page = store.page_bytes / self._row_bytes
+        need = -(-(self.held_rows + 1) // per_page)  # + the padding row
+        return store.state.count(MAPPED) > need + store.max_spare_pages + 1
+
+    def pack_order(self, free: np.ndarray) -> np.ndarray:
+        """`free` (an engine's free rows) reordered to pack: rows whose pages hold the most
+        rows first, then rows of mapped spare pages, then the rest; ascending within each."""
+        pages = self._pages2[free]
+        occupancy = self._count[pages[:, 0]] + self._count[pages[:, 1]]
+        mapped = (self._state[pages[:, 0]] == MAPPED) & (self._state[pages[:, 1]] == MAPPED)
+        return free[np.lexsort((free, ~mapped, -occupancy))]
+
+    def pages_changed(self, pages: Iterable[int]) -> None:
+        pass  # in-use is kept by the counts; nothing tiered here
+
+    # -- internals ---------------------------------------------------------------------------
+    # np.count_nonzero is a plain C call; ndarray.any/all/min/max go through Python wrappers
+    # that cost several times more on these few-element arrays.
+    def _all_rows_in(self, r: np.ndarray, *, held: bool) -> bool:
+        """Every id of `r` a takeable row (not the padding row, in range) that is held (or
+        not held); duplicates inside one call are left to `_check_counts`."""
+        try:
+            h = self._held[r]
+        except IndexError:
+            return False
+        if np.count_nonzero(r < self.first_row):
+            return False
+        return np.count_nonzero(h) == (r.size if held else 0)
+
+    def _apply_take(self, r: np.ndarray, *, count: bool) -> None:
+        store = self.store
+        touch = self._pages2[r].ravel()
+        before = self._count[touch]
+        if np.count_nonzero(before) != touch.size:  # a page goes from unused to used: map it
+            fresh = sorted(set(touch[before == 0].tolist()))  # a few pages: cheaper than np.unique
+            self._ensure_mapped(fresh, count=count)
+            for p in fresh:
+                store.set_use(p, True)
+            if store.mapper is not None and len(store.spares) < store.max_spare_pages:
+                store.cond.notify_all()  # spares were used up: the mapper maps the next ahead
+        np.add.at(self._count, touch, 1)
+        self._held[r] = True
+        if count:
+            self.held_rows += int(r.size)
+            store.add_occupied(int(r.size))
+            if len(store.spares) < store.min_spare_pages:
+                store.cond.notify_all()
+
+    def _ensure_mapped(self, pages: list[int], *, count: bool) -> None:
+        """Map what is not mapped yet; a take that had to (or waited for the mapper to
+        finish one) waited on the driver and is counted (the padding row's is not)."""
+        store = self.store
+        waited = False
+        try:
+            while True:
+                missing = [p for p in pages if self._state[p] != MAPPED]
+                if not missing:
+                    return
+                waited = True
+                if any(self._state[p] == BUSY for p in missing):
+                    store.cond.wait(timeout=1.0)  # the mapper is on it
+                    store.check_open("take")
+                    continue
+                store.check_budget(
+                    store.sets_needed(missing), f"take rows ({len(missing)} new page ids)"
+                )
+                store.map_locked(missing)
+                return
+        finally:
+            if waited and count:
+                self.waited += 1
+
+    def _apply_give_back(self, r: np.ndarray, fence: Fence | None) -> None:
+        store = self.store
+        touch = self._pages2[r].ravel()
+        self._held[r] = False
+        np.subtract.at(self._count, touch, 1)
+        after = self._count[touch]
+        if np.count_nonzero(after) != touch.size:
+            emptied = sorted(set(touch[after == 0].tolist()))
+            for p in emptied:
+                store.set_use(p, False)
+            if fence is not None:
+                store.fence(emptied, fence)
+        self.held_rows -= int(r.size)
+        store.add_occupied(-int(r.size))
+        store.after_release_locked()
+
+    def _sort_out(self, r: np.ndarray, *, want_held: bool, op: str) -> np.ndarray:
+        out: list[int] = []
+        seen: set[int] = set()
+        bad: list[int] = []
+        for p in r.tolist():
+            if not self.first_row <= p < self.rows or p in seen:
+                bad.append(p)
+                continue
+            seen.add(p)
+            if bool(self._held[p]) != want_held:
+                bad.append(p)
+                continue
+            out.append(p)
+        if bad:
+            self._diverged(len(bad))
+            state = "not held (foreign or double give-back)" if want_held else "already held"
+            log.warning(
+                "%s: %s of rows %s skipped: %s or outside [%d, %d); the engine and the "
+                "follower disagree",
+                self.name,
+                op,
+                bad[:16],
+                state,
+                self.first_row,
+                self.rows,
+            )
+        return np.asarray(out, dtype=np.int64)
+
+    def _diverged(self, n: int) -> None:
+        self.divergences += n
+
+    def _check_counts(self) -> None:
+        """Every REPORT_EVERY calls: the held rows match the count (a duplicate inside one
+        take breaks it); if not, count the divergence and rebuild the page counts."""
+        store = self.store
+        with store.lock:
+            held = int(np.count_nonzero(self._held[self.first_row :]))
+            if held == self.held_rows or store.closed:
+                return
+            log.warning(
+                "%s: %d rows held but %d counted (a row taken twice in one call); rebuilding",
+                self.name,
+                held,
+                self.held_rows,
+            )
+            self._diverged(abs(self.held_rows - held))
+            store.add_occupied(held - self.held_rows)
+            self.held_rows = held
+            count = np.bincount(self._pages2[self._held].ravel(), minlength=store.num_pages).astype(
+                np.int32
+            )
+            for p in np.flatnonzero((count == 0) & (self._count != 0)).tolist():
+                store.set_use(p, False)
+            self._count[:] = count
+            store.after_release_locked()

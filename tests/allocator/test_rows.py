@@ -1,0 +1,188 @@
+"""RowFollower on a page store: fences (a page is never unmapped while GPU work may use it),
+unmap hysteresis, map-ahead (no take waits on the driver) and the release of everything."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from allocator.host import HostBackend
+from allocator.mapper import BackgroundMapper
+from allocator.rows import RowFollower
+from allocator.store import PageStore
+from tests.allocator.rigs import KIB
+
+GRAN = 64 * KIB
+ROW = 24 * KIB  # 8 rows in 3 pages: rows 2 and 5 straddle
+ROWS = 64
+PAGES = ROWS * ROW // GRAN
+LAYERS = 2
+
+
+class FakeFence:
+    """A device fence stand-in: not done until `signal()`; `wait()` blocks until then, as a
+    device synchronisation blocks until the queued kernels have run."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.waited = 0
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self.waited += 1
+        assert self._event.wait(10), "nobody signalled the fence"
+
+    def signal(self) -> None:
+        self._event.set()
+
+
+@pytest.fixture
+def host() -> Iterator[HostBackend]:
+    be = HostBackend(GRAN)
+    yield be
+    be.close()
+
+
+def make(host: HostBackend, **options: object) -> tuple[PageStore, RowFollower]:
+    store = PageStore(host, layers=LAYERS, page_bytes=GRAN, num_pages=PAGES, **options)  # type: ignore[arg-type]
+    return store, RowFollower(store, rows=ROWS, row_bytes=ROW)
+
+
+def pages_of_rows(rows: list[int]) -> set[int]:
+    return {p for r in rows for p in range(r * ROW // GRAN, ((r + 1) * ROW - 1) // GRAN + 1)}
+
+
+def mapped(store: PageStore) -> set[int]:
+    return {p for p in range(PAGES) if store.is_mapped(p)}
+
+
+def every_layer_mapped(host: HostBackend, store: PageStore, page: int) -> bool:
+    return all(host.is_mapped(store.address(layer, page)) for layer in range(LAYERS))
+
+
+def test_take_and_give_back_follow_rows_onto_pages(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=0, handle_pool_pages=0)
+    with store:
+        assert mapped(store) == pages_of_rows([0])
+        assert f.take(np.array([9, 10, 11])) == 3
+        assert mapped(store) == pages_of_rows([0, 9, 10, 11])
+        assert f.give_back([10]) == 1
+        assert mapped(store) == pages_of_rows([0, 9, 11])  # row 10's page still has 9 and 11
+        f.give_back([9, 11])
+        assert mapped(store) == pages_of_rows([0])
+        assert store.stats()["occupied_slots"] == 0 and f.held_rows == 0
+    assert host.stats()["handles"] == 0 and host.physical_bytes() == 0
+
+
+def test_a_page_is_not_unmapped_before_its_fence_signals(host: HostBackend) -> None:
+    """The CUDA rule on the CPU: a page given back under an unsignalled fence stays mapped
+    (a kernel may still read it; unmapping would fault); it goes once the fence is done."""
+    store, f = make(host, max_spare_pages=0, handle_pool_pages=0)
+    with store:
+        f.take([20, 21])
+        page = 20 * ROW // GRAN
+        fence = FakeFence()
+        f.give_back([20, 21], fence)
+        assert store.is_mapped(page) and every_layer_mapped(host, store, page)
+        f.take([40])  # more traffic: still not unmapped
+        f.give_back([40])
+        assert store.is_mapped(page)
+        fence.signal()
+        f.take([41])
+        f.give_back([41])  # the next release finds the fence done
+        assert not store.is_mapped(page) and not every_layer_mapped(host, store, page)
+
+
+def test_the_mapper_waits_for_fences_too(host: HostBackend) -> None:
+    """The mapper waits on a fenced spare's fence (off the allocating thread) and unmaps it
+    only once that returned."""
+    store, f = make(host, max_spare_pages=0, handle_pool_pages=0)
+    with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:
+        f.take([30])
+        page = 30 * ROW // GRAN
+        fence = FakeFence()
+        f.give_back([30], fence)
+        time.sleep(0.1)
+        assert fence.waited == 1  # the mapper is waiting on it...
+        assert store.is_mapped(page)  # ...and has not unmapped the page
+        fence.signal()
+        assert mapper.wait_idle()
+        assert not store.is_mapped(page) and not every_layer_mapped(host, store, page)
+
+
+def test_close_waits_for_pending_fences(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=0)
+    f.take([12])
+    fence = FakeFence()
+    f.give_back([12], fence)
+    threading.Timer(0.1, fence.signal).start()
+    t0 = time.monotonic()
+    store.close()
+    assert fence.waited == 1 and time.monotonic() - t0 >= 0.09
+    assert host.stats()["mappings"] == 0
+
+
+def test_unmap_hysteresis_keeps_a_refilled_page_mapped(host: HostBackend) -> None:
+    """With a grace, a page emptied and refilled within it is neither unmapped nor mapped
+    again; one that stays empty longer is unmapped by the next release."""
+    store, f = make(host, max_spare_pages=0, handle_pool_pages=0, unmap_grace_s=0.2)
+    with store:
+        f.take([30])
+        maps = store.pages_mapped_total
+        for _ in range(20):  # a finish and an admission reusing the row, again and again
+            f.give_back([30])
+            f.take([30])
+        assert store.pages_mapped_total == maps and store.pages_unmapped_total == 0
+        f.give_back([30])
+        page = 30 * ROW // GRAN
+        assert store.is_mapped(page)  # within the grace
+        time.sleep(0.25)
+        f.take([50])
+        f.give_back([50])  # past the grace: the spares beyond the watermark go
+        assert not store.is_mapped(page)
+
+
+def test_rows_announced_ahead_are_mapped_before_they_are_taken(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=3)
+    with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:
+        ahead = list(range(16, 24))
+        f.ahead(ahead)
+        assert mapper.wait_idle()
+        assert pages_of_rows(ahead) <= mapped(store)
+        f.take(ahead)
+        assert f.waited == 0  # no take waited on the driver
+        f.take([60])  # not announced: mapped on the spot
+        assert f.waited == 1
+
+
+def test_give_back_all_and_held(host: HostBackend) -> None:
+    store, f = make(host)
+    with store:
+        f.take([7, 3, 50])
+        assert f.held().tolist() == [3, 7, 50]
+        assert f.pages_of([3]) == sorted(pages_of_rows([3]))
+        assert f.give_back_all() == 3 and f.held().tolist() == []
+
+
+def test_pack_order_puts_rows_of_the_fullest_mapped_pages_first(host: HostBackend) -> None:
+    """Packing: of an engine's free rows, those whose pages hold the most rows come first,
+    then those lying in mapped spare pages, then the rest, ascending within each;
+    `fragmented` says when more pages are mapped than the held rows need."""
+    store, f = make(host, max_spare_pages=1)
+    with store:
+        assert not f.fragmented()  # the padding row's page only
+        # 24 KiB rows on 64 KiB pages: rows 8, 9, 10 in page 3 (10 straddles into 4), row
+        # 16 alone in page 6, rows 40 and 41 exactly page 15.
+        f.take([8, 9, 10, 16, 40, 41])
+        f.give_back([40, 41])  # page 15 becomes the one spare kept
+        assert f.fragmented()  # pages 0, 3, 4, 6, 15 mapped for four rows
+        free = np.array([60, 45, 11, 17, 12, 42, 5, 43, 41], dtype=np.int64)
+        # 17 shares page 6 with a whole row; 11 and 12 page 4 with a straddling one; 41 is in
+        # the mapped spare; the rest touch an unmapped page (42 straddles into page 16).
+        assert f.pack_order(free).tolist() == [17, 11, 12, 41, 5, 42, 43, 45, 60]

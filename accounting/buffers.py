@@ -7,7 +7,6 @@ buffer). Its dynamic figures live in the `Account` it belongs to.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +109,3 @@ def runtime_buffer(
         reserved_bytes=max(storage, tensor_bytes),
     )
 
-
-def shape_bytes(shape: tuple[int, ...], element_size: int) -> int:
-    return math.prod(shape) * element_size

@@ -83,11 +83,9 @@ def figure(name: str) -> Figure:
 
 
 def markdown_table() -> str:
-    """The figures as a Markdown table (README.md embeds it; a test keeps them equal)."""
+    """The figures as a Markdown table (README.md embeds it; `python -m accounting` prints it;
+    a test keeps them equal)."""
     rows = ["| figure | unit | meaning | relation |", "|---|---|---|---|"]
     rows += [f"| `{f.name}` | {f.unit} | {f.meaning} | `{f.relation}` |" for f in FIGURES]
     return "\n".join(rows)
 
-
-if __name__ == "__main__":
-    print(markdown_table())

@@ -39,7 +39,7 @@ from accounting.buffers import BufferSpec, runtime_buffer
 from accounting.dsv4.buffermap import FAMILIES
 from accounting.ledger import Account, Ledger
 
-# Families of the DeepSeek-V4 pool (DESIGN.md, defined in accounting.dsv4), then the generic ones.
+# Families of the DeepSeek-V4 pool (docs/background.md#deepseek-v4-geometry, defined in accounting.dsv4), then the generic ones.
 DSV4_FAMILIES = FAMILIES
 GENERIC_FAMILIES = ("k", "v", "kv", "swa_k", "swa_v", "swa_kv", "other")
 STATE_FAMILIES = ("mamba_conv", "mamba_temporal")

@@ -1,4 +1,5 @@
-"""The relations DESIGN.md requires in every snapshot, checked per buffer and per account.
+"""The relations every snapshot must keep, checked per buffer and per account
+(docs/background.md#the-four-figures).
 
 A violation is reported, never clamped: the figures stay as counted.
 """

@@ -66,14 +66,16 @@ def live_by_engine(views: Sequence[SourceView]) -> list[SourceView]:
     return sorted(best.values(), key=lambda v: v.source)
 
 
-class _Sink(Protocol):
+class _SeriesSet(Protocol):
+    """Series being built for one scrape, added one sample at a time by table name."""
+
     def add(
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None: ...
 
 
-class _Families:
-    """One prometheus-client Metric per table entry, filled sample by sample."""
+class _MetricFamilies:
+    """A whole scrape as prometheus-client Metric families, one per table entry (collect())."""
 
     def __init__(self) -> None:
         self._by_name = {s.name: Metric(s.family_name, s.help, s.type) for s in m.METRICS}
@@ -87,15 +89,15 @@ class _Families:
         for name, samples in series.items():
             self._by_name[name].samples.extend(samples)
 
-    def part(self) -> _Part:
-        return _Samples()
+    def part(self) -> _SourceSeries:
+        return _SourceSamples()
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._by_name.values())
 
 
-class _Part:
-    """The engine series of one source, by table name: kept while its snapshot is unchanged."""
+class _SourceSeries:
+    """One source's engine series, by table name: kept while its snapshot is unchanged."""
 
     def __init__(self) -> None:
         self.by_name: dict[str, list[Any]] = {}
@@ -106,7 +108,9 @@ class _Part:
         raise NotImplementedError
 
 
-class _Samples(_Part):
+class _SourceSamples(_SourceSeries):
+    """One source's engine series as prometheus-client Samples (collect())."""
+
     def add(
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
@@ -115,8 +119,9 @@ class _Samples(_Part):
         )
 
 
-class _Lines(_Part):
-    """Sample lines written straight away: what a scrape of this exporter sends."""
+class _SampleLines(_SourceSeries):
+    """Exposition sample lines by table name, written straight away (render()): one source's
+    engine series, or a whole scrape, which `blocks()` hands to the writer."""
 
     def __init__(self, label_str: LabelMemo) -> None:
         super().__init__()
@@ -143,17 +148,20 @@ class _Lines(_Part):
         for name, lines in series.items():
             by_name.setdefault(name, []).extend(lines)
 
-    def part(self) -> _Part:
-        return _Lines(self._label_str)
+    def part(self) -> _SourceSeries:
+        return _SampleLines(self._label_str)
 
     def blocks(self) -> list[Block]:
         return [(s.family_name, s.type, s.help, self.by_name.get(s.name, ())) for s in m.METRICS]
 
 
-EngineCache = dict[str, tuple[Published, _Part]]
+EngineCache = dict[str, tuple[Published, _SourceSeries]]
 
 
 class KvLedgerCollector(Collector):
+    """Every metric of `exporter.metrics.METRICS`, read from `sources` at each scrape:
+    `render()` for kvledger's /metrics, `collect()` for a prometheus-client registry."""
+
     def __init__(self, sources: Sources) -> None:
         self.sources = sources
         self._samples: EngineCache = {}  # for collect()
@@ -165,11 +173,25 @@ class KvLedgerCollector(Collector):
         return []  # built at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        """prometheus-client's interface (a registry of the caller's own can hold this)."""
+        """prometheus-client's interface, for a registry of the caller's own.
+
+        The families carry kvledger's names exactly, colons included
+        (`sglang:kv_cache_memory_usage_gb`). How the registry is written decides whether
+        they survive: prometheus-client's text format 0.0.4 (`generate_latest`,
+        `CONTENT_TYPE_LATEST`) keeps them, but its OpenMetrics writer (0.2x, up to at least
+        0.26; client_python issue #1177), chosen by `choose_encoder` / `make_asgi_app` /
+        `start_http_server` whenever Prometheus asks for OpenMetrics, writes the sample
+        lines through its default "underscores" escaping: `sglang_kv_cache_memory_usage_gb`
+        under a `# TYPE sglang:kv_cache_memory_usage_gb` header, which Prometheus stores
+        under the wrong name. A registry holding this collector must therefore be served
+        as text 0.0.4 only (or OpenMetrics only to a scrape that asks for
+        `escaping=allow-utf-8`). `render()` (what kvledger's own /metrics sends) needs no
+        such care: it writes both formats itself.
+        """
         views = self.sources.read()
         with self._lock:
             families = _build(
-                _Families(),
+                _MetricFamilies(),
                 views,
                 unreadable=len(self.sources.unreadable),
                 file_errors=self.sources.error_counts,
@@ -188,7 +210,7 @@ class KvLedgerCollector(Collector):
             views = self.sources.read()
         with self._lock:
             lines = _build(
-                _Lines(self._label_str),
+                _SampleLines(self._label_str),
                 views,
                 unreadable=len(self.sources.unreadable),
                 file_errors=self.sources.error_counts,
@@ -197,7 +219,7 @@ class KvLedgerCollector(Collector):
         return write_blocks(lines.blocks(), openmetrics=openmetrics), ctype
 
 
-_Top = TypeVar("_Top", _Families, _Lines)
+_ScrapeT = TypeVar("_ScrapeT", _MetricFamilies, _SampleLines)
 
 
 def build_families(
@@ -205,17 +227,17 @@ def build_families(
 ) -> list[Metric]:
     """Every metric family from `views`. With `cache`, a source's engine series are built
     once per published snapshot and reused while it is unchanged."""
-    return list(_build(_Families(), views, unreadable=unreadable, cache=cache))
+    return list(_build(_MetricFamilies(), views, unreadable=unreadable, cache=cache))
 
 
 def _build(
-    top: _Top,
+    top: _ScrapeT,
     views: Sequence[SourceView],
     *,
     unreadable: int,
     cache: EngineCache | None,
     file_errors: Mapping[str, int] | None = None,
-) -> _Top:
+) -> _ScrapeT:
     for v in views:
         service = {**engine_labels(v.labels), "source": v.source}
         top.add("kvledger_up", service, 1 if v.up else 0)
@@ -242,7 +264,7 @@ def _build(
     return top
 
 
-def _add_engine_series(fam: _Sink, v: SourceView) -> None:
+def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     d = v.summary
     eng = engine_labels(v.labels)
@@ -285,7 +307,9 @@ def _add_engine_series(fam: _Sink, v: SourceView) -> None:
         _add_histogram(fam, "kvledger_map_page_seconds", labels, acc["map_bucket_counts"])
 
 
-def _add_histogram(fam: _Sink, name: str, labels: dict[str, str], counts: Sequence[int]) -> None:
+def _add_histogram(
+    fam: _SeriesSet, name: str, labels: dict[str, str], counts: Sequence[int]
+) -> None:
     """Per-bucket counts (the last one past every bound) to cumulative `le` buckets."""
     if len(counts) != len(MAP_SECONDS_BUCKETS) + 1:
         raise ValueError(

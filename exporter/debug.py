@@ -3,7 +3,10 @@
 The same `SourceView`s a scrape reads become one JSON document: per source its
 buffer map, per-family figures, accounts, relation results, reconciliation,
 epoch and age; per rank its totals. Figure fields are generated from
-`accounting.figures.FIGURES`, with each figure's meaning as its description.
+`accounting.figures.FIGURES`, with each figure's meaning as its description; the
+models of the snapshot's rows (buffers, accounts, violations, TP status, the
+figures table) are generated from accounting's dataclasses by `exporter.models`,
+so their fields are declared once.
 
 Filters: `rank` keeps the sources whose `tp_rank` is that rank; `family` keeps
 that family's rows in `families`, `accounts`, `buffers` and `violations`;
@@ -19,9 +22,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from accounting.figures import FIGURE_NAMES, FIGURES
-from accounting.snapshot import BufferRow
+from accounting.buffers import BufferSpec, Owner
+from accounting.figures import FIGURE_NAMES, FIGURES, Figure
+from accounting.relations import Violation
+from accounting.snapshot import AccountRow, BufferRow
+from accounting.tp_status import TpStatus
 from exporter.collector import GIB, engine_labels
+from exporter.models import json_type, model_of
 from exporter.sources import SourceView
 
 _FIGURE_FIELDS: dict[str, Any] = {
@@ -35,73 +42,58 @@ Figures: Any = create_model(
     **_FIGURE_FIELDS,
 )
 
-
-class FigureDef(BaseModel):
-    name: str
-    unit: str = Field(description='"bytes" or "slots"')
-    meaning: str
-    relation: str
-
-
-class BufferModel(BaseModel):
-    """One tensor handed to the model (e.g. one layer's SWA KV buffer) and its figures."""
-
-    name: str
-    family: str
-    pool: str
-    owner: str = Field(
-        description='"vmm" (VMM allocator, page by page) or "runtime" (whole tensor)'
-    )
-    layer: int | None
-    dtype: str
-    shape: list[int]
-    account: str = Field(description="the index space (pool/family) whose slots it holds")
-    page_bytes: int
-    slot_bytes: int
-    capacity_slots: int
-    tensor_bytes: int
-    reserved_bytes: int
-    physical_bytes: int
-    mapped_bytes: int
-    occupied_slots: int
-    occupied_bytes: int
-
-
-class AccountModel(BaseModel):
-    """One index space (the layer buffers sharing its slots) and its allocator activity."""
-
-    key: str
-    family: str
-    pool: str
-    owner: str
-    page_bytes: int
-    capacity_slots: int
-    occupied_slots: int
-    peak_occupied_slots: int
-    handle_pages: int
-    peak_handle_pages: int
-    mapped_pages: int
-    pages_mapped_total: int
-    pages_unmapped_total: int
-    map_seconds_total: float
-    unmap_seconds_total: float
-    map_calls: int
-    map_bucket_counts: list[int] = Field(
-        description="map operations per seconds-per-page-id bucket (accounting.ledger."
+# The rows of a snapshot: fields from accounting's dataclasses (exporter.models), described here.
+FigureDef: Any = model_of(
+    Figure,
+    name="FigureDef",
+    doc="One figure of the figures table (accounting.figures).",
+    descriptions={"unit": '"bytes" or "slots"'},
+)
+BufferModel: Any = model_of(
+    BufferRow,
+    name="BufferModel",
+    doc="One tensor handed to the model (e.g. one layer's SWA KV buffer) and its figures.",
+    include=(BufferSpec,),
+    drop=("spec",),
+    extra={"occupied_bytes": int},
+    descriptions={
+        "owner": '"vmm" (VMM allocator, page by page) or "runtime" (whole tensor)',
+        "account": "the index space (pool/family) whose slots it holds",
+    },
+)
+AccountModel: Any = model_of(
+    AccountRow,
+    name="AccountModel",
+    doc="One index space (the layer buffers sharing its slots) and its allocator activity.",
+    descriptions={
+        "map_bucket_counts": "map operations per seconds-per-page-id bucket (accounting.ledger."
         "MAP_SECONDS_BUCKETS, then one past the last bound); not cumulative"
-    )
+    },
+)
+ViolationModel: Any = model_of(
+    Violation,
+    name="ViolationModel",
+    doc="A relation between figures that a snapshot broke, with the values that broke it.",
+    descriptions={"subject": "pool/buffer or account key"},
+)
+TpModel: Any = model_of(
+    TpStatus,
+    name="TpModel",
+    doc="This rank's control traffic with the other TP ranks (accounting.tp_status).",
+    descriptions={
+        "exchanges_total": "collectives this rank took part in",
+        "page_ops_total": "page ids mapped or unmapped as rank 0 decided",
+        "divergences_total": "exchanges at which a rank's view differed from rank 0's",
+        "peer_failures_total": "exchanges that failed: a rank died or timed out",
+        "last_error": "the last divergence or peer failure, both views included",
+    },
+)
 
 
 class FamilyModel(BaseModel):
     family: str
-    owner: str
+    owner: json_type(Owner)  # type: ignore[valid-type]
     figures: Figures
-
-
-class ViolationModel(BaseModel):
-    subject: str = Field(description="pool/buffer or account key")
-    relation: str
-    detail: str
 
 
 class ReconciliationModel(BaseModel):
@@ -115,22 +107,6 @@ class ReconciliationModel(BaseModel):
     ledger_bytes: int | None = Field(None, description="the ledger figure it is held against")
     unattributed_bytes: int | None = Field(None, description="device_bytes - ledger_bytes")
     detail: dict[str, Any] = Field(default_factory=dict)
-
-
-class TpModel(BaseModel):
-    """This rank's control traffic with the other TP ranks (accounting.tp_status)."""
-
-    rank: int
-    size: int
-    exchanges_total: int = Field(description="collectives this rank took part in")
-    page_ops_total: int = Field(description="page ids mapped or unmapped as rank 0 decided")
-    divergences_total: int = Field(
-        description="exchanges at which a rank's view differed from rank 0's"
-    )
-    peer_failures_total: int = Field(description="exchanges that failed: a rank died or timed out")
-    last_error: str = Field(
-        "", description="the last divergence or peer failure, both views included"
-    )
 
 
 class SourceModel(BaseModel):

@@ -7,10 +7,10 @@ Two traps in prometheus-client 0.2x's writers, both seen here with 0.26:
   names through the label-name alphabet, which has no colon:
   `sglang:kv_cache_memory_usage_gb` goes out as `sglang_kv_cache_memory_usage_gb`.
 Its writers also escape every label name of every sample, which made a scrape of
-8 ranks cost ~10 ms. So kvledger writes the two text formats itself from the
-registry's metric families: names exactly as collected (every kvledger name is a
-valid legacy name, `exporter.metrics` refuses any other, so no scheme would
-escape them), label values escaped as both formats require, label strings
+8 ranks cost ~10 ms. So kvledger writes the two text formats itself
+(`KvLedgerCollector.render` hands it sample lines): names exactly as declared
+(every kvledger name is a valid legacy name, `exporter.metrics` refuses any
+other, so no scheme would escape them), label values escaped as both formats require, label strings
 memoised across scrapes. Only the format follows the Accept header: OpenMetrics
 1.0.0 when the client prefers it, else the text format 0.0.4; `escaping=` is
 ignored and the Content-Type names none.
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-
-from prometheus_client.registry import CollectorRegistry
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -117,31 +115,3 @@ def content_type(accept: str | None) -> tuple[bool, str]:
     if prefers_openmetrics(accept):
         return True, OPENMETRICS_CONTENT_TYPE
     return False, TEXT_CONTENT_TYPE
-
-
-class Renderer:
-    """Writes any registry's metric families in either format."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self._labels = LabelMemo()
-
-    def render(self, accept: str | None) -> tuple[bytes, str]:
-        """(body, content type) for a scrape with this Accept header."""
-        openmetrics, ctype = content_type(accept)
-        label_str = self._labels
-        blocks = [
-            (
-                metric.name,
-                metric.type,
-                metric.documentation,
-                [f"{s.name}{label_str(s.labels)} {number(s.value)}\n" for s in metric.samples],
-            )
-            for metric in self.registry.collect()
-        ]
-        return write_blocks(blocks, openmetrics=openmetrics), ctype
-
-
-def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
-    """One-off rendering (no label memo kept)."""
-    return Renderer(registry).render(accept)

@@ -1,18 +1,13 @@
 """`kvledger inspect`: the DeepSeek-V4 buffer map for a config and a size, as SGLang 0.5.23 lays it out.
 
-    kvledger inspect --config CONFIG.json (--budget BYTES | --full-tokens N)
-        [--state-dtype fp32|bf16] [--indexer-dtype fp8|fp4] [--max-running-requests N]
-        [--speculative-draft-tokens N] [--swa-full-tokens-ratio R] [--context-length N]
-        [--swa-sizing ratio|cap --chunked-prefill-size N [--swa-prefix-tails N]
-         [--disable-radix-cache] [--disable-overlap-schedule]] [--json]
-
 Prints one row per buffer family: buffers, shape of one layer's buffer, dtype,
 the planner's predicted bytes, the bytes really allocated, and the overhead.
 With --json, a document whose `families` carry every figure of
 accounting.figures (tensor_bytes, reserved_bytes, physical_bytes,
-capacity_slots, ...) under DESIGN.md's family names, beside planned and
-allocated bytes. Every argument is checked here, so bad input ends with one
-line naming the value and what was expected (exit status 2).
+capacity_slots, ...) under the family names of
+docs/background.md#deepseek-v4-geometry, beside planned and allocated bytes.
+Bad input ends with one line naming the value and what was expected (exit
+status 2).
 """
 
 from __future__ import annotations
@@ -29,23 +24,98 @@ from kvledger.cli import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # Types are checked in run(), not by argparse, so every error is one line.
-    parser.add_argument("--config", metavar="CONFIG.json", help="Hugging Face DeepSeek-V4 config")
+    parser.epilog = (
+        "example: kvledger inspect --config config.json --budget 80GiB "
+        "--max-running-requests 64 (docs/sglang.md explains the table)"
+    )
+    # Numbers are checked in build() (one line naming the flag and the expected range).
+    parser.add_argument(
+        "--config",
+        metavar="CONFIG.json",
+        help="a Hugging Face DeepSeek-V4 config.json (required); the fields SGLang reads for KV "
+        "sizing: layer count, compress_ratios, head and indexer dims, sliding_window",
+    )
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--budget", metavar="BYTES", help="KV byte budget, e.g. 80GiB, 512MiB, 4096")
-    size.add_argument("--full-tokens", metavar="N", help="full-pool token count")
-    parser.add_argument("--state-dtype", metavar="fp32|bf16", default="fp32")
-    parser.add_argument("--indexer-dtype", metavar="fp8|fp4", default="fp8")
-    parser.add_argument("--max-running-requests", metavar="N")
-    parser.add_argument("--speculative-draft-tokens", metavar="N", default="0")
-    parser.add_argument("--swa-full-tokens-ratio", metavar="R", default="0.1")
-    parser.add_argument("--context-length", metavar="N")
-    parser.add_argument("--swa-sizing", metavar="ratio|cap", default="ratio")
-    parser.add_argument("--chunked-prefill-size", metavar="N")
-    parser.add_argument("--swa-prefix-tails", metavar="N")
-    parser.add_argument("--disable-radix-cache", action="store_true")
-    parser.add_argument("--disable-overlap-schedule", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print a JSON document")
+    size.add_argument(
+        "--budget",
+        metavar="BYTES",
+        help="the KV byte budget SGLang's planner sizes the pools from, with units: 80GiB, "
+        "512MiB, 1.5GB, 4096 (this or --full-tokens)",
+    )
+    size.add_argument(
+        "--full-tokens",
+        metavar="N",
+        help="size the pools for N full-pool tokens instead of a budget",
+    )
+    parser.add_argument(
+        "--state-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="compressor state dtype, SGLang's SGLANG_DSV4_COMPRESS_STATE_DTYPE "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--indexer-dtype",
+        choices=("fp8", "fp4"),
+        default="fp8",
+        help="C4 indexer entries: 132 B (fp8) or 68 B (fp4, SGLang's "
+        "--enable-deepseek-v4-fp4-indexer) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-running-requests",
+        metavar="N",
+        help="SGLang's --max-running-requests: one c128 state ring per request slot (default: "
+        "what SGLang plans from the budget and context length, 2048 to 4096)",
+    )
+    parser.add_argument(
+        "--speculative-draft-tokens",
+        metavar="N",
+        default="0",
+        help="SGLang's --speculative-num-draft-tokens; non-zero doubles the state rings "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--swa-full-tokens-ratio",
+        metavar="R",
+        default="0.1",
+        help="SWA tokens per full token, in (0, 1] (default: %(default)s, SGLang's for DSV4)",
+    )
+    parser.add_argument(
+        "--context-length",
+        metavar="N",
+        help="SGLang's --context-length, used to plan the request count (default: the config's)",
+    )
+    parser.add_argument(
+        "--swa-sizing",
+        choices=("ratio", "cap"),
+        default="ratio",
+        help="size the SWA pool by --swa-full-tokens-ratio, or from the request cap as SGLang "
+        "does with --max-running-requests and --chunked-prefill-size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--chunked-prefill-size",
+        metavar="N",
+        help="cap mode: SGLang's --chunked-prefill-size (needed with --swa-sizing cap)",
+    )
+    parser.add_argument(
+        "--swa-prefix-tails",
+        metavar="N",
+        help="cap mode: cached prefix tails the SWA pool keeps (default: 4 x requests, 0 with "
+        "--disable-radix-cache)",
+    )
+    parser.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="cap mode: SGLang's --disable-radix-cache (no prefix tails kept)",
+    )
+    parser.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="cap mode: SGLang's --disable-overlap-schedule (1 prefill chunk in flight, not 2)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print a JSON document with every figure and buffer"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

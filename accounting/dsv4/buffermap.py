@@ -42,7 +42,7 @@ SLOT_MEANING: dict[str, str] = {
     "c128_state": "ring row",
 }
 
-DEFAULT_GRANULARITY = 2 << 20  # CUDA VMM granularity measured on the H200 (DESIGN.md)
+DEFAULT_GRANULARITY = 2 << 20  # CUDA VMM granularity on the H200 (docs/background.md#cuda-driver-facts)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ sglang/srt/ unless noted). Formulas only; no SGLang code is imported.
 
 from __future__ import annotations
 
-# kernels/ops/attention/dsv4/kv_layout.py, KVLayout.V4: 576 data bytes (448 fp8 nope
+# sglang/kernels/ops/attention/dsv4/kv_layout.py (outside srt/), KVLayout.V4: 576 data bytes (448 fp8 nope
 # + 64 bf16 rope) and 8 scale bytes (7 ue8m0 scales per 64 nope values + 1 pad) per
 # token; a page's stride is padded to page_align = 576 bytes (the TMA row stride).
 V4_PAGE_ALIGN = 576

@@ -1,8 +1,10 @@
-"""`kvledger bench NAME`: benchmarks, one module each (`kvledger.bench.alloc|scrape|tp|sglang`).
+"""`kvledger bench NAME`: run one of kvledger's benchmarks and print what it measured.
 
-Each module has the subcommand contract of kvledger.cli: `add_arguments(parser)`
-and `run(args) -> int`. A module missing from this build is listed as "not
-available" and running it says so.
+docs/benchmarks.md has the results measured so far, the commands that produced
+them and what they mean. Run `kvledger bench NAME --help` for a benchmark's
+options. (For developers: each benchmark is a module `kvledger.bench.NAME` with
+`add_arguments(parser)` and `run(args) -> int`; one missing from the build is
+listed as "not available".)
 """
 
 from __future__ import annotations

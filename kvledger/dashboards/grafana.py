@@ -165,7 +165,6 @@ class Variable:
             "description": self.description,
             "type": "query",
             "datasource": dict(DATASOURCE),
-            "definition": self.query,
             "query": self.query,
             "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
             "hide": 0,

@@ -1,94 +1,59 @@
-"""A small YAML writer for the rule files: mappings, lists, strings, numbers, booleans.
+"""YAML for the rule files, written by PyYAML: block style, multi-line strings as literal blocks.
 
-Block style throughout. A string is written plain when YAML would read it back as
-the same string, as a literal block (`|-`) when it spans lines, and double-quoted
-(JSON escapes, which YAML accepts) otherwise. Enough for Prometheus rule files;
-not a general serialiser (anything else raises).
+Every string reads back (with any YAML reader) as the very same string: PyYAML
+quotes a string whenever a plain scalar would resolve to something else, and the
+dumper below also treats YAML 1.2 numbers (`1e100`, `.inf`), which PyYAML's YAML
+1.1 resolver reads as strings but Prometheus's Go reader does not, as needing
+quotes. A string spanning lines is a literal block (`|`, with the chomping and
+indentation indicators PyYAML picks for trailing newlines and leading spaces)
+where YAML allows one, else double-quoted.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
-_PLAIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/-]*$")
-_RESERVED = frozenset({"true", "false", "yes", "no", "on", "off", "null", "y", "n", "~"})
+import yaml
+
+_YAML12_NUMBER = re.compile(
+    r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)
+        |0o[0-7]+|0x[0-9a-fA-F]+)$""",
+    re.X,
+)
 
 
-def _scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, str):
-        if _plain_safe(value):
-            return value
-        if "'" not in value and value.isprintable():
-            return "'" + value + "'"
-        return json.dumps(value)
-    raise TypeError(f"yamlfile: cannot write {type(value).__name__} {value!r}")
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that indents list items under their key and quotes YAML 1.2 numbers."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
 
 
-def _plain_safe(value: str) -> bool:
-    """True when YAML reads `value` written plain back as this very string."""
-    if not _PLAIN.match(value) or value.lower() in _RESERVED:
-        return False
-    if value[0].isdigit():
-        if ":" in value:  # YAML 1.1 reads 1:30 as a sexagesimal number
-            return False
-        try:
-            float(value)
-        except ValueError:
-            pass
-        else:
-            return False
-        try:
-            int(value, 0)
-        except ValueError:
-            return True
-        return False
-    return True
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_NUMBER, list("-+.0123456789"))
 
 
-def _block(value: str, indent: int) -> str:
-    pad = " " * indent
-    return "|-\n" + "\n".join(pad + line if line else "" for line in value.split("\n"))
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 
-def _lines(value: Any, indent: int) -> list[str]:
-    pad = " " * indent
-    out: list[str] = []
-    if isinstance(value, dict):
-        if not value:
-            raise ValueError("yamlfile: empty mapping")
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"yamlfile: key {key!r} is not a string")
-            if isinstance(item, (dict, list)):
-                out.append(f"{pad}{_scalar(key)}:")
-                out += _lines(item, indent + 2)
-            elif isinstance(item, str) and "\n" in item:
-                out.append(f"{pad}{_scalar(key)}: {_block(item, indent + 2)}")
-            else:
-                out.append(f"{pad}{_scalar(key)}: {_scalar(item)}")
-    elif isinstance(value, list):
-        if not value:
-            raise ValueError("yamlfile: empty list")
-        for item in value:
-            sub = _lines(item, indent + 2)
-            sub[0] = f"{pad}- {sub[0].lstrip()}"
-            out += sub
-    elif isinstance(value, str) and "\n" in value:
-        raise ValueError("yamlfile: a multi-line string must be a mapping's value")
-    else:
-        out.append(pad + _scalar(value))
-    return out
+_Dumper.add_representer(str, _str)
 
 
 def dump(value: Any, *, header: str = "") -> str:
     """`value` as a YAML document, after `header` written as `#` comment lines."""
-    comments = [f"# {line}".rstrip() for line in header.splitlines()]
-    return "\n".join([*comments, *_lines(value, 0)]) + "\n"
+    try:
+        body = yaml.dump(
+            value,
+            Dumper=_Dumper,
+            sort_keys=False,
+            default_flow_style=False,
+            allow_unicode=True,
+            width=2**31,  # one line per scalar: no folding
+        )
+    except yaml.representer.RepresenterError as e:
+        raise TypeError(f"yamlfile: cannot write {e}") from None
+    comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+    return comments + body

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4-Flash-shaped config the tests use (a copy of shared/context's)."""
+"""The DeepSeek-V4-Flash-shaped config the tests use: the fields SGLang reads for KV sizing."""
 
 from __future__ import annotations
 

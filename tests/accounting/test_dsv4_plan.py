@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 sizing model without SGLang: the Flash facts of DESIGN.md and the planner."""
+"""The DeepSeek-V4 sizing model without SGLang: the Flash facts of docs/background.md#deepseek-v4-geometry and the planner."""
 
 from __future__ import annotations
 

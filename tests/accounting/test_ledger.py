@@ -42,7 +42,7 @@ def test_events_move_the_figures_of_every_layer_buffer() -> None:
     assert row.unmap_seconds_total == pytest.approx(0.002)
 
 
-class _NoIteration(tuple):  # type: ignore[type-arg]
+class _NoIteration(tuple):
     def __iter__(self) -> Any:
         raise AssertionError("an event walked the buffers: updates must be O(1)")
 
@@ -53,7 +53,7 @@ def test_event_updates_are_o1_they_never_walk_buffers_or_other_accounts() -> Non
     acc = accounts[7]
     for other in accounts:
         other.buffers = _NoIteration(other.buffers)
-    ledger._accounts = _ExplodingDict(ledger._accounts)  # type: ignore[assignment]
+    ledger._accounts = _ExplodingDict(ledger._accounts)
     for event, n in [
         (PoolEvent.HANDLES_CREATED, 2),
         (PoolEvent.PAGES_MAPPED, 2),
@@ -66,7 +66,7 @@ def test_event_updates_are_o1_they_never_walk_buffers_or_other_accounts() -> Non
     assert acc.handle_pages == acc.mapped_pages == acc.occupied_slots == 0
 
 
-class _ExplodingDict(dict):  # type: ignore[type-arg]
+class _ExplodingDict(dict):
     def values(self) -> Any:
         raise AssertionError("an event walked the accounts: updates must be O(1)")
 

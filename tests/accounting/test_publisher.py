@@ -38,7 +38,8 @@ def test_publishes_envelope_with_heartbeat_and_removes_file_on_close(tmp_path):
             d = _read(pub.path)
             assert d["kvledger_publish"] == ENVELOPE_SCHEMA
             assert d["pid"] == os.getpid()
-            assert d["process_start"] == proc_stat(os.getpid())[1]
+            stat = proc_stat(os.getpid())
+            assert stat is not None and d["process_start"] == stat[1]
             snap = Snapshot.from_dict(d["snapshot"])
             assert snap.epoch == sl.ledger.epoch
             assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 300

@@ -1,4 +1,4 @@
-"""Relations of DESIGN.md: a violated one is reported in the snapshot, never clamped."""
+"""Relations of docs/background.md#the-four-figures: a violated one is reported in the snapshot, never clamped."""
 
 from __future__ import annotations
 

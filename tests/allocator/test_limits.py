@@ -81,7 +81,7 @@ def test_close_completes_when_every_driver_call_fails(caplog: pytest.LogCaptureF
     fb = FailingBackend(host)
     ledger = Ledger()
     account = pool_account(ledger, 2, layout)
-    pool = SwaPool(fb, layers=2, layout=layout, observer=account)  # type: ignore[arg-type]
+    pool = SwaPool(fb, layers=2, layout=layout, observer=account)
     pool.alloc(10)
 
     class Always(FailingBackend):

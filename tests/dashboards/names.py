@@ -7,13 +7,14 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvledger.dashboards import files, rules
+import yaml
+
+from kvledger.dashboards import rules
 from kvledger.dashboards.promql import label_values, metric_names
 
-ROOT = files.ROOT
+ROOT = Path(__file__).resolve().parents[2] / "dashboards"  # the repository's copy
 DASHBOARD = ROOT / "grafana" / "dashboards" / "kvledger-kv-cache.json"
 PROM = ROOT / "prometheus"
-_RULE_LINE = re.compile(r"^\s*(?:- )?(record|expr|alert): (.*)$")
 _SERIES = re.compile(r"""^\s*- series: '([A-Za-z_:][A-Za-z0-9_:]*)[{']""", re.MULTILINE)
 
 
@@ -31,42 +32,13 @@ def panel_queries(dash: dict | None = None) -> Iterator[tuple[str, str]]:
 def variable_queries(dash: dict | None = None) -> Iterator[tuple[str, str]]:
     for var in (dash or dashboard())["templating"]["list"]:
         if var["type"] == "query":
-            yield var["name"], var["definition"]
-
-
-def _unquote(text: str) -> str:
-    text = text.strip()
-    if text.startswith("'") and text.endswith("'"):
-        return text[1:-1].replace("''", "'")
-    if text.startswith('"'):
-        return str(json.loads(text))
-    return text
+            yield var["name"], var["query"]
 
 
 def rule_file(path: Path) -> list[dict[str, str]]:
-    """The rules of a file written by kvledger.dashboards.yamlfile: record/alert and expr.
-
-    Reads the committed text (one-line and `|-` block exprs), so a hand edit is seen too."""
-    out: list[dict[str, str]] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    i = 0
-    while i < len(lines):
-        m = _RULE_LINE.match(lines[i])
-        i += 1
-        if not m:
-            continue
-        key, value = m.group(1), m.group(2)
-        if key in ("record", "alert"):
-            out.append({key: _unquote(value)})
-            continue
-        if value.strip() == "|-":
-            block = []
-            while i < len(lines) and (not lines[i].strip() or lines[i].startswith(" " * 10)):
-                block.append(lines[i].strip())
-                i += 1
-            value = " ".join(block)
-        out[-1]["expr"] = _unquote(value)
-    return out
+    """The rules of a rule file (record or alert, and expr), parsed from the committed text."""
+    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return [rule for group in doc["groups"] for rule in group["rules"]]
 
 
 def rule_queries(*files: str) -> Iterator[tuple[str, str]]:

@@ -21,17 +21,31 @@ def _panels() -> list[dict]:
 
 
 def test_committed_files_equal_the_generator():
-    assert files.stale() == [], "run: python -m kvledger.dashboards"
+    assert files.stale(names.ROOT) == [], "run: kvledger dashboards --out dashboards"
 
 
-def test_check_reports_a_hand_edit(tmp_path):
-    for rel, make in files.GENERATED.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(make(), encoding="utf-8")
+def test_every_committed_file_comes_from_the_package():
+    committed = {str(p.relative_to(names.ROOT)) for p in names.ROOT.rglob("*") if p.is_file()}
+    assert committed == set(files.render())
+
+
+def test_check_reports_a_hand_edit_and_a_missing_file(tmp_path):
+    files.write(tmp_path)
     assert files.stale(tmp_path) == []
     target = tmp_path / "prometheus" / "alerts.yml"
     target.write_text(target.read_text().replace("> 0.9", "> 0.5"), encoding="utf-8")
-    assert files.stale(tmp_path) == ["prometheus/alerts.yml"]
+    (tmp_path / "grafana" / "provisioning" / "datasources" / "kvledger.yml").unlink()
+    assert files.stale(tmp_path) == [
+        "grafana/provisioning/datasources/kvledger.yml",
+        "prometheus/alerts.yml",
+    ]
+
+
+def test_readme_lists_every_alert_of_the_rules():
+    text = (names.ROOT / "README.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| `(\w+)` \| (\w+) \| (\w+) \|", text, re.M)
+    assert listed == [(a.name, a.severity, a.for_) for a in rules.ALERTS]
+    assert [a for a, _ in names.rule_queries("alerts.yml")] == [a.name for a in rules.ALERTS]
 
 
 def test_dashboard_is_importable_and_provisionable():
@@ -118,7 +132,7 @@ def test_figures_side_by_side_per_family():
 
 
 def test_module_check_exits_zero_on_the_committed_files(capsys):
-    from kvledger.dashboards.__main__ import main
+    from kvledger.dashboards.command import main
 
-    assert main(["--check"]) == 0
+    assert main(["--check", str(names.ROOT)]) == 0
     assert capsys.readouterr().out == ""

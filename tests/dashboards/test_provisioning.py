@@ -3,24 +3,30 @@ dashboard defaults to, and the folder the provider loads."""
 
 from __future__ import annotations
 
-import re
+import yaml
 
 from kvledger.dashboards import files, kv_dashboard
+from tests.dashboards import names
 
-PROVISIONING = files.ROOT / "grafana" / "provisioning"
+PROVISIONING = names.ROOT / "grafana" / "provisioning"
 
 
 def test_datasource_uid_is_the_dashboards_default():
-    text = (PROVISIONING / "datasources" / "kvledger.yml").read_text()
-    assert re.search(r"^\s+uid: (\S+)$", text, re.M).group(1) == kv_dashboard.PROVISIONED_DATASOURCE
-    assert re.search(r"^\s+type: prometheus$", text, re.M)
+    doc = yaml.safe_load((PROVISIONING / "datasources" / "kvledger.yml").read_text())
+    [source] = doc["datasources"]
+    assert (doc["apiVersion"], source["type"]) == (1, "prometheus")
+    assert source["uid"] == kv_dashboard.PROVISIONED_DATASOURCE
+    assert source["url"] == "$KVLEDGER_PROMETHEUS_URL"
     var = kv_dashboard.dashboard().to_json()["templating"]["list"][0]
     assert var["current"]["value"] == kv_dashboard.PROVISIONED_DATASOURCE
 
 
 def test_provider_loads_the_generated_dashboards_folder():
     text = (PROVISIONING / "dashboards" / "kvledger.yml").read_text()
-    path = re.search(r"^\s+path: (\S+)$", text, re.M).group(1)
+    doc = yaml.safe_load(text)
+    [provider] = doc["providers"]
+    assert (doc["apiVersion"], provider["type"]) == (1, "file")
+    path = provider["options"]["path"]
     dashboards = [rel for rel in files.GENERATED if rel.endswith(".json")]
     assert dashboards
     for rel in dashboards:

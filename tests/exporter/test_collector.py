@@ -30,8 +30,9 @@ def test_values_come_from_the_snapshot():
         sl.c4.occupy(7)
         reg = registry_for(src)
         snap = sl.ledger.snapshot()
-        assert reg.get_sample_value(m.HEADLINE, ENG) == snap.total("physical_bytes") / GIB
-        assert reg.get_sample_value(m.HEADLINE, ENG) > 0
+        headline = reg.get_sample_value(m.HEADLINE, ENG)
+        assert headline == snap.total("physical_bytes") / GIB
+        assert headline is not None and headline > 0
         for (family, owner), figs in snap.rollup("family", "owner").items():
             for f in FIGURES:
                 got = reg.get_sample_value(
@@ -107,14 +108,46 @@ def test_stale_source_exports_service_metrics_only():
 
 def test_two_live_sources_with_the_same_engine_labels_export_no_engine_series():
     """A conflict (exporter.sources): neither source's figures are believed, both are down."""
-    with small_ledger() as sl:
+    with small_ledger(layers=2) as a, small_ledger(layers=3) as b:  # two engines, same labels
         src = Sources()
-        src.add_ledger(sl.ledger, source="a")
-        src.add_ledger(sl.ledger, source="b")
+        src.add_ledger(a.ledger, source="a")
+        src.add_ledger(b.ledger, source="b")
         samples = _samples(build_families(src.read()))
         assert [s for s in samples if s[0] == m.HEADLINE] == []
         up = {s[1]["source"]: s[2] for s in samples if s[0] == "kvledger_up"}
         assert up == {"a": 0, "b": 0}
+
+
+def test_two_live_views_with_the_same_engine_labels_give_the_last_published_one_series():
+    """The collector's own guard (live_by_engine), given two views marked live with the same
+    engine labels (exporter.sources marks such a pair down as a conflict before it gets
+    here): one set of engine series, from the view published last, in either order."""
+    with small_ledger(layers=2) as old, small_ledger(layers=3) as new:  # different headlines
+        src = Sources()
+        src.add_ledger(old.ledger, source="a")
+        src.add_ledger(new.ledger, source="b")
+        views = {v.source: v for v in src.read()}
+        physical = {s: v.snapshot.total("physical_bytes") for s, v in views.items()}
+        assert physical["a"] != physical["b"]
+        for winner, loser in (("a", "b"), ("b", "a")):
+            at = {winner: 2000.0, loser: 1000.0}
+            timed = [
+                dataclasses.replace(
+                    v, up=True, published=dataclasses.replace(v.published, published_at=at[s])
+                )
+                for s, v in sorted(views.items(), key=lambda kv: kv[0] == winner)
+            ]
+            samples = _samples(build_families(timed))
+            headline = [v for name, _, v in samples if name == m.HEADLINE]
+            assert headline == [physical[winner] / GIB], winner
+            swa = [
+                v
+                for name, labels, v in samples
+                if name == "sglang:kv_cache_physical_bytes" and labels["family"] == "swa_kv"
+            ]
+            assert swa == [views[winner].snapshot.rollup("family")[("swa_kv",)]["physical_bytes"]]
+            ups = {labels["source"]: v for name, labels, v in samples if name == "kvledger_up"}
+            assert ups == {"a": 1, "b": 1}
 
 
 def test_every_sample_is_declared_with_its_labels_and_no_total_values():
@@ -134,15 +167,30 @@ def test_every_sample_is_declared_with_its_labels_and_no_total_values():
             assert "total" not in labels.values()
 
 
-def test_render_writes_exactly_what_the_registry_path_writes(tmp_path):
+def test_render_writes_what_prometheus_clients_own_writer_writes(tmp_path):
     """`KvLedgerCollector.render` (what GET /metrics sends) writes sample lines straight from
-    the snapshots; prometheus-client's path (`collect()`, then the generic writer) must give
-    the same bytes, on a first scrape, on cache hits, and after a rank republished."""
+    the snapshots; prometheus-client's own text writer over `collect()` must give the same
+    families, help, types and samples, on a first scrape, on cache hits, and after a rank
+    republished (both formats of render() parse to the same)."""
     import time
+
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
+    from prometheus_client.parser import text_string_to_metric_families as parse_text
 
     from accounting.publisher import Publisher
     from exporter.collector import KvLedgerCollector
-    from exporter.exposition import Renderer
+
+    def parsed(families):
+        return sorted(
+            (
+                f.name,
+                f.type,
+                f.documentation,
+                sorted((s.name, sorted(s.labels.items()), s.value) for s in f.samples),
+            )
+            for f in families
+        )
 
     with (
         small_ledger({"model_name": "m", "tp_rank": "0"}) as a,
@@ -155,12 +203,17 @@ def test_render_writes_exactly_what_the_registry_path_writes(tmp_path):
         pa.publish()
         now = time.time()
         src = Sources(tmp_path, clock=lambda: now)
-        fast, generic = KvLedgerCollector(src), Renderer(registry_for(src))
+        fast, registry = KvLedgerCollector(src), registry_for(src)
         for step in range(3):
-            for accept in ("text/plain", "application/openmetrics-text; version=1.0.0"):
-                got, ctype = fast.render(accept)
-                assert (got, ctype) == generic.render(accept), (step, accept)
-                assert b"sglang:kv_cache_memory_usage_gb{" in got
+            reference = parsed(parse_text(generate_latest(registry).decode()))
+            text, _ = fast.render("text/plain")
+            om, _ = fast.render("application/openmetrics-text; version=1.0.0")
+            assert parsed(parse_text(text.decode())) == reference, step
+            assert parsed(parse_om(om.decode())) == parsed(parse_text(text.decode())), step
+            assert (
+                b"sglang:kv_cache_memory_usage_gb{" in text
+                and b"sglang:kv_cache_memory_usage_gb{" in om
+            )
             if step == 1:
                 a.allocate(10)
                 pa.publish()

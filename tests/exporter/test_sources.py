@@ -70,7 +70,7 @@ def test_old_heartbeat_marks_stale_with_reason(tmp_path):
         now[0] = d["published_at"] + 6
         [v] = src.read()
         assert not v.up
-        assert "heartbeat" in v.stale_reason and "5.0 s" in v.stale_reason
+        assert "heartbeat" in (v.stale_reason or "") and "5.0 s" in (v.stale_reason or "")
         assert v.age_seconds >= 6
 
 
@@ -98,7 +98,7 @@ def test_dead_pid_is_listed_down_until_a_restart_takes_its_place(tmp_path):
         dead = _plant(tmp_path, "dead", envelope, rows, pid=child.pid)
         src = Sources(tmp_path)
         [v] = src.read()
-        assert not v.up and f"pid {child.pid} has exited" in v.stale_reason
+        assert not v.up and f"pid {child.pid} has exited" in (v.stale_reason or "")
         assert dead.exists()
         # The restart publishes with the same engine labels: the dead one goes, file and all.
         with Publisher(sl.ledger, tmp_path, interval=1000) as pub:
@@ -113,7 +113,7 @@ def test_reused_pid_marks_stale(tmp_path):
         _plant(tmp_path, "reused", envelope, rows, process_start=envelope["process_start"] - 1)
         os.unlink(pub.path)  # alone, so no live source takes its place
         [v] = Sources(tmp_path).read()
-        assert v.source == "reused" and "another process" in v.stale_reason
+        assert v.source == "reused" and "another process" in (v.stale_reason or "")
 
 
 def test_two_live_sources_with_the_same_engine_labels_are_both_a_conflict(tmp_path):
@@ -125,8 +125,8 @@ def test_two_live_sources_with_the_same_engine_labels_are_both_a_conflict(tmp_pa
         views = {v.source: v for v in Sources(tmp_path).read()}
         assert set(views) == {"real", "imitation"}
         assert not views["real"].up and not views["imitation"].up
-        assert "conflict: imitation" in views["real"].stale_reason
-        assert "conflict: real" in views["imitation"].stale_reason
+        assert "conflict: imitation" in (views["real"].stale_reason or "")
+        assert "conflict: real" in (views["imitation"].stale_reason or "")
         os.unlink(tmp_path / "imitation.json")
         [v] = Sources(tmp_path).read()
         assert v.source == "real" and v.up
@@ -175,7 +175,8 @@ def test_bad_buffer_rows_fail_that_buffer_map_only_and_are_counted_once(tmp_path
             assert views["bad"].summary["totals"] == views["good"].summary["totals"]
             for _ in range(2):
                 snap_, error = views["bad"].published.buffer_map()
-                assert snap_ is None and error.startswith("schema: buffers[0]: physical_bytes")
+                assert snap_ is None and error is not None
+                assert error.startswith("schema: buffers[0]: physical_bytes")
             assert src.error_counts["buffers"] == 1
             with pytest.raises(BufferMapError, match="source bad: buffer map not served"):
                 _ = views["bad"].snapshot
@@ -218,7 +219,9 @@ def test_a_file_owned_by_another_user_is_refused(tmp_path):
     with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
         envelope, rows = parse(Path(pub.path).read_bytes())
     planted = _plant(tmp_path, "planted", envelope, rows)
-    os.chown(planted, nobody_uid(), -1)
+    uid = nobody_uid()
+    assert uid is not None
+    os.chown(planted, uid, -1)
     src = Sources(tmp_path)
     assert src.read() == []
     [p] = src.problems()
@@ -229,9 +232,11 @@ def test_caps_on_files_and_parses_per_scan(tmp_path):
     for i in range(30):
         (tmp_path / f"junk{i:02d}.json").write_text("nope")
     src = Sources(tmp_path)
-    src.files.max_files, src.files.max_parses = 20, 8
+    files = src.files
+    assert files is not None
+    files.max_files, files.max_parses = 20, 8
     src.read()
-    assert src.parses == 8 and src.files.skipped == 10
+    assert src.parses == 8 and files.skipped == 10
     src.read()
     src.read()
     assert src.parses == 20  # the rest of the first 20, 8 per scan

@@ -145,7 +145,7 @@ class Scheduler:
         from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
 
         free_swa_out_of_window_slots(
-            req,  # type: ignore[arg-type]
+            req,
             req.seq_len,
             sliding_window_size=WINDOW,
             page_size=PAGE,

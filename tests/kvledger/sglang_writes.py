@@ -60,11 +60,13 @@ def main() -> int:
         bridge = attach(pool, Ledger(), allocator=alloc, backend=backend, env={ENV_ENABLE: "1"})
         assert bridge.active, bridge.reason
         assert _drive(pool, alloc, r2t) == pages
-        bases = bridge.store.pages.bases
+        store = bridge.store
+        assert store is not None
+        bases = store.pages.bases
         rows = [0, *pages]
         written = pool.swa_kv_pool.kv_buffer
         in_vmm = all(
-            bases[i] <= t.data_ptr() < bases[i] + bridge.store.pages.reserved_bytes
+            bases[i] <= t.data_ptr() < bases[i] + store.pages.reserved_bytes
             for i, t in enumerate(written)
         )
         vmm_views = [bridge.tensors[i].view(tuple(t.shape)) for i, t in enumerate(written)]

@@ -136,11 +136,11 @@ def test_size_units_and_knobs() -> None:
         (["--config", str(FLASH), "--full-tokens", "100"], "--full-tokens 100 gives 0 SWA tokens"),
         (
             ["--config", str(FLASH), "--budget", "1GiB", "--state-dtype", "fp16"],
-            "--state-dtype 'fp16', expected one of fp32, bf16",
+            "argument --state-dtype: invalid choice: 'fp16'",
         ),
         (
             ["--config", str(FLASH), "--budget", "1GiB", "--indexer-dtype", "int4"],
-            "--indexer-dtype 'int4', expected one of fp8, fp4",
+            "argument --indexer-dtype: invalid choice: 'int4'",
         ),
         (
             ["--config", str(FLASH), "--budget", "1GiB", "--max-running-requests", "-3"],
@@ -193,3 +193,21 @@ def test_python_m_kvledger_cli_also_exits_2() -> None:
         check=False,
     )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_help_documents_every_option() -> None:
+    r = kvledger("--help")
+    assert r.returncode == 0, r.stderr
+    assert "DeepSeek-V4 buffer map" in r.stdout
+    import argparse
+
+    from kvledger import inspect
+
+    parser = argparse.ArgumentParser()
+    inspect.add_arguments(parser)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 20, action.option_strings
+            assert action.option_strings[0] in r.stdout
+    for flag, choices in (("--state-dtype", "fp32,bf16"), ("--indexer-dtype", "fp8,fp4")):
+        assert f"{flag} {{{choices}}}" in r.stdout

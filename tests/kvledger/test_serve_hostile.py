@@ -169,28 +169,38 @@ def _device(rig: Rig) -> dict[str, str]:
     return out
 
 
+def _oversized(rig: Rig) -> dict[str, str]:
+    os.truncate(_plant(rig, "big.json", b""), 1 << 30)
+    return {"big.json": "too_large"}
+
+
+def _then(_done: object, refused: dict[str, str]) -> dict[str, str]:
+    """`refused` (file name -> reason), once the attack's step `_done` has run."""
+    return refused
+
+
 ATTACKS: dict[str, Callable[[Rig], dict[str, str]]] = {
     "symlinks": _symlinks,
     "fifo_and_devices": _device,
-    "oversized": lambda r: (
-        os.truncate(_plant(r, "big.json", b""), 1 << 30) or {"big.json": "too_large"}
+    "oversized": _oversized,
+    "deep_nesting": lambda r: _then(
+        _plant(r, "deep.json", b"[" * 200_000 + b"]" * 200_000 + b"\n[]"),
+        {"deep.json": "nesting"},
     ),
-    "deep_nesting": lambda r: (
-        _plant(r, "deep.json", b"[" * 200_000 + b"]" * 200_000 + b"\n[]")
-        and {"deep.json": "nesting"}
+    "wrong_types": lambda r: _then(
+        _plant(r, "types.json", _forged(r, "types.json", interval="1", pid="1")),
+        {"types.json": "schema"},
     ),
-    "wrong_types": lambda r: (
-        _plant(r, "types.json", _forged(r, "types.json", interval="1", pid="1"))
-        and {"types.json": "schema"}
+    "nan_and_negative_figures": lambda r: _then(
+        _plant(r, "nan.json", _nan_figures(r, "nan.json")), {"nan.json": "schema"}
     ),
-    "nan_and_negative_figures": lambda r: (
-        _plant(r, "nan.json", _nan_figures(r, "nan.json")) and {"nan.json": "schema"}
+    "future_heartbeat": lambda r: _then(
+        _plant(r, "future.json", _forged(r, "future.json", published_at=time.time() + 86400)),
+        {"future.json": "schema"},
     ),
-    "future_heartbeat": lambda r: (
-        _plant(r, "future.json", _forged(r, "future.json", published_at=time.time() + 86400))
-        and {"future.json": "schema"}
+    "not_json": lambda r: _then(
+        _plant(r, "junk.json", b"\xff\x00garbage\n"), {"junk.json": "parse"}
     ),
-    "not_json": lambda r: _plant(r, "junk.json", b"\xff\x00garbage\n") and {"junk.json": "parse"},
 }
 
 
@@ -238,8 +248,9 @@ def test_a_forged_file_cannot_replace_the_engine_series(rig):
         + json.dumps(buffers).encode()
     )
     try:
-        if nobody_uid() is not None:
-            os.chown(forged, nobody_uid(), -1)
+        uid = nobody_uid()
+        if uid is not None:
+            os.chown(forged, uid, -1)
             wait_until(lambda: rig.refused().get("forged.json") == "owner", 10, "owner refused")
             assert set(rig.headlines()) == {GOOD, DEMO}
             assert rig.headlines()[DEMO] < 1.0

@@ -9,7 +9,7 @@ wheels and the `sgl_kernel` stand-in); skipped elsewhere.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -206,7 +206,9 @@ def test_sglang_kernels_write_through_bridged_buffers_as_into_a_native_pool() ->
         used1, reserved1 = _nvml_used(), torch.cuda.memory_reserved(DEV)
         released = phys0 - bridge.stats()["physical_bytes"]
         # 50 rows freed around 1 kept: at least two VMM pages of every layer emptied.
-        assert released >= 2 * SHAPE.layers * bridge.backend.granularity
+        backend = bridge.backend
+        assert backend is not None
+        assert released >= 2 * SHAPE.layers * backend.granularity
         nvml_drop = used0 - used1
         assert abs(nvml_drop - released - (reserved0 - reserved1)) <= 2 * MIB, (
             nvml_drop,
@@ -238,7 +240,7 @@ def test_sglang_kernels_write_through_bridged_buffers_as_into_a_native_pool() ->
         )
     finally:
         bridge.detach()
-    assert bridge.backend.closed
+    assert cast(Any, bridge.backend).closed
 
 
 def test_a_page_is_unmapped_only_after_the_gpu_work_reading_it_is_done() -> None:

@@ -49,7 +49,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         mod = types.ModuleType(spec.name)
         mod.__path__ = []
-        mod.__getattr__ = _module_getattr(spec.name)  # type: ignore[attr-defined]
+        mod.__dict__["__getattr__"] = _module_getattr(spec.name)  # PEP 562 module hook
         return mod
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -41,7 +42,7 @@ GOOD = SwaFacts(
 )
 
 
-def reasons(**changes: object) -> list[str]:
+def reasons(**changes: Any) -> list[str]:
     return incompatibilities(
         dataclasses.replace(GOOD, **changes), granularity=GRAN, backend_device="cpu"
     )

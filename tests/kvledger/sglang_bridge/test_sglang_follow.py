@@ -63,7 +63,7 @@ class Rig:
         return {p for p in range(self.layout.num_pages) if self.pool.is_mapped(p)}
 
     def held(self) -> list[int]:
-        return self.follower.held().tolist()  # type: ignore[no-any-return]
+        return self.follower.held().tolist()
 
     def close(self) -> None:
         self.pool.close()
@@ -207,9 +207,21 @@ def test_follower_refuses_bad_geometry() -> None:
 def test_token_observer_scales_slot_events_only() -> None:
     seen: list[tuple[object, int, float]] = []
 
-    class Sink:
+    class Sink:  # a PoolObserver that records page and slot events only
         def on_pool_event(self, event: object, count: int, seconds: float = 0.0) -> None:
             seen.append((event, count, seconds))
+
+        def on_slots(self, occupied: int, peak: int) -> None:
+            raise AssertionError("TokenObserver passes no slot report here")
+
+        def attach(self, flush: object) -> None:
+            pass
+
+        def detach(self, flush: object) -> None:
+            pass
+
+        def at_safe_point(self) -> None:
+            pass
 
     from accounting.events import PoolEvent
 

@@ -16,6 +16,7 @@ first. torch is pinned to one intra-op thread. Prints medians, min, max and samp
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import statistics
@@ -188,7 +189,7 @@ def main() -> int:
             order = [(nat, fd_n), (br, fd_b)] if k % 2 == 0 else [(br, fd_b), (nat, fd_n)]
             for r, out in order:
                 m0 = store.stats()["pages_mapped_total"] if r is br else 0
-                out.append(timed(lambda r=r: fill_drain(r), 1))
+                out.append(timed(functools.partial(fill_drain, r), 1))
                 if r is br:
                     br["bridge"].mapper.wait_idle()
                     maps.append(store.stats()["pages_mapped_total"] - m0)
@@ -199,7 +200,7 @@ def main() -> int:
         for k in range(args.rounds):
             order = [(nat, rt_n), (br, rt_b)] if k % 2 == 0 else [(br, rt_b), (nat, rt_n)]
             for r, out in order:
-                out.append(timed(lambda r=r: roundtrip(r), 20))
+                out.append(timed(functools.partial(roundtrip, r), 20))
         summary("4096-token round trip", rt_n, rt_b)
         dn, db = Decode(nat), Decode(br)
         for _ in range(5):

@@ -19,11 +19,13 @@ def write_dist_info(where: Path) -> Path:
     """`where/kvledger-<version>.dist-info` with METADATA and entry_points.txt; returns `where`."""
     import tomllib  # Python >= 3.11; the device machine runs 3.12
 
+    from kvledger import __version__  # pyproject.toml's version is read from it (dynamic)
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    info = where / f"kvledger-{project['version']}.dist-info"
+    info = where / f"kvledger-{__version__}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: kvledger\nVersion: {project['version']}\n"
+        f"Metadata-Version: 2.1\nName: kvledger\nVersion: {__version__}\n"
     )
     lines = [f"[{GROUP}]"]
     lines += [f"{k} = {v}" for k, v in project["entry-points"][GROUP].items()]

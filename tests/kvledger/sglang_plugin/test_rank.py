@@ -67,7 +67,9 @@ def test_the_entry_point_off_imports_nothing_more() -> None:
 
 def test_register_off_in_this_process_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVLEDGER_SGLANG", raising=False)
-    assert register() is None
+    monkeypatch.delitem(sys.modules, "kvledger.sglang_plugin.hooks", raising=False)
+    register()
+    assert "kvledger.sglang_plugin.hooks" not in sys.modules  # install() never reached
 
 
 def test_snapshot_dir_from_the_environment_or_the_shared_default() -> None:

@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 
 DEV = "cuda:0"
 SHAPE = Shape(layers=4, swa_pages=96, full_pages=192, requests=8, max_context=4096)
-EXACT = {"max_spare_pages": 0, "handle_pool_pages": 0}  # emptied pages go back at once
+# Emptied pages go back as soon as their GPU work is done: no spares, no kept handles, no grace,
+# nothing mapped ahead.
+EXACT = {"max_spare_pages": 0, "handle_pool_pages": 0, "unmap_grace_s": 0.0, "map_ahead": False}
 DATA, SCALES = 576, 7  # V4 page: 256 rows of 576 data bytes, then 256 x 8 scale bytes (7 used)
 MIB = 1 << 20
 TRITON_LAYERS = tuple(range(0, SHAPE.layers, 2))  # written by SetKAndS (Triton)
@@ -203,6 +205,7 @@ def test_sglang_kernels_write_through_bridged_buffers_as_into_a_native_pool() ->
             for req in side.e.running[1:]:
                 side.e.finish(req)
         torch.cuda.synchronize(DEV)
+        assert bridge.wait_idle()  # the mapper unmaps once the fences of the freed pages passed
         used1, reserved1 = _nvml_used(), torch.cuda.memory_reserved(DEV)
         released = phys0 - bridge.stats()["physical_bytes"]
         # 50 rows freed around 1 kept: at least two VMM pages of every layer emptied.
@@ -270,6 +273,7 @@ def test_a_page_is_unmapped_only_after_the_gpu_work_reading_it_is_done() -> None
         side.e.finish(req)  # SGLang frees the pages while `reader` has not read yet
         torch.cuda.synchronize(DEV)
         assert torch.equal(seen, expected)
+        assert bridge.wait_idle()
         assert bridge.stats()["mapped_pages"] < mapped  # the page did go
     finally:
         bridge.detach()

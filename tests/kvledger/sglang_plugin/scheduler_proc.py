@@ -223,6 +223,10 @@ def main() -> None:
                 return
             elif cmd == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if record is not None and record.bridge is not None and record.bridged:
+                # No map in flight when the truth is read: the host memfd's blocks then equal
+                # the ledger's physical bytes to the byte (mapping ahead runs in the background).
+                record.bridge.wait_idle()
             if rank is not None and rank.publisher is not None:
                 snap = rank.publisher.publish()
                 totals = {f: snap.total(f) for f in ("tensor_bytes", "physical_bytes")}

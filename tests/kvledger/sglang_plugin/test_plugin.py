@@ -20,6 +20,7 @@ import pytest
 
 from allocator.host import DEFAULT_GRANULARITY
 from kvledger.serve_process import ServeProcess
+from kvledger.sglang_bridge.bridge import DEFAULT_POOL_OPTIONS
 from tests.kvledger import sglang_rig as rig
 
 pytestmark = pytest.mark.sglang
@@ -227,8 +228,10 @@ def test_bridge_on_swa_is_vmm_owned_and_moves_with_sglang_allocations(
     env = _env(
         KVLEDGER_SGLANG="1", KVLEDGER_SGLANG_DSV4_BRIDGE="1", KVLEDGER_SNAPSHOT_DIR=str(snapdir)
     )
-    # 64 SGLang pages of 149,760 B per layer: 5 host pages of 2 MiB, so pages map and unmap.
-    proc = Proc(env, "--build", "--swa-pages", "64", "--full-pages", "80")
+    # 256 SGLang pages of 149,760 B per layer: 18 host pages of 2 MiB. The bridge keeps the
+    # front of SGLang's free list mapped ahead (DEFAULT_POOL_OPTIONS["ahead_rows"] rows, about 5
+    # host pages), so a request of 120 pages maps beyond it and its finish unmaps again.
+    proc = Proc(env, "--build", "--swa-pages", "256", "--full-pages", "320")
     try:
         assert proc.first["bridged"] is True, proc.first["reason"]
 
@@ -248,10 +251,10 @@ def test_bridge_on_swa_is_vmm_owned_and_moves_with_sglang_allocations(
 
         idle_phys, idle_mapped, idle_occ, idle_head = swa()
         assert idle_occ == 0
-        step = proc.send(f"prefill {40 * 256}")  # 40 SGLang pages: rows 1..40
-        assert step["swa_free_pages"] == step["swa_pages"] - 40
+        step = proc.send(f"prefill {120 * 256}")  # 120 SGLang pages: rows 1..120
+        assert step["swa_free_pages"] == step["swa_pages"] - 120
         phys, mapped, occ, head = swa()
-        assert occ == 40 * 256 and mapped > idle_mapped and phys > idle_phys
+        assert occ == 120 * 256 and mapped > idle_mapped and phys > idle_phys
         assert (head - idle_head) * 2**30 == phys - idle_phys  # the headline moved by swa_kv
         # /debug/kv says which truth it was held against: the host memfd's allocated blocks.
         (src,) = debug_kv(exporter.url)["sources"]
@@ -264,10 +267,16 @@ def test_bridge_on_swa_is_vmm_owned_and_moves_with_sglang_allocations(
         assert rec["device_bytes"] == phys
         peak, peak_mapped = phys, mapped
         proc.send("finish")
-        phys, mapped, occ, head = swa()
-        # The rows are unmapped again but for one spare page per layer (SwaPool's default
-        # max_spare_pages); their handles may be kept (physical) for the next map.
-        spare = len(rig.RATIOS) * DEFAULT_GRANULARITY
+        # The rows are unmapped again, but for the bridge's spare pages per layer, once they
+        # stayed spare for the unmap grace (the background mapper does it; the rank publishes
+        # every second); their handles may be kept (physical) for the next map.
+        spare = DEFAULT_POOL_OPTIONS["max_spare_pages"] * len(rig.RATIOS) * DEFAULT_GRANULARITY
+        deadline = time.monotonic() + 10
+        while True:
+            phys, mapped, occ, head = swa()
+            if mapped <= idle_mapped + spare or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert occ == 0 and idle_mapped <= mapped <= idle_mapped + spare < peak_mapped
         assert idle_phys <= phys <= peak
         assert (head - idle_head) * 2**30 == phys - idle_phys

@@ -56,7 +56,8 @@ def test_builds_sglang_pool_request_pool_and_allocator_of_those_sizes() -> None:
         assert pool.compression_ratios == [0, 4, 128]
         assert pool.layer_num == 3
         r2t = build_req_to_token(3, 1024, "cpu")
-        assert tuple(r2t.req_to_token.shape) == (3, 1024)
+        assert r2t.size == 3
+        assert tuple(r2t.req_to_token.shape) == (3 + 1, 1024)  # SGLang's padding row 0
         alloc = build_allocator(pool, r2t, full_tokens=12 * 256, page=256, device="cpu")
         assert alloc.size_full == 12 * 256
         assert alloc.size_swa == 6 * 256

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvledger.bench.sglang_pool import Sizes, build_allocator, build_pool, build_req_to_token
+
 PAGE = 256  # DeepSeek-V4's page in SGLang (forced)
 WINDOW = 128  # DeepSeek-V4's sliding window
 # DeepSeek-V4's compression ratio per layer (0: SWA only), repeated for `layers`.
@@ -109,11 +111,8 @@ class Engine:
 
     def __init__(self, shape: Shape, device: str = "cpu") -> None:
         import torch
-        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
         from sglang.srt.mem_cache.base_prefix_cache import ComponentType
         from sglang.srt.mem_cache.common import free_kv_row_segments, free_swa_out_of_window_slots
-        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         self._torch = torch
         self._swa_component = ComponentType.SWA
@@ -123,42 +122,16 @@ class Engine:
         self.device = device
         rs = ratios(shape.layers)
         full = shape.full_pages * PAGE
-        slots = shape.requests + 1
-        self.pool = DeepSeekV4TokenToKVPool(
-            max_num_reqs=shape.requests,
-            num_req_slots=slots,
-            swa_size=shape.swa_pages * PAGE,
-            c4_size=full // 4,
-            c128_size=full // 128,
-            c4_state_pool_size=8 * (shape.swa_pages + 1),
-            c128_state_pool_size=128 * slots,
-            page_size=PAGE,
-            swa_page_size=PAGE,
-            sliding_window=WINDOW,
-            dtype=torch.float8_e4m3fn,
-            c4_state_dtype=torch.float32,
-            c128_state_dtype=torch.float32,
-            qk_nope_head_dim=448,
-            qk_rope_head_dim=64,
-            indexer_head_dim=128,
-            layer_num=len(rs),
-            device=device,
-            enable_memory_saver=False,
-            compression_ratios=rs,
-            start_layer=0,
-            end_layer=len(rs),
-            full_size=full,
+        sizes = Sizes.from_pages(
+            requests=shape.requests,
+            swa_pages=shape.swa_pages,
+            full_pages=shape.full_pages,
+            page=PAGE,
         )
-        self.r2t = ReqToTokenPool(shape.requests, shape.max_context, device, False)
-        self.allocator = SWATokenToKVPoolAllocator(
-            full,
-            self.pool.swa_size,
-            page_size=PAGE,
-            dtype=torch.float8_e4m3fn,
-            device=device,
-            kvcache=self.pool,
-            need_sort=False,
-            req_to_token_pool=self.r2t,
+        self.pool = build_pool(sizes, ratios=rs, page=PAGE, window=WINDOW, device=device)
+        self.r2t = build_req_to_token(shape.requests, shape.max_context, device)
+        self.allocator = build_allocator(
+            self.pool, self.r2t, full_tokens=full, page=PAGE, device=device
         )
         if device == "cpu":
             pin_torch_native(self.allocator)

@@ -10,6 +10,7 @@ import pytest
 from accounting import Ledger
 from accounting.dsv4 import Knobs, plan
 from accounting.inventory import register_pool
+from kvledger.bench.sglang_pool import Sizes, build_pool
 from tests.accounting.dsv4_fixtures import flash
 
 pytestmark = pytest.mark.sglang
@@ -42,38 +43,32 @@ def _unique_storages(root: Any) -> dict[tuple[str, int], int]:
 
 @pytest.fixture
 def dsv4_pool() -> Iterator[tuple[Any, Any]]:
-    import torch
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-
     from tests.accounting.sglang_reference import published
 
     shape = flash()
     bm = plan(shape, Knobs(max_running_requests=8), full_tokens=16_384)
     s = bm.sizes
+    sizes = Sizes(
+        requests=s.max_running_requests,
+        slots=s.num_req_slots,
+        swa_tokens=s.swa_tokens,
+        c4_tokens=s.c4_tokens,
+        c128_tokens=s.c128_tokens,
+        c4_state_size=s.c4_state_size,
+        c128_state_size=s.c128_state_size,
+        full_tokens=None,  # full_size not passed: SGLang's default
+    )
     with published(page_size=256):
-        pool = DeepSeekV4TokenToKVPool(
-            max_num_reqs=s.max_running_requests,
-            num_req_slots=s.num_req_slots,
-            swa_size=s.swa_tokens,
-            c4_size=s.c4_tokens,
-            c128_size=s.c128_tokens,
-            c4_state_pool_size=s.c4_state_size,
-            c128_state_pool_size=s.c128_state_size,
-            page_size=256,
-            swa_page_size=256,
-            sliding_window=shape.sliding_window,
-            dtype=torch.float8_e4m3fn,
-            c4_state_dtype=torch.float32,
-            c128_state_dtype=torch.float32,
+        pool = build_pool(
+            sizes,
+            ratios=list(shape.compress_ratios),
+            layers=shape.num_hidden_layers,
+            page=256,
+            window=shape.sliding_window,
+            device="cpu",
             qk_nope_head_dim=shape.qk_nope_head_dim,
             qk_rope_head_dim=shape.qk_rope_head_dim,
             indexer_head_dim=shape.index_head_dim,
-            layer_num=shape.num_hidden_layers,
-            device="cpu",
-            enable_memory_saver=False,
-            compression_ratios=list(shape.compress_ratios),
-            start_layer=0,
-            end_layer=shape.num_hidden_layers,
         )
         yield pool, bm
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvledger.bench.sglang_engine import RequestKv, pin_torch_native
+from kvledger.bench.sglang_pool import Sizes, build_allocator, build_pool, build_req_to_token
 from tests.accounting.sglang_reference import published as reference_published
 
 __all__ = ["RequestKv"]
@@ -45,34 +46,13 @@ def published() -> Iterator[None]:
 
 
 def make_pool(*, ratios: list[int] | None = None, swa_pages: int = SWA_PAGES, **kw: Any) -> Any:
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-
-    ratios = list(RATIOS if ratios is None else ratios)
-    full = FULL_PAGES * PAGE
-    return DeepSeekV4TokenToKVPool(
-        max_num_reqs=4,
-        num_req_slots=5,
-        swa_size=swa_pages * PAGE,
-        c4_size=full // 4,
-        c128_size=full // 128,
-        c4_state_pool_size=8 * (swa_pages + 1),
-        c128_state_pool_size=128 * 5,
-        page_size=PAGE,
-        swa_page_size=PAGE,
-        sliding_window=WINDOW,
-        dtype=torch.float8_e4m3fn,
-        c4_state_dtype=torch.float32,
-        c128_state_dtype=torch.float32,
-        qk_nope_head_dim=448,
-        qk_rope_head_dim=64,
-        indexer_head_dim=128,
-        layer_num=len(ratios),
+    sizes = Sizes.from_pages(requests=4, swa_pages=swa_pages, full_pages=FULL_PAGES, page=PAGE)
+    return build_pool(
+        sizes,
+        ratios=list(RATIOS if ratios is None else ratios),
+        page=PAGE,
+        window=WINDOW,
         device="cpu",
-        enable_memory_saver=False,
-        compression_ratios=ratios,
-        start_layer=0,
-        end_layer=len(ratios),
-        full_size=full,
         **kw,
     )
 
@@ -80,26 +60,20 @@ def make_pool(*, ratios: list[int] | None = None, swa_pages: int = SWA_PAGES, **
 def make_allocator(
     pool: Any, req_to_token: Any, *, page_size: int = PAGE, need_sort: bool = False
 ) -> Any:
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-
-    alloc = SWATokenToKVPoolAllocator(
-        FULL_PAGES * PAGE,
-        pool.swa_size,
-        page_size=page_size,
-        dtype=torch.float8_e4m3fn,
+    alloc = build_allocator(
+        pool,
+        req_to_token,
+        full_tokens=FULL_PAGES * PAGE,
+        page=page_size,
         device="cpu",
-        kvcache=pool,
         need_sort=need_sort,
-        req_to_token_pool=req_to_token,
     )
     pin_torch_native(alloc)
     return alloc
 
 
 def make_req_to_token() -> Any:
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    return ReqToTokenPool(4, 4096, "cpu", False)
+    return build_req_to_token(4, 4096, "cpu")
 
 
 @dataclass

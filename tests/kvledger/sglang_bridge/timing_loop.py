@@ -28,6 +28,7 @@ import torch
 
 from accounting.ledger import Ledger
 from allocator.host import HostBackend
+from kvledger.bench.sglang_pool import Sizes, build_allocator, build_pool, build_req_to_token
 from kvledger.sglang_bridge import ENV_ENABLE, attach
 from tests.kvledger import sglang_rig as rig
 
@@ -40,46 +41,14 @@ RATIOS = [0, 4]  # two layers: the bridge's host cost does not depend on the lay
 
 
 def make(bridged: bool) -> Any:
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    full = (REQS + 20) * (PROMPT + DECODE + 8) // rig.PAGE * rig.PAGE
-    pool = DeepSeekV4TokenToKVPool(
-        max_num_reqs=REQS + 8,
-        num_req_slots=REQS + 9,
-        swa_size=SWA_PAGES * rig.PAGE,
-        c4_size=full // 4,
-        c128_size=full // 128,
-        c4_state_pool_size=8 * (SWA_PAGES + 1),
-        c128_state_pool_size=128 * (REQS + 9),
-        page_size=rig.PAGE,
-        swa_page_size=rig.PAGE,
-        sliding_window=rig.WINDOW,
-        dtype=torch.float8_e4m3fn,
-        c4_state_dtype=torch.float32,
-        c128_state_dtype=torch.float32,
-        qk_nope_head_dim=448,
-        qk_rope_head_dim=64,
-        indexer_head_dim=128,
-        layer_num=len(RATIOS),
-        device="cpu",
-        enable_memory_saver=False,
-        compression_ratios=RATIOS,
-        start_layer=0,
-        end_layer=len(RATIOS),
-        full_size=full,
+    full_pages = (REQS + 20) * (PROMPT + DECODE + 8) // rig.PAGE
+    sizes = Sizes.from_pages(
+        requests=REQS + 8, swa_pages=SWA_PAGES, full_pages=full_pages, page=rig.PAGE
     )
-    r2t = ReqToTokenPool(REQS + 8, MAX_LEN, "cpu", False)
-    alloc = SWATokenToKVPoolAllocator(
-        full,
-        pool.swa_size,
-        page_size=rig.PAGE,
-        dtype=torch.float8_e4m3fn,
-        device="cpu",
-        kvcache=pool,
-        need_sort=False,
-        req_to_token_pool=r2t,
+    pool = build_pool(sizes, ratios=RATIOS, page=rig.PAGE, window=rig.WINDOW, device="cpu")
+    r2t = build_req_to_token(REQS + 8, MAX_LEN, "cpu")
+    alloc = build_allocator(
+        pool, r2t, full_tokens=full_pages * rig.PAGE, page=rig.PAGE, device="cpu"
     )
     out: dict[str, Any] = {"pool": pool, "alloc": alloc, "sched": rig.Scheduler(alloc, r2t)}
     if bridged:

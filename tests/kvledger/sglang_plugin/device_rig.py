@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvledger.bench.sglang_pool import Sizes, build_allocator, build_pool, build_req_to_token
 from tests.kvledger import sglang_rig as rig
 
 
@@ -19,48 +20,13 @@ def build(
     device: str, *, swa_pages: int = rig.SWA_PAGES, full_pages: int = rig.FULL_PAGES
 ) -> tuple[Any, Any, Any]:
     """(DeepSeekV4TokenToKVPool, ReqToTokenPool, SWATokenToKVPoolAllocator) on `device`."""
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    ratios = list(rig.RATIOS)
+    sizes = Sizes.from_pages(requests=4, swa_pages=swa_pages, full_pages=full_pages, page=rig.PAGE)
     full = full_pages * rig.PAGE
-    pool = DeepSeekV4TokenToKVPool(
-        max_num_reqs=4,
-        num_req_slots=5,
-        swa_size=swa_pages * rig.PAGE,
-        c4_size=full // 4,
-        c128_size=full // 128,
-        c4_state_pool_size=8 * (swa_pages + 1),
-        c128_state_pool_size=128 * 5,
-        page_size=rig.PAGE,
-        swa_page_size=rig.PAGE,
-        sliding_window=rig.WINDOW,
-        dtype=torch.float8_e4m3fn,
-        c4_state_dtype=torch.float32,
-        c128_state_dtype=torch.float32,
-        qk_nope_head_dim=448,
-        qk_rope_head_dim=64,
-        indexer_head_dim=128,
-        layer_num=len(ratios),
-        device=device,
-        enable_memory_saver=False,
-        compression_ratios=ratios,
-        start_layer=0,
-        end_layer=len(ratios),
-        full_size=full,
+    pool = build_pool(
+        sizes, ratios=list(rig.RATIOS), page=rig.PAGE, window=rig.WINDOW, device=device
     )
-    r2t = ReqToTokenPool(4, full, device, False)
-    alloc = SWATokenToKVPoolAllocator(
-        full,
-        pool.swa_size,
-        page_size=rig.PAGE,
-        dtype=torch.float8_e4m3fn,
-        device=device,
-        kvcache=pool,
-        need_sort=False,
-        req_to_token_pool=r2t,
-    )
+    r2t = build_req_to_token(4, full, device)
+    alloc = build_allocator(pool, r2t, full_tokens=full, page=rig.PAGE, device=device)
     return pool, r2t, alloc
 
 

@@ -32,7 +32,7 @@ it was mapped when the cycle began, so fewest = |pages touched by those rows and
 row 0| - page ids mapped at the start (a lower bound for the rows SGLang chose).
 
 Allocations that waited on a driver call are read from `Bridge.stats()`
-(`allocs_waited_on_driver`) when the bridge counts them; otherwise "n/a".
+(`waited_allocs`) when the bridge counts them; otherwise "n/a".
 """
 
 from __future__ import annotations

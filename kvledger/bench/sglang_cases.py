@@ -24,8 +24,8 @@ from accounting.ledger import Account, Ledger
 from accounting.publisher import Publisher
 from kvledger.bench.sglang_engine import PAGE, WINDOW, Engine, Request, Shape, published
 
-# The counter of allocations that waited for a driver map, when the bridge keeps one.
-COUNTER_DRIVER_WAITS = "allocs_waited_on_driver"
+# The counter of allocations that waited for a driver map (Bridge.stats(), docs/sglang-bridge.md).
+COUNTER_DRIVER_WAITS = "waited_allocs"
 ROUND_TRIP_TOKENS = 4096
 CHURN_LOW, CHURN_HIGH = 0.10, 0.90
 

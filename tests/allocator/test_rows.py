@@ -148,6 +148,37 @@ def test_unmap_hysteresis_keeps_a_refilled_page_mapped(host: HostBackend) -> Non
         assert not store.is_mapped(page)
 
 
+def test_unmap_hysteresis_is_bounded_in_count(host: HostBackend) -> None:
+    """A release that empties many pages at once keeps at most max_spare_pages + grace_pages
+    of them mapped, even within the grace; the rest are unmapped before it returns."""
+    store, f = make(host, max_spare_pages=1, grace_pages=1, unmap_grace_s=60.0)
+    with store:
+        rows = list(range(8, 40))  # pages 3..14: twelve pages
+        f.take(rows)
+        in_use = len(pages_of_rows(rows))
+        assert store.stats()["mapped_pages"] == in_use + 1  # + the padding row's page 0
+        f.give_back(rows)  # every page of them emptied at once
+        s = store.stats()
+        assert s["spare_pages"] == 2  # max_spare_pages + grace_pages, grace far from over
+        assert s["mapped_pages"] == 1 + 2 and s["pages_unmapped_total"] == in_use - 2
+        assert host.stats()["mappings"] == LAYERS * 3
+
+
+def test_no_grace_pages_keeps_only_the_watermark(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=1, grace_pages=0, unmap_grace_s=60.0)
+    with store:
+        f.take(list(range(8, 40)))
+        f.give_back(list(range(8, 40)))
+        assert store.stats()["spare_pages"] == 1
+
+
+def test_grace_pages_must_be_a_count(host: HostBackend) -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="grace_pages"):
+            PageStore(host, layers=LAYERS, page_bytes=GRAN, num_pages=PAGES, grace_pages=bad)  # type: ignore[arg-type]
+    assert host.stats()["mappings"] == 0
+
+
 def test_rows_announced_ahead_are_mapped_before_they_are_taken(host: HostBackend) -> None:
     store, f = make(host, max_spare_pages=3)
     with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:

@@ -217,3 +217,66 @@ def test_pack_order_puts_rows_of_the_fullest_mapped_pages_first(host: HostBacken
         # 17 shares page 6 with a whole row; 11 and 12 page 4 with a straddling one; 41 is in
         # the mapped spare; the rest touch an unmapped page (42 straddles into page 16).
         assert f.pack_order(free).tolist() == [17, 11, 12, 41, 5, 42, 43, 45, 60]
+
+
+def test_the_scalar_and_vectorised_paths_keep_the_same_books(host: HostBackend) -> None:
+    """Random takes and give-backs of 1..2*SMALL rows (both paths of RowFollower, mixed):
+    after each, the page counts equal those recounted from the held rows, exactly the pages
+    of held rows are in use, and each of them is mapped."""
+    from allocator.rows import SMALL
+
+    rng = np.random.default_rng(13)
+    store, f = make(host, max_spare_pages=2)
+    held: set[int] = set()
+    with store:
+        for _ in range(400):
+            free = sorted(set(range(1, ROWS)) - held)
+            if free and (not held or rng.random() < 0.5):
+                n = int(rng.integers(1, min(len(free), 2 * SMALL) + 1))
+                rows = rng.choice(free, n, replace=False)
+                assert f.take(rows) == n
+                held |= set(rows.tolist())
+            else:
+                n = int(rng.integers(1, min(len(held), 2 * SMALL) + 1))
+                rows = rng.choice(sorted(held), n, replace=False)
+                assert f.give_back(rows) == n
+                held -= set(rows.tolist())
+            want = np.bincount(f._pages2[[0, *sorted(held)]].ravel(), minlength=store.num_pages)
+            assert np.array_equal(f._count, want)
+            used = pages_of_rows([0, *held])
+            assert {p for p in range(PAGES) if store.in_use[p]} == used
+            assert used <= mapped(store)
+            assert f.held_rows == len(held) and f.divergences == 0
+
+
+def test_a_row_twice_in_one_small_call_is_applied_once_and_counted(host: HostBackend) -> None:
+    """(A duplicate in a call of more than SMALL rows is caught by the count check.)"""
+    store, f = make(host)
+    with store:
+        size = 5
+        rows = [*range(10, 10 + size - 1), 10]  # row 10 twice
+        assert f.take(rows) == size - 1
+        assert f.held_rows == size - 1 and f.divergences == 1
+        assert f.give_back(rows) == size - 1
+        assert f.held_rows == 0 and f.divergences == 2
+
+
+def test_a_row_twice_in_a_long_call_is_caught_by_the_count_check(
+    host: HostBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call of more than SMALL rows takes the vectorised path, which leaves duplicates to
+    the count check every REPORT_EVERY calls: it counts them and rebuilds the page counts."""
+    from allocator.reporting import REPORT_EVERY
+    from allocator.rows import SMALL
+
+    store, f = make(host)
+    with store:
+        rows = [*range(10, 10 + SMALL + 1), 10]
+        f.take(rows)
+        for _ in range(REPORT_EVERY):
+            f.take([60])
+            f.give_back([60])
+        assert f.divergences == 1 and "taken twice" in caplog.text
+        assert f.held_rows == SMALL + 1
+        f.give_back(rows[:-1])
+        assert f.held_rows == 0 and mapped(store) <= {0} | set(store.spares)

@@ -217,6 +217,11 @@ def report(r: dict[str, Any]) -> list[str]:
         f"    mapped page ids - bound: max {ch['excess_max']:+d}, samples over {ch['over']} of "
         f"{ch['checked']}; mapped max {ch['mapped_max']}, bound at that sample {ch['bound_at_max']}"
     )
+    out.append(
+        f"    of which: spare page ids at most {ch['spares_max']} (max spare pages + 1 = "
+        f"{c['max_spare_pages'] + 1}); page ids in use beyond ceil(held rows / rows per VMM "
+        f"page) at most {ch['in_use_excess_max']:+d}"
+    )
     targets.append(f"  target churn mapped <= bound at every sample: {_met(ch['over'] == 0)}")
     waits = r["driver_waits"]
     if waits is None:

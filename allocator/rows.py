@@ -24,6 +24,7 @@ See docs/allocator.md.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,6 +33,12 @@ import numpy as np
 from allocator.store import BUSY, MAPPED, Fence, PageStore
 
 log = logging.getLogger(__name__)
+
+# Calls of up to this many rows take the scalar path: a decode step or an admission moves
+# one to a few rows, and on those the dozen numpy calls of the vectorised path (each a few
+# microseconds with the caches cold from the engine's own work) cost several times more
+# than a loop over the rows. Both paths update the same arrays.
+SMALL = 32
 
 
 def as_rows(ids: Any) -> np.ndarray:
@@ -76,8 +83,13 @@ class RowFollower:
         start = np.arange(rows, dtype=np.int64) * row_bytes
         self._pages2 = np.stack([start // pb, (start + row_bytes - 1) // pb], axis=1)
         self._pages2 = self._pages2.astype(np.intp)
-        self._held = np.zeros(rows, dtype=np.bool_)
-        self._count = np.zeros(store.num_pages, dtype=np.int32)
+        self._p0: list[int] = self._pages2[:, 0].tolist()  # the scalar path's copies
+        self._p1: list[int] = self._pages2[:, 1].tolist()
+        # One buffer each, seen by the scalar path (bytearray, array) and by numpy (views).
+        self._held_b = bytearray(rows)
+        self._held = np.frombuffer(self._held_b, dtype=np.bool_)
+        self._count_a = array("q", bytes(8 * store.num_pages))
+        self._count = np.frombuffer(self._count_a, dtype=np.int64)
         self._state = np.frombuffer(store.state, dtype=np.uint8)  # the store's, shared
         self.held_rows = 0
         self.divergences = 0
@@ -101,11 +113,14 @@ class RowFollower:
         store = self.store
         with store.lock:
             store.check_open("take")
-            if not self._all_rows_in(r, held=False):
-                r = self._sort_out(r, want_held=False, op="take")
-                if r.size == 0:
-                    return 0
-            self._apply_take(r, count=True)
+            if r.size <= SMALL and self._small_ok(rl := r.tolist(), held=False):
+                self._take_small(rl)
+            else:
+                if r.size <= SMALL or not self._all_rows_in(r, held=False):
+                    r = self._sort_out(r, want_held=False, op="take")
+                    if r.size == 0:
+                        return 0
+                self._apply_take(r, count=True)
             self.takes += 1
             due = store.tick()
         if due:
@@ -123,11 +138,14 @@ class RowFollower:
         store = self.store
         with store.lock:
             store.check_open("give_back")
-            if not self._all_rows_in(r, held=True):
-                r = self._sort_out(r, want_held=True, op="give_back")
-                if r.size == 0:
-                    return 0
-            self._apply_give_back(r, fence)
+            if r.size <= SMALL and self._small_ok(rl := r.tolist(), held=True):
+                self._give_back_small(rl, fence)
+            else:
+                if r.size <= SMALL or not self._all_rows_in(r, held=True):
+                    r = self._sort_out(r, want_held=True, op="give_back")
+                    if r.size == 0:
+                        return 0
+                self._apply_give_back(r, fence)
             self.give_backs += 1
             due = store.tick()
         if due:
@@ -149,9 +167,11 @@ class RowFollower:
 
     def ahead(self, ids: Any) -> None:
         """Rows the engine hands out next: the store's mapper maps their pages ahead."""
-        pages = self._pages2[as_rows(ids)].ravel()
+        p0, p1 = self._p0, self._p1
+        rows = as_rows(ids).tolist()
+        pages = dict.fromkeys(q for row in rows for q in (p0[row], p1[row]))  # in front order
         with self.store.lock:
-            self.store.set_ahead(np.unique(pages).tolist())
+            self.store.set_ahead(pages)
 
     def fragmented(self) -> bool:
         """More page ids mapped than the held rows need packed, beyond the spares and one."""
@@ -185,24 +205,68 @@ class RowFollower:
             return False
         return np.count_nonzero(h) == (r.size if held else 0)
 
+    def _small_ok(self, rows: list[int], *, held: bool) -> bool:
+        """The scalar `_all_rows_in`, duplicates included (they go to `_sort_out`)."""
+        h, lo, hi, want = self._held_b, self.first_row, self.rows, int(held)
+        for p in rows:
+            if not lo <= p < hi or h[p] != want:
+                return False
+        return len(rows) == 1 or len(set(rows)) == len(rows)
+
+    def _take_small(self, rows: list[int]) -> None:
+        count, p0, p1 = self._count_a, self._p0, self._p1
+        fresh = [q for row in rows for q in (p0[row], p1[row]) if not count[q]]
+        if fresh:
+            self._use_fresh(sorted(set(fresh)), count=True)
+        h = self._held_b
+        for row in rows:
+            h[row] = 1
+            count[p0[row]] += 1
+            count[p1[row]] += 1
+        self._took(len(rows))
+
+    def _give_back_small(self, rows: list[int], fence: Fence | None) -> None:
+        count, p0, p1, h = self._count_a, self._p0, self._p1, self._held_b
+        emptied: list[int] = []
+        for row in rows:
+            h[row] = 0
+            a, b = p0[row], p1[row]
+            count[a] -= 1
+            count[b] -= 1
+            if not count[a]:
+                emptied.append(a)
+            if b != a and not count[b]:
+                emptied.append(b)
+        self._released(sorted(emptied), len(rows), fence)
+
     def _apply_take(self, r: np.ndarray, *, count: bool) -> None:
-        store = self.store
         touch = self._pages2[r].ravel()
         before = self._count[touch]
         if np.count_nonzero(before) != touch.size:  # a page goes from unused to used: map it
             fresh = sorted(set(touch[before == 0].tolist()))  # a few pages: cheaper than np.unique
-            self._ensure_mapped(fresh, count=count)
-            for p in fresh:
-                store.set_use(p, True)
-            if store.mapper is not None and len(store.spares) < store.max_spare_pages:
-                store.cond.notify_all()  # spares were used up: the mapper maps the next ahead
-        np.add.at(self._count, touch, 1)
+            self._use_fresh(fresh, count=count)
+        # bincount adds repeated pages (two rows in one page) like np.add.at, at a third of
+        # its cost on these short arrays
+        self._count += np.bincount(touch, minlength=self._count.size)
         self._held[r] = True
         if count:
-            self.held_rows += int(r.size)
-            store.add_occupied(int(r.size))
-            if len(store.spares) < store.min_spare_pages:
-                store.cond.notify_all()
+            self._took(int(r.size))
+
+    def _use_fresh(self, fresh: list[int], *, count: bool) -> None:
+        """Pages going from unused to used: mapped (now, if the mapper has not), in use."""
+        store = self.store
+        self._ensure_mapped(fresh, count=count)
+        for p in fresh:
+            store.set_use(p, True)
+        if store.mapper is not None and len(store.spares) < store.max_spare_pages:
+            store.cond.notify_all()  # spares were used up: the mapper maps the next ahead
+
+    def _took(self, n: int) -> None:
+        store = self.store
+        self.held_rows += n
+        store.add_occupied(n)
+        if len(store.spares) < store.min_spare_pages:
+            store.cond.notify_all()
 
     def _ensure_mapped(self, pages: list[int], *, count: bool) -> None:
         """Map what is not mapped yet; a take that had to (or waited for the mapper to
@@ -229,19 +293,24 @@ class RowFollower:
                 self.waited += 1
 
     def _apply_give_back(self, r: np.ndarray, fence: Fence | None) -> None:
-        store = self.store
         touch = self._pages2[r].ravel()
         self._held[r] = False
-        np.subtract.at(self._count, touch, 1)
+        self._count -= np.bincount(touch, minlength=self._count.size)
         after = self._count[touch]
+        emptied: list[int] = []
         if np.count_nonzero(after) != touch.size:
             emptied = sorted(set(touch[after == 0].tolist()))
+        self._released(emptied, int(r.size), fence)
+
+    def _released(self, emptied: list[int], n: int, fence: Fence | None) -> None:
+        store = self.store
+        if emptied:
             for p in emptied:
                 store.set_use(p, False)
             if fence is not None:
                 store.fence(emptied, fence)
-        self.held_rows -= int(r.size)
-        store.add_occupied(-int(r.size))
+        self.held_rows -= n
+        store.add_occupied(-n)
         store.after_release_locked()
 
     def _sort_out(self, r: np.ndarray, *, want_held: bool, op: str) -> np.ndarray:
@@ -292,9 +361,7 @@ class RowFollower:
             self._diverged(abs(self.held_rows - held))
             store.add_occupied(held - self.held_rows)
             self.held_rows = held
-            count = np.bincount(self._pages2[self._held].ravel(), minlength=store.num_pages).astype(
-                np.int32
-            )
+            count = np.bincount(self._pages2[self._held].ravel(), minlength=store.num_pages)
             for p in np.flatnonzero((count == 0) & (self._count != 0)).tolist():
                 store.set_use(p, False)
             self._count[:] = count

@@ -1,10 +1,13 @@
 """The page store's spare policy: what to unmap when, and what to map ahead.
 
-- Unmap behind, with hysteresis: spares beyond `max_spare_pages` are unmapped once they
-  have stayed beyond it for `unmap_grace_s` seconds (a free, or the background mapper,
-  finds the grace over), the most recently emptied first. A spare wanted ahead goes last;
-  a spare whose fence has not signalled (the GPU work that last used it, on CUDA) is not
-  unmapped at all until it has.
+- Unmap behind, with hysteresis bounded in time and in count: spares beyond
+  `max_spare_pages` are unmapped once they have stayed beyond it for `unmap_grace_s`
+  seconds (a free, or the background mapper, finds the grace over), but at most
+  `grace_pages` of them may wait out the grace: a free that leaves more unmaps the rest at
+  once (on the freeing thread; fenced ones by the background mapper, which is woken). The
+  most recently emptied go first. A spare wanted ahead goes last; a spare whose fence has
+  not signalled (the GPU work that last used it, on CUDA) is not unmapped at all until it
+  has.
 - Map ahead: pages a follower hands out next (`set_ahead`) while spares are fewer than
   `max_spare_pages` (so mapping ahead and trimming never undo each other), then enough to
   keep `min_spare_pages` spares, within the physical budget.
@@ -50,6 +53,7 @@ class SparePolicy:
         busy: int
         min_spare_pages: int
         max_spare_pages: int
+        grace_pages: int
         unmap_grace_s: float
         retry_after_s: float
         handles: list[list[int] | None]
@@ -72,12 +76,20 @@ class SparePolicy:
 
     def after_release_locked(self) -> None:
         """Apply the spare policy after occupants left (under the lock, from a free)."""
-        if len(self.spares) <= self.max_spare_pages:
+        n = len(self.spares)
+        if n <= self.max_spare_pages:
             self._over_since = None
             return
         if self.tp is not None:  # under TP a function of the operation sequence: no timing
             self.tp_trim_locked()
             return
+        cap = self.max_spare_pages + self.grace_pages
+        if n > cap and time.monotonic() >= self._retry_at:
+            self.trim_locked(keep=cap)  # beyond what the grace may keep: now
+            if len(self.spares) > cap and self.mapper is not None:
+                self.cond.notify_all()  # fenced ones: the mapper waits for them
+            if len(self.spares) <= self.max_spare_pages:
+                return
         now = time.monotonic()
         if self._over_since is None:
             self._over_since = now
@@ -88,16 +100,19 @@ class SparePolicy:
         else:
             self.trim_locked()
 
-    def trim_locked(self) -> None:
-        """Unmap spares beyond max_spare_pages now (sync), the most recently emptied first."""
-        while len(self.spares) > self.max_spare_pages:
+    def trim_locked(self, keep: int | None = None) -> None:
+        """Unmap spares beyond `keep` (default max_spare_pages) now (sync), the most recently
+        emptied first; fenced spares stay."""
+        keep = self.max_spare_pages if keep is None else keep
+        while len(self.spares) > keep:
             p = self.trim_candidate()
             if p is None:
                 return
             if not self.unmap_spare_locked(p):
                 self._retry_at = time.monotonic() + self.retry_after_s
                 return
-        self._over_since = None
+        if len(self.spares) <= self.max_spare_pages:
+            self._over_since = None
 
     def trim_candidate(self) -> int | None:
         """The spare to unmap next: fenced pages wait, pages wanted ahead go last."""
@@ -110,6 +125,13 @@ class SparePolicy:
                 return p
             later = p if later is None else later
         return later
+
+    def _trim_due(self) -> bool:
+        """Spares beyond what the grace may keep, or beyond the watermark past the grace."""
+        n = len(self.spares)
+        return n > self.max_spare_pages + self.grace_pages or (
+            n > self.max_spare_pages and self._grace_over()
+        )
 
     def _grace_over(self) -> bool:
         since = self._over_since
@@ -134,7 +156,7 @@ class SparePolicy:
                 handles = None if fresh else self.kept.pop()
                 if fresh:
                     self.live_sets += 1
-            elif len(self.spares) > self.max_spare_pages and self._grace_over():
+            elif self._trim_due():
                 q = self.trim_candidate()
                 if q is not None:
                     self.begin_unmap(q)

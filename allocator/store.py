@@ -12,7 +12,8 @@ MAPPED page not in use is a *spare*. The store owns the rest:
 - map transactions (`map_locked`): all pages of a plan or none, undone on any failure;
 - the spare policy: keep at least `min_spare_pages` mapped ahead (background mapper),
   unmap spares beyond `max_spare_pages` once they have stayed beyond it for
-  `unmap_grace_s` seconds (hysteresis), never a page whose fence has not signalled
+  `unmap_grace_s` seconds (hysteresis), at once beyond `max_spare_pages + grace_pages`
+  (the hysteresis is bounded in count too), never a page whose fence has not signalled
   (CUDA: the GPU work that last used it), the most recently emptied first;
 - map-ahead (`set_ahead`): pages a follower expects to hand out next are mapped by the
   background mapper before they are asked for;
@@ -73,6 +74,7 @@ class PageStore(Reporter, SparePolicy, TpPages):
         max_spare_pages: int = 1,
         handle_pool_pages: int | None = None,
         unmap_grace_s: float = 0.0,
+        grace_pages: int = 1,
         observer: PoolObserver | None = None,
         name: str = "swa",
     ) -> None:
@@ -86,6 +88,8 @@ class PageStore(Reporter, SparePolicy, TpPages):
                 f"min_spare_pages={min_spare_pages}, max_spare_pages={max_spare_pages}: "
                 "expected 0 <= min_spare_pages <= max_spare_pages"
             )
+        if isinstance(grace_pages, bool) or not isinstance(grace_pages, int) or grace_pages < 0:
+            raise ValueError(f"grace_pages={grace_pages!r}, expected an int >= 0")
         if not (isinstance(unmap_grace_s, (int, float)) and math.isfinite(unmap_grace_s)) or (
             unmap_grace_s < 0
         ):
@@ -105,6 +109,7 @@ class PageStore(Reporter, SparePolicy, TpPages):
         self.max_spare_pages = max_spare_pages
         self.handle_pool_pages = max_spare_pages if handle_pool_pages is None else handle_pool_pages
         self.unmap_grace_s = float(unmap_grace_s)
+        self.grace_pages = grace_pages
         self.observer: PoolObserver = observer or _NullObserver()
         # Reentrant: a ledger snapshot taken by a thread that holds it (to read the store and
         # the ledger at one instant) flushes the occupant figure through `report_slots`.

@@ -32,7 +32,7 @@ it was mapped when the cycle began, so fewest = |pages touched by those rows and
 row 0| - page ids mapped at the start (a lower bound for the rows SGLang chose).
 
 Allocations that waited on a driver call are read from `Bridge.stats()`
-(`waited_allocs`: takes that mapped on the spot, waiting on the driver).
+(`waited_allocs`) when the bridge counts them; otherwise "n/a".
 """
 
 from __future__ import annotations
@@ -216,6 +216,11 @@ def report(r: dict[str, Any]) -> list[str]:
     out.append(
         f"    mapped page ids - bound: max {ch['excess_max']:+d}, samples over {ch['over']} of "
         f"{ch['checked']}; mapped max {ch['mapped_max']}, bound at that sample {ch['bound_at_max']}"
+    )
+    out.append(
+        f"    of which: spare page ids at most {ch['spares_max']} (max spare pages + 1 = "
+        f"{c['max_spare_pages'] + 1}); page ids in use beyond ceil(held rows / rows per VMM "
+        f"page) at most {ch['in_use_excess_max']:+d}"
     )
     targets.append(f"  target churn mapped <= bound at every sample: {_met(ch['over'] == 0)}")
     waits = r["driver_waits"]

@@ -24,7 +24,7 @@ from accounting.ledger import Account, Ledger
 from accounting.publisher import Publisher
 from kvledger.bench.sglang_engine import PAGE, WINDOW, Engine, Request, Shape, published
 
-# The counter of allocations that waited for a driver map, when the bridge keeps one.
+# The counter of allocations that waited for a driver map (Bridge.stats(), docs/sglang-bridge.md).
 COUNTER_DRIVER_WAITS = "waited_allocs"
 ROUND_TRIP_TOKENS = 4096
 CHURN_LOW, CHURN_HIGH = 0.10, 0.90
@@ -44,6 +44,12 @@ class Variant:
 
     def mapped_pages(self) -> int:
         return int(self.bridge.stats()["mapped_pages"]) if self.bridge is not None else 0
+
+    def mapped_and_spare(self) -> tuple[int, int]:
+        if self.bridge is None:
+            return 0, 0
+        stats = self.bridge.stats()
+        return int(stats["mapped_pages"]), int(stats["spare_pages"])
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
@@ -287,6 +293,7 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
     kinds = {"admit": 0, "finish": 0}
     occ: list[float] = []
     samples: list[tuple[int, int]] = []  # (mapped, bound) after warm-up
+    spares: list[int] = []  # spare page ids at each of those samples
     for v in vs:
         v.engine.finish_all()
     for _, v in _rounds(vs, args.rounds):
@@ -304,7 +311,9 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
             occ.append(held / args.swa_pages)
             if churn.done > args.churn_warmup:
                 bound = math.ceil((held + 1) * rb / gran) + args.max_spare_pages + 1
-                samples.append((v.mapped_pages(), bound))
+                mapped, spare = v.mapped_and_spare()
+                samples.append((mapped, bound))
+                spares.append(spare)
     for v in vs:
         v.engine.finish_all()
     excess = [m - b for m, b in samples]
@@ -322,6 +331,13 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
         "excess_max": max(excess),
         "mapped_max": samples[worst][0],
         "bound_at_max": samples[worst][1],
+        # The two parts of the excess: spares the policy keeps, and page ids in use beyond
+        # the packed rows (held rows scattered over pages, which no allocation order undoes).
+        "spares_max": max(spares),
+        "in_use_excess_max": max(
+            m - s - (b - args.max_spare_pages - 1)
+            for (m, b), s in zip(samples, spares, strict=True)
+        ),
     }
 
 

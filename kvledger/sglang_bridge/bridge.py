@@ -67,12 +67,14 @@ _BRIDGES: weakref.WeakKeyDictionary[Any, Bridge] = weakref.WeakKeyDictionary()
 BackendSource = Backend | Callable[[], Backend] | None
 
 # The bridge's page-store policy unless `pool_options` says otherwise (docs/allocator.md):
-# two spares (room for the front of SGLang's free list mapped ahead), unmapped once they
-# stayed spare for 50 ms (a few scheduler steps: a page a finish empties and the next
-# admission refills is not unmapped and mapped again), and a background mapper.
+# two spares (room for the front of SGLang's free list mapped ahead); one more may stay
+# mapped for 50 ms (a few scheduler steps: a page a finish empties and the next admission
+# refills is not unmapped and mapped again), any beyond it is unmapped at once; and a
+# background mapper.
 DEFAULT_POOL_OPTIONS: dict[str, Any] = {
     "max_spare_pages": 2,
     "unmap_grace_s": 0.05,
+    "grace_pages": 1,
     "map_ahead": True,
     "ahead_rows": AHEAD_ROWS,
 }

@@ -93,11 +93,11 @@ class AllocatorHooks:
             fn = orig[name]
 
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                self._n0 = len(allocator.free_pages)
+                self._n0 = allocator.free_pages.shape[0]  # shape: a third of len()'s cost
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    taken = self._n0 - len(allocator.free_pages)
+                    taken = self._n0 - allocator.free_pages.shape[0]
                     self._n0 = -1
                     if taken > 0:
                         self._took(taken)
@@ -109,14 +109,26 @@ class AllocatorHooks:
             out = orig["merge_and_sort_free"](*args, **kwargs)
             self.mirror.merge_and_sort()
             if self._n0 >= 0:
-                self._n0 = len(allocator.free_pages)
+                self._n0 = allocator.free_pages.shape[0]
             self._announce()
             return out
 
         release = orig["_release_page_ids"]
 
+        host = isinstance(self.reader, HostReader)
+
         def release_page_ids(*page_ids: Any) -> Any:
             out = release(*page_ids)
+            if host:  # the ids are host memory: mirror and give back at once, no fence
+                ready = [ids.reshape(-1).numpy() for ids in page_ids if ids.numel()]
+                if ready:
+                    self.mirror.release(ready, staged=bool(allocator.need_sort))
+                    for ids in ready:
+                        self.follower.give_back(ids)
+                    self._since_pack += 1
+                    if self._since_pack >= PACK_EVERY:
+                        self._maybe_pack()
+                return out
             chunks = [self.reader.read(ids) for ids in page_ids if ids.numel()]
             if chunks:
                 self.mirror.release(chunks, staged=bool(allocator.need_sort))
@@ -176,7 +188,7 @@ class AllocatorHooks:
     def _took(self, taken: int) -> None:
         if self._pending:
             self._settle(wait=True)  # the front is likely what was just released
-        if len(self.mirror) - taken != len(self.allocator.free_pages):
+        if len(self.mirror) - taken != self.allocator.free_pages.shape[0]:
             self._diverged(f"an allocation took {taken} pages")
             return
         self.follower.take(self.mirror.take(taken))

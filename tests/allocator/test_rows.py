@@ -148,6 +148,37 @@ def test_unmap_hysteresis_keeps_a_refilled_page_mapped(host: HostBackend) -> Non
         assert not store.is_mapped(page)
 
 
+def test_unmap_hysteresis_is_bounded_in_count(host: HostBackend) -> None:
+    """A release that empties many pages at once keeps at most max_spare_pages + grace_pages
+    of them mapped, even within the grace; the rest are unmapped before it returns."""
+    store, f = make(host, max_spare_pages=1, grace_pages=1, unmap_grace_s=60.0)
+    with store:
+        rows = list(range(8, 40))  # pages 3..14: twelve pages
+        f.take(rows)
+        in_use = len(pages_of_rows(rows))
+        assert store.stats()["mapped_pages"] == in_use + 1  # + the padding row's page 0
+        f.give_back(rows)  # every page of them emptied at once
+        s = store.stats()
+        assert s["spare_pages"] == 2  # max_spare_pages + grace_pages, grace far from over
+        assert s["mapped_pages"] == 1 + 2 and s["pages_unmapped_total"] == in_use - 2
+        assert host.stats()["mappings"] == LAYERS * 3
+
+
+def test_no_grace_pages_keeps_only_the_watermark(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=1, grace_pages=0, unmap_grace_s=60.0)
+    with store:
+        f.take(list(range(8, 40)))
+        f.give_back(list(range(8, 40)))
+        assert store.stats()["spare_pages"] == 1
+
+
+def test_grace_pages_must_be_a_count(host: HostBackend) -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="grace_pages"):
+            PageStore(host, layers=LAYERS, page_bytes=GRAN, num_pages=PAGES, grace_pages=bad)  # type: ignore[arg-type]
+    assert host.stats()["mappings"] == 0
+
+
 def test_rows_announced_ahead_are_mapped_before_they_are_taken(host: HostBackend) -> None:
     store, f = make(host, max_spare_pages=3)
     with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:
@@ -186,3 +217,66 @@ def test_pack_order_puts_rows_of_the_fullest_mapped_pages_first(host: HostBacken
         # 17 shares page 6 with a whole row; 11 and 12 page 4 with a straddling one; 41 is in
         # the mapped spare; the rest touch an unmapped page (42 straddles into page 16).
         assert f.pack_order(free).tolist() == [17, 11, 12, 41, 5, 42, 43, 45, 60]
+
+
+def test_the_scalar_and_vectorised_paths_keep_the_same_books(host: HostBackend) -> None:
+    """Random takes and give-backs of 1..2*SMALL rows (both paths of RowFollower, mixed):
+    after each, the page counts equal those recounted from the held rows, exactly the pages
+    of held rows are in use, and each of them is mapped."""
+    from allocator.rows import SMALL
+
+    rng = np.random.default_rng(13)
+    store, f = make(host, max_spare_pages=2)
+    held: set[int] = set()
+    with store:
+        for _ in range(400):
+            free = sorted(set(range(1, ROWS)) - held)
+            if free and (not held or rng.random() < 0.5):
+                n = int(rng.integers(1, min(len(free), 2 * SMALL) + 1))
+                rows = rng.choice(free, n, replace=False)
+                assert f.take(rows) == n
+                held |= set(rows.tolist())
+            else:
+                n = int(rng.integers(1, min(len(held), 2 * SMALL) + 1))
+                rows = rng.choice(sorted(held), n, replace=False)
+                assert f.give_back(rows) == n
+                held -= set(rows.tolist())
+            want = np.bincount(f._pages2[[0, *sorted(held)]].ravel(), minlength=store.num_pages)
+            assert np.array_equal(f._count, want)
+            used = pages_of_rows([0, *held])
+            assert {p for p in range(PAGES) if store.in_use[p]} == used
+            assert used <= mapped(store)
+            assert f.held_rows == len(held) and f.divergences == 0
+
+
+def test_a_row_twice_in_one_small_call_is_applied_once_and_counted(host: HostBackend) -> None:
+    """(A duplicate in a call of more than SMALL rows is caught by the count check.)"""
+    store, f = make(host)
+    with store:
+        size = 5
+        rows = [*range(10, 10 + size - 1), 10]  # row 10 twice
+        assert f.take(rows) == size - 1
+        assert f.held_rows == size - 1 and f.divergences == 1
+        assert f.give_back(rows) == size - 1
+        assert f.held_rows == 0 and f.divergences == 2
+
+
+def test_a_row_twice_in_a_long_call_is_caught_by_the_count_check(
+    host: HostBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call of more than SMALL rows takes the vectorised path, which leaves duplicates to
+    the count check every REPORT_EVERY calls: it counts them and rebuilds the page counts."""
+    from allocator.reporting import REPORT_EVERY
+    from allocator.rows import SMALL
+
+    store, f = make(host)
+    with store:
+        rows = [*range(10, 10 + SMALL + 1), 10]
+        f.take(rows)
+        for _ in range(REPORT_EVERY):
+            f.take([60])
+            f.give_back([60])
+        assert f.divergences == 1 and "taken twice" in caplog.text
+        assert f.held_rows == SMALL + 1
+        f.give_back(rows[:-1])
+        assert f.held_rows == 0 and mapped(store) <= {0} | set(store.spares)

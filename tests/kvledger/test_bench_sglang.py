@@ -78,6 +78,10 @@ def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     assert ch["checked"] == 120 - 10
     assert 0 <= ch["over"] <= ch["checked"]
     assert ch["mapped_max"] >= 1
+    # The spare cap (docs/allocator.md): max_spare_pages (1 by default) + grace_pages (1).
+    assert 0 <= ch["spares_max"] <= 2
+    assert ch["in_use_excess_max"] >= 0
+    assert "of which: spare page ids at most" in "\n".join(bench.report(r))
     lines = bench.report(r)
     text = "\n".join(lines)
     assert "targets:" in lines

@@ -229,7 +229,9 @@ def main() -> None:
                 record.bridge.wait_idle()
             if rank is not None and rank.publisher is not None:
                 snap = rank.publisher.publish()
-                totals = {f: snap.total(f) for f in ("tensor_bytes", "physical_bytes")}
+                totals = {
+                    f: snap.total(f) for f in ("tensor_bytes", "physical_bytes", "occupied_slots")
+                }
                 recon = [dict(r) for r in snap.reconciliation]
             else:
                 totals, recon = {}, []

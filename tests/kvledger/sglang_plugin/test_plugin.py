@@ -7,10 +7,13 @@ whole process and `load_plugins()` runs once per process, as in a server. The ex
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ from allocator.host import DEFAULT_GRANULARITY
 from kvledger.serve_process import ServeProcess
 from kvledger.sglang_bridge.bridge import DEFAULT_POOL_OPTIONS
 from tests.kvledger import sglang_rig as rig
+from tests.kvledger.sglang_plugin import dist
 
 pytestmark = pytest.mark.sglang
 
@@ -50,13 +54,30 @@ DSV4_FAMILIES = {
 HEADLINE = "sglang:kv_cache_memory_usage_gb"
 
 
+_DIST: list[str] = []  # where the stand-in dist-info was written, once per session
+
+
+def _dist_path() -> str | None:
+    """None where kvledger is installed (its entry point is visible); else a folder holding the
+    dist-info an install would write (`dist`), so SGLang's `load_plugins()` finds kvledger in
+    a copy of the source tree too (the device machine runs one)."""
+    if dist.installed():
+        return None
+    if not _DIST:
+        where = Path(tempfile.mkdtemp(prefix="kvledger-dist-"))
+        atexit.register(shutil.rmtree, where, True)
+        _DIST.append(str(dist.write_dist_info(where)))
+    return _DIST[0]
+
+
 def _env(**kw: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("KVLEDGER_") and k not in ("SGLANG_PLUGINS", "SGLANG_PLATFORM")
     }
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    paths = (str(ROOT), _dist_path(), os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.update(kw)
     return env
 

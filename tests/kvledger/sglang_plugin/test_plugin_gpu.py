@@ -8,12 +8,10 @@ environment, the child gets a dist-info folder written from pyproject.toml (`dis
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.kvledger.sglang_plugin import dist
 from tests.kvledger.sglang_plugin.test_plugin import Proc, _env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
@@ -59,9 +57,6 @@ def test_plugin_path_on_cuda_reconciles_with_nvml_per_process(tmp_path: Path, br
         KVLEDGER_SGLANG_REQUIRE="1",  # a kvledger failure fails the test, not a log line
         KVLEDGER_SNAPSHOT_DIR=str(snap),
     )
-    if not dist.installed():
-        where = dist.write_dist_info(tmp_path / "dist")
-        env["PYTHONPATH"] = os.pathsep.join((str(where), env["PYTHONPATH"]))
     args = ("--build", "--device", "cuda", "--swa-pages", "64", "--full-pages", "80")
     proc = Proc(env, *args)
     try:

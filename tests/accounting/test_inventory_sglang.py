@@ -12,33 +12,9 @@ from accounting.dsv4 import Knobs, plan
 from accounting.inventory import register_pool
 from kvledger.bench.sglang_pool import Sizes, build_pool
 from tests.accounting.dsv4_fixtures import flash
+from tests.kvledger.sglang_rig import unique_storages
 
 pytestmark = pytest.mark.sglang
-
-
-def _unique_storages(root: Any) -> dict[tuple[str, int], int]:
-    """Every tensor storage reachable from the pool, by (device, pointer): an independent
-    sweep of the object graph (no depth limit, cycles cut)."""
-    import torch
-
-    out: dict[tuple[str, int], int] = {}
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, type)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            s = obj.untyped_storage()
-            out[(str(obj.device), s.data_ptr())] = s.nbytes()
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("sglang", "accounting")):
-            stack.extend(vars(obj).values())
-    return out
 
 
 @pytest.fixture
@@ -80,7 +56,7 @@ def test_dsv4_pool_inventory_counts_each_storage_once(dsv4_pool: tuple[Any, Any]
     assert inv.kind == "dsv4"
     snap = ledger.snapshot()
     assert not snap.violations
-    storages = _unique_storages(pool)
+    storages = unique_storages(pool)
     physical = snap.total("physical_bytes")
     assert physical > 0
     assert physical == sum(storages.values())
@@ -129,7 +105,7 @@ def test_mha_and_swa_pools() -> None:
         inv = register_pool(ledger, mha, name="mha")
         assert inv.kind == "mha"
         snap = ledger.snapshot()
-        storages = _unique_storages(mha)
+        storages = unique_storages(mha)
         assert snap.total("physical_bytes") == sum(storages.values()) > 0
         fams = snap.rollup("family")
         # SGLang 0.5.23 allocates a layer's K and V as halves of one storage.
@@ -151,7 +127,7 @@ def test_mha_and_swa_pools() -> None:
         inv = register_pool(ledger, swa, name="swa")
         assert inv.kind == "swa"
         snap = ledger.snapshot()
-        storages = _unique_storages(swa)
+        storages = unique_storages(swa)
         assert snap.total("physical_bytes") == sum(storages.values()) > 0
         fams = snap.rollup("family")
         assert fams[("swa_kv",)]["tensor_bytes"] == 2 * 2 * (512 + 16) * 2 * 64 * 2
@@ -201,7 +177,7 @@ def test_hybrid_linear_pool_with_mamba_state() -> None:
         assert inv.kind == "hybrid_linear"
         snap = ledger.snapshot()
         assert not snap.violations
-        assert snap.total("physical_bytes") == sum(_unique_storages(pool).values()) > 0
+        assert snap.total("physical_bytes") == sum(unique_storages(pool).values()) > 0
         fams = snap.rollup("family")
         cache = mamba.mamba_cache
         conv = sum(t.untyped_storage().nbytes() for t in cache.conv)

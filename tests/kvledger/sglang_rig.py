@@ -139,3 +139,26 @@ class Scheduler:
         row = self.r2t.req_to_token[req.kv.req_pool_idx, : req.seq_len].long()
         free_kv_row_segments(self.allocator, [(row, 0)], swa_evicted_seqlen=self.evicted(req))
         self.r2t.free(req)
+
+
+def unique_storages(root: Any) -> dict[tuple[str, int], int]:
+    """Every tensor storage reachable from the pool, by (device, pointer): an independent
+    sweep of the object graph (no depth limit, cycles cut)."""
+    out: dict[tuple[str, int], int] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            out[(str(obj.device), s.data_ptr())] = s.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("sglang", "accounting")):
+            stack.extend(vars(obj).values())
+    return out

@@ -111,26 +111,9 @@ def minimal_scheduler() -> Any:
 
 def storages(pool: Any) -> int:
     """Bytes of every tensor storage reachable from the pool (independent of kvledger)."""
-    import torch
+    from tests.kvledger.sglang_rig import unique_storages
 
-    seen: set[int] = set()
-    out: dict[tuple[str, int], int] = {}
-    stack = [pool]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, type)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            s = obj.untyped_storage()
-            out[(str(obj.device), s.data_ptr())] = s.nbytes()
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("sglang"):
-            stack.extend(vars(obj).values())
-    return sum(out.values())
+    return sum(unique_storages(pool).values())
 
 
 def capture_a_graph(device: str) -> None:

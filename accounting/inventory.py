@@ -198,13 +198,22 @@ def _joined_family(families: list[str]) -> str:
 
 
 def register_pool(
-    ledger: Ledger, pool: Any, *, name: str = "kv", allow_unknown: bool = False
+    ledger: Ledger,
+    pool: Any,
+    *,
+    name: str = "kv",
+    allow_unknown: bool = False,
+    exclude: Iterable[str] = (),
 ) -> Inventory:
-    """Walk `pool` and add one runtime-owned account per family to `ledger`; all or nothing."""
+    """Walk `pool` and add one runtime-owned account per family to `ledger`, but for the
+    families in `exclude` (registered by someone else, e.g. the VMM bridge); all or nothing."""
     inv = inventory(pool, name=name, allow_unknown=allow_unknown)
+    skip = set(exclude)
     accounts: list[Account] = []
     try:
         for family, specs in inv.families().items():
+            if family in skip:
+                continue
             capacity = max(s.capacity_slots for s in specs)
             accounts.append(
                 ledger.add_account(specs, key=f"{name}/{family}", capacity_slots=capacity)

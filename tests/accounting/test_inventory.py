@@ -168,3 +168,12 @@ def test_accounting_does_not_import_sglang() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
     )
     assert out.stdout.strip() == "False"
+
+
+def test_register_pool_leaves_out_the_excluded_families() -> None:
+    """What the VMM bridge registers itself (swa_kv) is not registered twice as runtime-owned."""
+    ledger = Ledger()
+    inv = register_pool(ledger, _fake_dsv4(), name="dsv4", exclude=("swa_kv",))
+    keys = {a.key for a in inv.accounts}
+    assert "dsv4/swa_kv" not in keys and "dsv4/c4_kv" in keys
+    assert {a.key for a in ledger.accounts()} == keys

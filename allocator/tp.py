@@ -55,84 +55,51 @@ A rank that dies or hangs
     Each exchange waits at most `timeout_s`; a dead peer's closed connection fails at
     once. Either raises `TpPeerError` on the ranks still alive, counted in
     `TpStatus.peer_failures_total`, and the coordinator refuses every later operation.
+
+Modules
+    This one: the protocol above and `TpCoordinator`, a rank's side of it (attach and the
+    configuration handshake, the pool's hooks, rank 0's plans and a peer's following,
+    mapping ahead, close). allocator.tp_exchange: the wire side (the view's layout and
+    digests, the all_gather, the comparison of views and the check of rank 0's lists, the
+    errors). allocator.tp_pages: the page store's side.
 """
 
 from __future__ import annotations
 
-import array
-import contextlib
 import datetime
-import hashlib
 import logging
 import threading
-import time
-from collections.abc import Sequence
 from typing import Any
 
 from accounting.tp_status import TpStatus
-from allocator.errors import CapacityError, KvAllocatorError
+from allocator.errors import CapacityError
 from allocator.pool import SwaPool
+from allocator.tp_exchange import (
+    HELLO,
+    MAGIC,
+    MAP,
+    PLAN_WORDS,
+    UNMAP,
+    VERIFY,
+    VIEW_WORDS,
+    TpDivergenceError,
+    TpError,
+    TpExchange,
+    TpPeerError,
+    config_digest,
+)
+
+__all__ = [
+    "MAGIC",
+    "PLAN_WORDS",
+    "VIEW_WORDS",
+    "TpCoordinator",
+    "TpDivergenceError",
+    "TpError",
+    "TpPeerError",
+]
 
 log = logging.getLogger(__name__)
-
-PLAN_WORDS = 48  # page ids carried in one view; more take extra rounds
-MAGIC = 0x6B764C_0001  # protocol tag and version: a rank running other code mismatches here
-
-# View layout: one int64 word per field, then the plan.
-_FIELDS = (
-    "magic",
-    "rank",
-    "exchange",
-    "op_seq",
-    "kind",
-    "op_n",
-    "short",
-    "occupied_slots",
-    "mapped_pages",
-    "spare_pages",
-    "live_handle_sets",
-    "reserved_pages",
-    "trace",
-    "config",
-    "refused",
-    "publish_len",
-    "plan_len",
-    "reserve_len",
-)
-_IDX = {name: i for i, name in enumerate(_FIELDS)}
-_LISTS = ("publish_len", "plan_len", "reserve_len")  # rank 0's page lists, in this order
-_COMPARED = tuple(f for f in _FIELDS if f not in ("rank", "refused", *_LISTS))
-VIEW_WORDS = len(_FIELDS) + PLAN_WORDS
-
-HELLO, MAP, UNMAP, VERIFY = 1, 2, 3, 4
-_KIND_NAMES = {HELLO: "hello", MAP: "map", UNMAP: "unmap", VERIFY: "verify"}
-_OP_CODES = {"none": 0, "alloc": 1, "free": 2}
-_OP_NAMES = {v: k for k, v in _OP_CODES.items()}
-_MASK = (1 << 64) - 1
-
-
-class TpError(KvAllocatorError):
-    """The TP group can no longer be trusted; every later operation raises it again."""
-
-
-class TpDivergenceError(TpError):
-    """A rank's allocation sequence or pool state no longer matches rank 0's."""
-
-
-class TpPeerError(TpError):
-    """An exchange failed: a rank died, or did not answer within the timeout."""
-
-
-def _digest(prev: int, values: Sequence[int]) -> int:
-    """64-bit digest of `prev` and `values`: the same on every rank, build and Python."""
-    h = hashlib.blake2b(prev.to_bytes(8, "little"), digest_size=8)
-    h.update(array.array("q", values))
-    return int.from_bytes(h.digest(), "little")
-
-
-def _signed64(x: int) -> int:
-    x &= _MASK
-    return x - (1 << 64) if x >> 63 else x
 
 
 class TpCoordinator:
@@ -175,10 +142,9 @@ class TpCoordinator:
                 "torch.distributed is not initialized: call init_process_group first "
                 "(or pass group=)"
             )
-        self._dist = dist
         self.pool = pool
         self.timeout_s = float(timeout_s)
-        self._own_group = group is None
+        own_group = group is None
         if group is None:
             group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
@@ -186,29 +152,26 @@ class TpCoordinator:
         backend = str(dist.get_backend(group))
         if backend != "gloo":
             raise ValueError(f"group backend={backend!r}, expected 'gloo' (CPU control tensors)")
-        self._group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self._ops_done = 0
-        self._op = (0, 0)  # (op code, size) of the operation in progress
-        self._trace = 0
-        self._exchanges = 0
-        self._page_ops = 0
-        self._divergences = 0
-        self._peer_failures = 0
-        self._failed: TpError | None = None
-        self._last_error = ""
+        self._wire = TpExchange(
+            pool,
+            dist,
+            group,
+            own_group=own_group,
+            timeout_s=self.timeout_s,
+            config=config_digest(pool, ahead_pages),
+        )
+        self.rank = self._wire.rank
+        self.size = self._wire.size
         self._closed = False
         self.ahead_pages = ahead_pages
         self._pending_reserve: list[int] = []
         self._ahead_errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._config = _digest(0, (*pool.tp_config(), ahead_pages))
         if ledger is not None:
             have = ledger.labels.get("tp_rank")
             if have is not None and have != str(self.rank):
-                self._release_group()
+                self._wire.release()
                 raise ValueError(
                     f"ledger label tp_rank={have!r}, expected {str(self.rank)!r} (this rank)"
                 )
@@ -218,12 +181,12 @@ class TpCoordinator:
             pool.store.tp = self
             try:
                 mine = self._choose_reserve(0, []) if self.rank == 0 else []
-                _, _, reserve, _ = self._exchange(HELLO, 0, reserve=mine)
-                self._check_pages(reserve, "unmapped", "reserve", HELLO, 0)
+                _, _, reserve, _ = self._wire.exchange(HELLO, 0, reserve=mine)
+                self._wire.check_pages(reserve, "unmapped", "reserve", HELLO, 0)
                 pool.store.tp_reserve_locked(reserve)
             except BaseException:
                 pool.store.tp = None
-                self._release_group()
+                self._wire.release()
                 raise
         if ahead_pages:
             self._thread = threading.Thread(
@@ -233,15 +196,10 @@ class TpCoordinator:
 
     # -- called by the pool, under its lock -----------------------------------------------
     def op_started(self, op: str, n: int) -> None:
-        if self._failed is not None:
-            raise type(self._failed)(f"refused: this TP group failed earlier: {self._failed}")
-        self._op = (_OP_CODES[op], n)
+        self._wire.op_started(op, n)
 
     def op_done(self, ids: list[int]) -> None:
-        code, n = self._op
-        self._trace = _digest(_digest(self._trace, (code, n)), ids)
-        self._ops_done += 1
-        self._op = (0, 0)
+        self._wire.op_done(ids)
         if self._pending_reserve:  # announced at this op's exchange: marked at its end
             pages, self._pending_reserve = self._pending_reserve, []
             self.pool.store.tp_reserve_locked(pages)
@@ -261,23 +219,23 @@ class TpCoordinator:
                         break
                     pool.store.cond.wait(timeout=1.0)  # an ahead map in flight; capacity is short
             except CapacityError as e:
-                self._exchange(MAP, need, refused=True)
+                self._wire.exchange(MAP, need, refused=True)
                 raise CapacityError(f"{e} (TP rank 0 decides; every rank refuses)") from None
             held = set(reserved)
             publish = [p for p in plan if p in held]
             plan = [p for p in plan if p not in held]
             reserve = self._choose_reserve(len(reserved) - len(publish), plan)
-            self._exchange(MAP, need, publish, plan, reserve)
+            self._wire.exchange(MAP, need, publish, plan, reserve)
         else:
-            publish, plan, reserve, refused = self._exchange(MAP, need)
+            publish, plan, reserve, refused = self._wire.exchange(MAP, need)
             if refused:
                 raise CapacityError(
                     f"{pool.name}: TP rank 0 could not allocate {need} more slots "
                     f"(CapacityError there); rank {self.rank} follows it, nothing changed"
                 )
-            self._check_pages(publish, "reserved", "publish", MAP, need)
-            self._check_pages(plan, "unmapped", "map", MAP, need)
-            self._check_pages(reserve, "unmapped", "reserve", MAP, need, exclude=plan)
+            self._wire.check_pages(publish, "reserved", "publish", MAP, need)
+            self._wire.check_pages(plan, "unmapped", "map", MAP, need)
+            self._wire.check_pages(reserve, "unmapped", "reserve", MAP, need, exclude=plan)
         pool.store.tp_publish_locked(publish)
         self._pending_reserve = reserve
         return plan
@@ -286,35 +244,27 @@ class TpCoordinator:
         """Spare page ids to unmap, `excess` of them."""
         if self.rank == 0:
             plan = self.pool.store.tp_trim_plan(excess)
-            self._exchange(UNMAP, excess, plan=plan)
+            self._wire.exchange(UNMAP, excess, plan=plan)
             return plan
-        _, plan, _, _ = self._exchange(UNMAP, excess)
-        self._check_pages(plan, "spare", "unmap", UNMAP, excess)
+        _, plan, _, _ = self._wire.exchange(UNMAP, excess)
+        self._wire.check_pages(plan, "spare", "unmap", UNMAP, excess)
         return plan
 
     # -- public ---------------------------------------------------------------------------
     def verify(self) -> None:
         """Exchange now and compare every rank's view with rank 0's (one collective)."""
         with self.pool.store.lock:
-            if self._failed is not None:
-                raise type(self._failed)(f"refused: this TP group failed earlier: {self._failed}")
-            self._check_attached("verify")
-            self._exchange(VERIFY, 0)
+            self._wire.refuse_if_failed()
+            if self._closed or self.pool.store.tp is not self:
+                raise TpError("verify: this coordinator is closed or no longer attached")
+            self._wire.exchange(VERIFY, 0)
 
     def status(self) -> TpStatus:
-        return TpStatus(
-            rank=self.rank,
-            size=self.size,
-            exchanges_total=self._exchanges,
-            page_ops_total=self._page_ops,
-            divergences_total=self._divergences,
-            peer_failures_total=self._peer_failures,
-            last_error=self._last_error,
-        )
+        return self._wire.status()
 
     @property
     def failed(self) -> TpError | None:
-        return self._failed
+        return self._wire.failed
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until every page reserved ahead is mapped (tests, benchmarks)."""
@@ -341,7 +291,7 @@ class TpCoordinator:
                     self.pool.store.tp = None
                     self.pool.store.tp_drop_reserve_locked()
         finally:
-            self._release_group()
+            self._wire.release()
 
     # -- mapping ahead ---------------------------------------------------------------------
     def _choose_reserve(self, kept: int, plan: list[int]) -> list[int]:
@@ -391,186 +341,3 @@ class TpCoordinator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- the exchange ----------------------------------------------------------------------
-    def _check_attached(self, what: str) -> None:
-        if self._closed or self.pool.store.tp is not self:
-            raise TpError(f"{what}: this coordinator is closed or no longer attached")
-
-    def _release_group(self) -> None:
-        if self._own_group and self._group is not None:
-            group, self._group = self._group, None
-            # A group whose collective timed out may refuse a clean teardown; the process
-            # is failing anyway, so the error would only hide the one worth reading.
-            with contextlib.suppress(Exception):
-                self._dist.destroy_process_group(group)
-
-    def _view(self, kind: int, short: int, lists: list[list[int]], refused: bool) -> list[int]:
-        st = self.pool.store.tp_state()
-        code, n = self._op
-        op_seq = self._ops_done + (1 if code else 0)
-        view = [
-            MAGIC,
-            self.rank,
-            self._exchanges,
-            op_seq,
-            kind,
-            code * (1 << 32) + n,
-            short,
-            st["occupied_slots"],
-            st["mapped_pages"],
-            st["spare_pages"],
-            st["live_handle_sets"],
-            st["reserved_pages"],
-            _signed64(self._trace),
-            _signed64(self._config),
-            int(refused),
-            *(len(x) for x in lists),
-        ]
-        words = [p for x in lists for p in x]
-        return view + words[:PLAN_WORDS] + [0] * (PLAN_WORDS - min(len(words), PLAN_WORDS))
-
-    def _exchange(
-        self,
-        kind: int,
-        short: int,
-        publish: list[int] | None = None,
-        plan: list[int] | None = None,
-        reserve: list[int] | None = None,
-        *,
-        refused: bool = False,
-    ) -> tuple[list[int], list[int], list[int], bool]:
-        """One all_gather of every rank's view; returns rank 0's page lists (publish, map,
-        reserve) and its refusal. Only rank 0's lists are read."""
-        lists = [list(publish or []), list(plan or []), list(reserve or [])]
-        self._exchanges += 1
-        views = self._all_gather(self._view(kind, short, lists, refused), kind)
-        self._compare(views)  # every rank sees the same views, so all raise here or none
-        leader = views[0]
-        lens = [leader[_IDX[f]] for f in _LISTS]
-        total = sum(lens)
-        start = len(_FIELDS)
-        got = leader[start : start + min(total, PLAN_WORDS)]
-        mine = [p for x in lists for p in x]
-        while len(got) < total:  # long lists: more rounds of the same size
-            rest = mine[len(got) : len(got) + PLAN_WORDS] if self.rank == 0 else []
-            more = self._all_gather(rest + [0] * (VIEW_WORDS - len(rest)), kind)[0]
-            got += more[: min(PLAN_WORDS, total - len(got))]
-        self._page_ops += lens[0] + lens[1]
-        a, b = lens[0], lens[0] + lens[1]
-        return got[:a], got[a:b], got[b:], bool(leader[_IDX["refused"]])
-
-    def _all_gather(self, words: list[int], kind: int) -> list[list[int]]:
-        import torch
-
-        t = torch.tensor(words, dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        t0 = time.monotonic()
-        try:
-            work = self._dist.all_gather(out, t, group=self._group, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except Exception as e:
-            self._peer_failures += 1
-            self._fail(
-                TpPeerError(
-                    f"{self.pool.name}: TP rank {self.rank} of {self.size}: exchange "
-                    f"#{self._exchanges} ({self._describe_own(kind)}) failed after "
-                    f"{time.monotonic() - t0:.1f} s: a rank died or did not answer within "
-                    f"timeout_s={self.timeout_s:g}: {e}"
-                )
-            )
-        return [o.tolist() for o in out]
-
-    def _compare(self, views: list[list[int]]) -> None:
-        leader = views[0]
-        bad = [
-            (r, [f for f in _COMPARED if v[_IDX[f]] != leader[_IDX[f]]])
-            for r, v in enumerate(views)
-            if r and (v[_IDX["rank"]] != r or any(v[_IDX[f]] != leader[_IDX[f]] for f in _COMPARED))
-        ]
-        if not bad:
-            return
-        self._divergences += 1
-        lines = [
-            f"{self.pool.name}: TP ranks diverged at exchange #{leader[_IDX['exchange']]} "
-            f"(seen by rank {self.rank}; a rank's allocation sequence or pool state no longer "
-            "matches rank 0's, so its slot ids cannot be trusted):",
-            f"  rank 0: {_describe(leader)}",
-        ]
-        for r, fields in bad:
-            lines.append(f"  rank {r}: {_describe(views[r])}")
-            lines.append(f"  rank {r} differs from rank 0 in: {', '.join(fields) or 'rank'}")
-            if "config" in fields:
-                lines.append(
-                    f"  rank {r}'s pool is configured differently (layers, page bytes, slot "
-                    "layout, max_spare_pages, handle_pool_pages, physical_budget or null slot); "
-                    f"rank {self.rank}'s: {self.pool.tp_config()}"
-                )
-        self._fail(TpDivergenceError("\n".join(lines)))
-
-    def _check_pages(
-        self,
-        pages: list[int],
-        want: str,
-        what: str,
-        kind: int,
-        short: int,
-        exclude: list[int] | None = None,
-    ) -> None:
-        """A peer's check that rank 0's list fits its own pool before applying it."""
-        pool = self.pool
-        bad = [
-            (
-                p,
-                "out of range"
-                if not 0 <= p < pool.layout.num_pages
-                else pool.store.tp_page_state(p),
-            )
-            for p in pages
-        ]
-        bad = [(p, st) for p, st in bad if st != want]
-        also = set(exclude or ())
-        bad += [(p, "also in the map list") for p in pages if p in also]
-        if bad or len(set(pages)) != len(pages):
-            self._divergences += 1
-            self._fail(
-                TpDivergenceError(
-                    f"{pool.name}: TP rank {self.rank}: rank 0's {what} list at exchange "
-                    f"#{self._exchanges} ({_KIND_NAMES[kind]} {pages} for {short}) does not "
-                    f"fit this rank: expected every page {want}, found "
-                    f"{', '.join(f'page {p} {st}' for p, st in bad) or 'a page twice'}"
-                )
-            )
-
-    def _fail(self, error: TpError) -> None:
-        self._failed = error
-        self._last_error = str(error)
-        raise error
-
-    def _describe_own(self, kind: int) -> str:
-        code, n = self._op
-        op = f"during op #{self._ops_done + 1} {_OP_NAMES[code]}(n={n})" if code else "between ops"
-        return f"{_KIND_NAMES[kind]} {op}"
-
-
-def _describe(v: list[int]) -> str:
-    i = _IDX
-    code, n = divmod(v[i["op_n"]], 1 << 32)
-    op = f"during op #{v[i['op_seq']]} {_OP_NAMES.get(code, '?')}(n={n})" if code else "between ops"
-    kind = v[i["kind"]]
-    short = {MAP: f", {v[i['short']]} slots short", UNMAP: f", {v[i['short']]} pages over"}
-    text = (
-        f"{_KIND_NAMES.get(kind, '?')} {op}{short.get(kind, '')}; "
-        f"ops done {v[i['op_seq']] - (1 if code else 0)}, occupied {v[i['occupied_slots']]} "
-        f"slots, mapped {v[i['mapped_pages']]} pages ({v[i['spare_pages']]} spare), "
-        f"{v[i['live_handle_sets']]} live handle sets, {v[i['reserved_pages']]} reserved ahead, trace {v[i['trace']] & _MASK:#018x}, "
-        f"config {v[i['config']] & _MASK:#018x}"
-    )
-    if v[i["magic"]] != MAGIC:
-        text += f", protocol tag {v[i['magic']]:#x} (expected {MAGIC:#x})"
-    lens = {f.removesuffix("_len"): v[i[f]] for f in _LISTS}
-    if any(lens.values()):
-        text += ", rank 0 lists: " + ", ".join(f"{k} {n} pages" for k, n in lens.items() if n)
-    if v[i["refused"]]:
-        text += ", refused (CapacityError)"
-    return text

@@ -5,13 +5,15 @@ H200, docs/background.md#cuda-driver-facts), so it must not sit on the allocatio
 This thread runs the page store's `background_step` whenever there is work: spares below
 `min_spare_pages`, pages a follower wants mapped ahead (`PageStore.set_ahead`), or spares
 above `max_spare_pages` for longer than the store's unmap grace. The store calls the driver
-outside its lock, so allocations that find a mapped page never wait on the driver.
+outside its lock, so allocations that find a mapped page never wait on the driver. When a
+step finds nothing to do, `on_idle` runs (the SGLang bridge replays its journal there).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from allocator.store import PageStore
@@ -29,7 +31,12 @@ def store_of(owner: Any) -> PageStore:
 
 class BackgroundMapper:
     def __init__(
-        self, pool: Any, *, idle_seconds: float = 0.05, error_backoff: float = 1.0
+        self,
+        pool: Any,
+        *,
+        idle_seconds: float = 0.05,
+        error_backoff: float = 1.0,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         store = store_of(pool)
         if store.mapper is not None:
@@ -43,6 +50,7 @@ class BackgroundMapper:
         self.store = store
         self.idle_seconds = idle_seconds
         self.error_backoff = error_backoff
+        self.on_idle = on_idle  # called (outside the store's lock) when a step found no work
         self.errors = 0  # failed steps (each also counted by the store's failure log)
         self._stop = threading.Event()
         store.mapper = self
@@ -61,6 +69,12 @@ class BackgroundMapper:
                 self._stop.wait(self.error_backoff)
                 continue
             if not worked:
+                if self.on_idle is not None:
+                    try:
+                        self.on_idle()
+                    except Exception:
+                        self.errors += 1
+                        log.exception("kvledger mapper %s: on_idle failed", store.name)
                 with store.cond:
                     if not self._stop.is_set():
                         store.cond.wait(timeout=self.idle_seconds)

@@ -128,10 +128,12 @@ class RowFollower:
             store.safe_point()
         return int(r.size)
 
-    def give_back(self, ids: Any, fence: Fence | None = None) -> int:
+    def give_back(self, ids: Any, fence: Fence | None = None, *, trim: bool = True) -> int:
         """The engine returned rows `ids` to its free list. Pages that empty become spares,
-        unmapped by the store's policy once `fence` (the GPU work that used them) is done.
-        Never raises for driver failures (counted by the store)."""
+        unmapped by the store's policy once `fence` (the GPU work that used them) is done
+        (`trim=False`: not now; the caller applies the policy after, with
+        `store.after_release_locked`). Never raises for driver failures (counted by the
+        store)."""
         r = as_rows(ids)
         if r.size == 0:
             return 0
@@ -139,13 +141,13 @@ class RowFollower:
         with store.lock:
             store.check_open("give_back")
             if r.size <= SMALL and self._small_ok(rl := r.tolist(), held=True):
-                self._give_back_small(rl, fence)
+                self._give_back_small(rl, fence, trim)
             else:
                 if r.size <= SMALL or not self._all_rows_in(r, held=True):
                     r = self._sort_out(r, want_held=True, op="give_back")
                     if r.size == 0:
                         return 0
-                self._apply_give_back(r, fence)
+                self._apply_give_back(r, fence, trim)
             self.give_backs += 1
             due = store.tick()
         if due:
@@ -172,6 +174,27 @@ class RowFollower:
         pages = dict.fromkeys(q for row in rows for q in (p0[row], p1[row]))  # in front order
         with self.store.lock:
             self.store.set_ahead(pages)
+
+    def mapped_prefix(self, rows: list[int], max_spares: int) -> int:
+        """How many of `rows` (in order) can be handed out without a map: the longest prefix
+        whose pages are all mapped and which touches at most `max_spares` pages not in use
+        (under the store's lock)."""
+        p0, p1, count, state = self._p0, self._p1, self._count_a, self.store.state
+        spare: set[int] = set()
+        for i, row in enumerate(rows):
+            for q in (p0[row], p1[row]):
+                if state[q] != MAPPED:
+                    return i
+                if not count[q] and q not in spare:
+                    if len(spare) == max_spares:
+                        return i
+                    spare.add(q)
+        return len(rows)
+
+    def pages_in_order(self, rows: list[int]) -> list[int]:
+        """The distinct pages rows touch, in the rows' order."""
+        p0, p1 = self._p0, self._p1
+        return list(dict.fromkeys(q for row in rows for q in (p0[row], p1[row])))
 
     def fragmented(self) -> bool:
         """More page ids mapped than the held rows need packed, beyond the spares and one."""
@@ -225,7 +248,7 @@ class RowFollower:
             count[p1[row]] += 1
         self._took(len(rows))
 
-    def _give_back_small(self, rows: list[int], fence: Fence | None) -> None:
+    def _give_back_small(self, rows: list[int], fence: Fence | None, trim: bool) -> None:
         count, p0, p1, h = self._count_a, self._p0, self._p1, self._held_b
         emptied: list[int] = []
         for row in rows:
@@ -237,7 +260,7 @@ class RowFollower:
                 emptied.append(a)
             if b != a and not count[b]:
                 emptied.append(b)
-        self._released(sorted(emptied), len(rows), fence)
+        self._released(sorted(emptied), len(rows), fence, trim)
 
     def _apply_take(self, r: np.ndarray, *, count: bool) -> None:
         touch = self._pages2[r].ravel()
@@ -292,7 +315,7 @@ class RowFollower:
             if waited and count:
                 self.waited += 1
 
-    def _apply_give_back(self, r: np.ndarray, fence: Fence | None) -> None:
+    def _apply_give_back(self, r: np.ndarray, fence: Fence | None, trim: bool) -> None:
         touch = self._pages2[r].ravel()
         self._held[r] = False
         self._count -= np.bincount(touch, minlength=self._count.size)
@@ -300,9 +323,9 @@ class RowFollower:
         emptied: list[int] = []
         if np.count_nonzero(after) != touch.size:
             emptied = sorted(set(touch[after == 0].tolist()))
-        self._released(emptied, int(r.size), fence)
+        self._released(emptied, int(r.size), fence, trim)
 
-    def _released(self, emptied: list[int], n: int, fence: Fence | None) -> None:
+    def _released(self, emptied: list[int], n: int, fence: Fence | None, trim: bool) -> None:
         store = self.store
         if emptied:
             for p in emptied:
@@ -311,7 +334,8 @@ class RowFollower:
                 store.fence(emptied, fence)
         self.held_rows -= n
         store.add_occupied(-n)
-        store.after_release_locked()
+        if trim:
+            store.after_release_locked()
 
     def _sort_out(self, r: np.ndarray, *, want_held: bool, op: str) -> np.ndarray:
         out: list[int] = []

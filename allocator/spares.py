@@ -5,8 +5,8 @@
   seconds (a free, or the background mapper, finds the grace over), but at most
   `grace_pages` of them may wait out the grace: a free that leaves more unmaps the rest at
   once (on the freeing thread; fenced ones by the background mapper, which is woken). The
-  most recently emptied go first. A spare wanted ahead goes last; a spare whose fence has
-  not signalled (the GPU work that last used it, on CUDA) is not unmapped at all until it
+  most recently emptied go first. A pinned spare (`PageStore.pin`) stays; a spare wanted
+  ahead goes last; a spare whose fence has not signalled (the GPU work that last used it, on CUDA) is not unmapped at all until it
   has.
 - Map ahead: pages a follower hands out next (`set_ahead`) while spares are fewer than
   `max_spare_pages` (so mapping ahead and trimming never undo each other), then enough to
@@ -48,6 +48,7 @@ class SparePolicy:
         spares: dict[int, None]
         fences: dict[int, Any]
         ahead: dict[int, None]
+        pinned: dict[int, None]
         tp_reserve: dict[int, Any]
         live_sets: int
         busy: int
@@ -115,9 +116,13 @@ class SparePolicy:
             self._over_since = None
 
     def trim_candidate(self) -> int | None:
-        """The spare to unmap next: fenced pages wait, pages wanted ahead go last."""
+        """The spare to unmap next: pinned pages stay, fenced pages wait, pages wanted ahead
+        go last."""
         later = None
+        pinned = self.pinned
         for p in reversed(self.spares):
+            if p in pinned:
+                continue
             f = self.fences.get(p)
             if f is not None and not f.done():
                 continue
@@ -242,7 +247,7 @@ class SparePolicy:
         """A fence of a spare not done yet (the mapper waits for it), or None."""
         for p in reversed(self.spares):
             f = self.fences.get(p)
-            if f is not None and not f.done():
+            if f is not None and not f.done() and p not in self.pinned:
                 return f
         return None
 

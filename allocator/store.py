@@ -16,7 +16,8 @@ MAPPED page not in use is a *spare*. The store owns the rest:
   (the hysteresis is bounded in count too), never a page whose fence has not signalled
   (CUDA: the GPU work that last used it), the most recently emptied first;
 - map-ahead (`set_ahead`): pages a follower expects to hand out next are mapped by the
-  background mapper before they are asked for;
+  background mapper before they are asked for; pins (`pin`): pages that may be handed out
+  before the follower hears of it are never unmapped;
 - failures: a failed driver call is counted (`failures`, `PoolEvent.DRIVER_FAILURES`) and
   logged rate-limited (allocator.faillog); an unmap that fails leaves the page whole and
   mapped, to be retried, and never raises out of a free; `close()` always completes.
@@ -135,6 +136,8 @@ class PageStore(Reporter, SparePolicy, TpPages):
         self.tp: Any = None  # allocator.tp.TpCoordinator, when the store follows a TP group
         self.tp_reserve: dict[int, Any] = {}  # TP pages announced ahead (allocator.tp_pages)
         self.ahead: dict[int, None] = {}  # pages a follower hands out next: map them ahead
+        # Pages an engine may hand out before its follower hears of it: never unmapped.
+        self.pinned: dict[int, None] = {}
         self.fences: dict[int, Fence] = {}  # spare page -> the GPU work that last used it
         self.failures = FailureLog(name)
         self._over_since: float | None = None  # when spares last rose above max_spare_pages
@@ -174,6 +177,12 @@ class PageStore(Reporter, SparePolicy, TpPages):
             self.state[p] == UNMAPPED for p in self.ahead
         ):
             self.cond.notify_all()  # the mapper has work (waking it costs this thread the GIL)
+
+    def pin(self, pages: Iterable[int]) -> None:
+        """Pages that must stay mapped whether in use or not (under the lock): a follower that
+        learns of allocations late (kvledger.sglang_bridge.journal) pins the pages of the rows
+        the engine may hand out meanwhile. Replaces the previous pins."""
+        self.pinned = dict.fromkeys(pages)
 
     def is_mapped(self, p: int) -> bool:
         return 0 <= p < self.num_pages and self.state[p] == MAPPED

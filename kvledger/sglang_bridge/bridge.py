@@ -112,10 +112,13 @@ class Bridge:
         `held_pages` (engine pages held), `divergences`, `takes` and `give_backs` (calls
         that moved pages), `waited_allocs` (takes that mapped on the spot, waiting on the
         driver), `readback_waits` (CUDA: reads of freed ids that waited for their copy),
-        `resyncs` (times the free-list mirror was re-read), and the store's
-        `pages_mapped_total` / `pages_unmapped_total` and `driver_failures`."""
+        `resyncs` (times the free-list mirror was re-read), `replays` and `forced_replays`
+        (journal replays, and those an allocation past the pinned rows forced: docs/allocator.md),
+        and the store's `pages_mapped_total` / `pages_unmapped_total` and
+        `driver_failures`. Replays the journal first (without waiting for reads in flight)."""
         if self.store is None or self.follower is None or self.hooks is None:
             return {}
+        self.hooks.flush(wait=False)
         f = self.follower
         return {
             **self.store.stats(),
@@ -126,7 +129,15 @@ class Bridge:
             "waited_allocs": f.waited,
             "readback_waits": int(self.hooks.reader.waits),
             "resyncs": self.hooks.resyncs,
+            "replays": self.hooks.flushes,
+            "forced_replays": self.hooks.forced,
         }
+
+    def flush(self) -> None:
+        """Bring the follower (hence the ledger) up to what SGLang's allocator did: replay the
+        hooks' journal, waiting for freed ids still being read (no-op when not active)."""
+        if self.hooks is not None and self.active:
+            self.hooks.flush(wait=True)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Give back the freed pages whose ids are known and wait until the background mapper
@@ -374,7 +385,9 @@ def _activate(
         # On CUDA the mapper always runs: it is the thread that waits for the fences of
         # freed pages (a device synchronisation) before unmapping them (readback).
         cuda = facts.devices[0].startswith("cuda")
-        mapper = BackgroundMapper(store) if map_ahead or cuda else None
+        mapper = (
+            BackgroundMapper(store, on_idle=hooks.idle_flush) if map_ahead or cuda else None
+        )
         undo.pop_all()  # every step done: keep them
     bridge.backend, bridge.owns_backend = be, owns
     bridge.store, bridge.tensors, bridge.follower = store, vmm, follower

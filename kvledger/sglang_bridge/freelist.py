@@ -12,9 +12,9 @@ SGLang 0.5.23's `PagedTokenToKVPoolAllocator` changes `free_pages` in exactly th
 - `clear` resets it to `1..num_pages`.
 
 The mirror replays the same steps on host arrays (chunks in a deque, so a release costs no
-copy of the list), the released ids arriving through a reader (allocator values on CPU, a
-pinned copy and an event on CUDA: `readback`). Its length is checked against SGLang's
-after every allocation; a mismatch is a divergence, answered by reading the list again.
+copy of the list). It is driven by the journal (`journal`), which replays SGLang's recorded
+calls once the released ids are known, and checks its length against SGLang's after every
+allocation; a mismatch is a divergence, answered by reading the list again.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.sglang_bridge.readback import PendingIds
-
-Chunk = np.ndarray | PendingIds
+Chunk = np.ndarray
 
 
 class FreeListMirror:
@@ -45,15 +43,14 @@ class FreeListMirror:
         return self._len
 
     def take(self, n: int) -> np.ndarray:
-        """Pop the first `n` page ids (resolving pending reads as needed)."""
+        """Pop the first `n` page ids."""
         if n > self._len:
             raise ValueError(f"take {n} pages from a mirror of {self._len}")
         parts: list[np.ndarray] = []
         need = n
         chunks = self._chunks
         while need:
-            c = chunks.popleft()
-            ids = c.ids() if isinstance(c, PendingIds) else c
+            ids = chunks.popleft()
             if len(ids) > need:
                 parts.append(ids[:need])
                 chunks.appendleft(ids[need:])
@@ -65,16 +62,12 @@ class FreeListMirror:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def front(self, k: int) -> np.ndarray:
-        """Up to the first `k` page ids whose values are known now (no waiting)."""
+        """Up to the first `k` page ids."""
         parts: list[np.ndarray] = []
         need = k
         for c in self._chunks:
             if need <= 0:
                 break
-            if isinstance(c, PendingIds):
-                if not c.ready():
-                    break
-                c = c.ids()
             parts.append(c[:need])
             need -= len(parts[-1])
         if not parts:
@@ -90,11 +83,9 @@ class FreeListMirror:
             self._chunks.appendleft(c)
             self._len += len(c)
 
-    def known(self) -> np.ndarray | None:
-        """The whole free list in order, or None while a read is still in flight."""
-        if any(isinstance(c, PendingIds) and not c.ready() for c in self._chunks):
-            return None
-        every = [c.ids() if isinstance(c, PendingIds) else c for c in self._chunks]
+    def known(self) -> np.ndarray:
+        """The whole free list in order."""
+        every = list(self._chunks)
         return np.concatenate(every) if every else np.zeros(0, np.int64)
 
     def replace(self, free: np.ndarray) -> None:
@@ -104,9 +95,7 @@ class FreeListMirror:
     def merge_and_sort(self) -> None:
         if not self._staged:
             return
-        every = [
-            c.ids() if isinstance(c, PendingIds) else c for c in (*self._chunks, *self._staged)
-        ]
+        every = [*self._chunks, *self._staged]
         merged = np.sort(np.concatenate(every)) if every else np.zeros(0, np.int64)
         self.reset(merged, [])
 

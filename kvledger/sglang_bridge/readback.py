@@ -84,10 +84,15 @@ class HostReader:
     waits = 0
     device = "cpu"
 
-    def read(self, t: Any) -> PendingIds:
-        return PendingIds(t.reshape(-1), None, self)
+    def read_many(self, tensors: list[Any]) -> tuple[PendingIds, list[int]]:
+        """Every tensor's ids in one host array (a view when there is one tensor), with each
+        one's length."""
+        flat = [t.reshape(-1) for t in tensors]
+        sizes = [int(f.shape[0]) for f in flat]
+        one = flat[0] if len(flat) == 1 else _torch().cat(flat)
+        return PendingIds(one.numpy(), None, self), sizes
 
-    def fence(self, pending: PendingIds) -> Any:
+    def fence_now(self) -> Any:
         return None
 
 
@@ -101,17 +106,28 @@ class CudaReader:
         self.device = device
         self.waits = 0  # reads that had to wait for their copy
 
-    def read(self, t: Any) -> PendingIds:
+    def read_many(self, tensors: list[Any]) -> tuple[PendingIds, list[int]]:
+        """Every tensor's ids: one concatenation on the device, one pinned non-blocking copy
+        and one event, whatever the number of tensors."""
         torch = self._torch
-        flat = t.reshape(-1)
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
+        flat = [t.reshape(-1) for t in tensors]
+        sizes = [int(f.shape[0]) for f in flat]
+        one = flat[0] if len(flat) == 1 else torch.cat(flat)
+        host = torch.empty(one.shape, dtype=one.dtype, pin_memory=True)
+        host.copy_(one, non_blocking=True)
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(flat.device))
-        return PendingIds(host, event, self)
+        event.record(torch.cuda.current_stream(one.device))
+        return PendingIds(host, event, self), sizes
 
-    def fence(self, pending: PendingIds) -> Any:
+    def fence_now(self) -> Any:
+        """A fence that is done once every kernel queued so far, on any stream, has run."""
         return DeviceFence(self._torch, self.device)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 def reader_for(device: str) -> Any:

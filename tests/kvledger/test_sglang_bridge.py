@@ -86,9 +86,17 @@ def _row_pages(row: int) -> set[int]:
     return set(range(start // GRAN, (start + ROW - 1) // GRAN + 1))
 
 
+def held(rg: Rig) -> int:
+    """Rows the follower holds once the hooks' journal is replayed."""
+    rg.bridge.flush()
+    return int(rg.bridge.follower.held_rows)
+
+
 def check(rg: Rig) -> Any:
-    """Pages, ledger figures and host reconciliation agree with SGLang's allocator."""
+    """Pages, ledger figures and host reconciliation agree with SGLang's allocator (after
+    the hooks' journal is replayed)."""
     br, alloc = rg.bridge, rg.alloc
+    br.flush()
     if br.mapper is not None:
         assert br.mapper.wait_idle()
     engine = br.hooks.held_by_engine()
@@ -204,33 +212,33 @@ def test_prefill_decode_window_eviction_and_finish_move_pages(r: Rig) -> None:
     a = s.prefill(300)  # 2 pages
     b = s.prefill(600)  # 3 pages
     snap = check(r)
-    assert r.bridge.follower.held_rows == 5
+    assert held(r) == 5
     assert usage_gb(snap) > g0
     assert check_scrape(r) == pytest.approx(usage_gb(snap))
 
     for _ in range(230):  # a: 300 -> 530 and b: 600 -> 830 each cross into one more page
         s.decode([a, b])
     snap = check(r)
-    assert r.bridge.follower.held_rows == 7
+    assert held(r) == 7
     peak = usage_gb(snap)
 
     s.evict_window(a)  # tokens [0, 256) of a left the 128-token window
     assert s.evicted(a) == 256
     snap = check(r)
-    assert r.bridge.follower.held_rows == 6
+    assert held(r) == 6
     assert usage_gb(snap) <= peak
     assert check_scrape(r) == pytest.approx(usage_gb(snap))
 
     s.evict_window(b)  # b at 830: [0, 512) leaves the window
     assert s.evicted(b) == 512
     check(r)
-    assert r.bridge.follower.held_rows == 4
+    assert held(r) == 4
 
     s.finish(b)
     check(r)
     s.finish(a)
     snap = check(r)
-    assert r.bridge.follower.held_rows == 0
+    assert held(r) == 0
     assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 0
     assert usage_gb(snap) == g0  # back to the padding page and the runtime families
     assert check_scrape(r) == pytest.approx(g0)
@@ -259,10 +267,10 @@ def test_free_group_returns_pages_at_group_end(r: Rig) -> None:
     r.alloc.free_group_begin()
     r.sched.finish(a)
     r.sched.finish(b)
-    assert r.bridge.follower.held_rows == 3  # SGLang defers; so does the mapping
+    assert held(r) == 3  # SGLang defers; so does the mapping
     check(r)
     r.alloc.free_group_end()
-    assert r.bridge.follower.held_rows == 0
+    assert held(r) == 0
     check(r)
 
 
@@ -280,12 +288,12 @@ def test_staged_frees_and_their_merge_are_followed() -> None:
         check(rg)
         big = s.prefill(5 * rig.PAGE)  # 2 free pages left: forces the merge
         assert rg.alloc.swa_attn_allocator.num_staged_pages == 0
-        assert rg.bridge.follower.held_rows == 7
+        assert held(rg) == 7
         check(rg)
         s.finish(big)
         s.finish(reqs[1])
         check(rg)
-        assert rg.bridge.follower.held_rows == 0
+        assert held(rg) == 0
     finally:
         rg.close()
 
@@ -294,7 +302,7 @@ def test_clear_gives_every_page_back(r: Rig) -> None:
     r.attach(pool_options=EXACT)
     r.sched.prefill(4 * rig.PAGE)
     r.alloc.clear()
-    assert r.bridge.follower.held_rows == 0
+    assert held(r) == 0
     check(r)
 
 
@@ -319,7 +327,7 @@ def test_attach_with_live_pages_copies_them_and_follows(r: Rig) -> None:
             assert bool((t[p] == layer * 16 + p + 1).all())
     check(r)
     r.sched.finish(a)
-    assert r.bridge.follower.held_rows == 0
+    assert held(r) == 0
     check(r)
 
 
@@ -578,6 +586,8 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
     """The CUDA read-back path on CPU: freed ids arrive later (a pinned copy and an event).
     Until then the rows stay held and their pages mapped; an allocation after the copy
     landed reads them without waiting; one that needs them sooner waits, and is counted."""
+    import torch
+
     from kvledger.sglang_bridge import bridge as bridge_mod
     from kvledger.sglang_bridge.readback import PendingIds
 
@@ -586,19 +596,22 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
     class Reader:
         waits = 0
 
-        def read(self, t: Any) -> PendingIds:
+        def read_many(self, tensors: list[Any]) -> tuple[PendingIds, list[int]]:
             events.append(_FakeEvent())
-            return PendingIds(t.reshape(-1).clone(), events[-1], self)
+            flat = [t.reshape(-1) for t in tensors]
+            ids = torch.cat(flat).clone().numpy()
+            return PendingIds(ids, events[-1], self), [len(t) for t in flat]
 
-        def fence(self, pending: PendingIds) -> Any:
-            return pending
+        def fence_now(self) -> Any:
+            return None
 
     monkeypatch.setattr(bridge_mod, "reader_for", lambda device: Reader())
     br = r.attach(pool_options=EXACT)
     a = r.sched.prefill(2 * rig.PAGE)
     rows = br.follower.held().tolist()
     r.sched.finish(a)
-    assert br.follower.held_rows == 2  # not read back yet: nothing given back, nothing unmapped
+    br.hooks.flush(wait=False)  # the read starts; the ids are not there yet
+    assert br.follower.held_rows == 2  # nothing given back, nothing unmapped
     assert all(br.store.is_mapped(p) for p in br.follower.pages_of(rows))
     for ev in events:
         ev.complete = True

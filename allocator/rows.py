@@ -175,26 +175,42 @@ class RowFollower:
         with self.store.lock:
             self.store.set_ahead(pages)
 
-    def mapped_prefix(self, rows: list[int], max_spares: int) -> int:
-        """How many of `rows` (in order) can be handed out without a map: the longest prefix
-        whose pages are all mapped and which touches at most `max_spares` pages not in use
-        (under the store's lock)."""
-        p0, p1, count, state = self._p0, self._p1, self._count_a, self.store.state
-        spare: set[int] = set()
-        for i, row in enumerate(rows):
-            for q in (p0[row], p1[row]):
-                if state[q] != MAPPED:
-                    return i
-                if not count[q] and q not in spare:
-                    if len(spare) == max_spares:
-                        return i
-                    spare.add(q)
-        return len(rows)
+    @property
+    def held_flags(self) -> bytearray:
+        """One byte per row, 1 while the engine holds it (the follower's own buffer: read it,
+        never write it)."""
+        return self._held_b
 
-    def pages_in_order(self, rows: list[int]) -> list[int]:
-        """The distinct pages rows touch, in the rows' order."""
-        p0, p1 = self._p0, self._p1
-        return list(dict.fromkeys(q for row in rows for q in (p0[row], p1[row])))
+    def front(self, rows: np.ndarray, max_spares: int) -> tuple[int, list[int], list[int]]:
+        """For `rows` an engine hands out next, in order: how many can be handed out
+        without a map (the longest prefix whose pages are all mapped, touching at most
+        `max_spares` pages not in use), the pages of that prefix, and the pages of all of
+        `rows`, each in order of first use (under the store's lock)."""
+        flat = self._pages2[rows].ravel().tolist()  # two per row: first byte, last byte
+        order = list(dict.fromkeys(flat))
+        count, state = self._count_a, self.store.state
+        spares = 0
+        good = len(order)
+        for i, q in enumerate(order):
+            if state[q] != MAPPED:
+                good = i
+                break
+            if not count[q]:
+                if spares == max_spares:
+                    good = i
+                    break
+                spares += 1
+        if good == len(order):
+            return len(rows), order, order
+        return flat.index(order[good]) // 2, order[:good], order
+
+    def cover(self, rows: list[int]) -> list[int]:
+        """Map (now, if the mapper has not) the pages of `rows` an engine may have handed out
+        already, without taking them; returns those pages. Under the store's lock; a map here
+        waited on the driver and is counted in `waited`."""
+        pages = list(dict.fromkeys(q for row in rows for q in (self._p0[row], self._p1[row])))
+        self._ensure_mapped(pages, count=True)
+        return pages
 
     def fragmented(self) -> bool:
         """More page ids mapped than the held rows need packed, beyond the spares and one."""
@@ -203,13 +219,19 @@ class RowFollower:
         need = -(-(self.held_rows + 1) // per_page)  # + the padding row
         return store.state.count(MAPPED) > need + store.max_spare_pages + 1
 
+    def pack_keys(self) -> np.ndarray:
+        """A sort key per row for packing: ascending, the rows whose pages hold the most rows
+        come first, then rows of mapped spare pages, then the rest; by row within each."""
+        p = self._pages2
+        occupancy = self._count[p[:, 0]] + self._count[p[:, 1]]
+        unmapped = (self._state[p[:, 0]] != MAPPED) | (self._state[p[:, 1]] != MAPPED)
+        n = self.rows
+        return (-2 * occupancy + unmapped) * n + np.arange(n, dtype=np.int64)
+
     def pack_order(self, free: np.ndarray) -> np.ndarray:
-        """`free` (an engine's free rows) reordered to pack: rows whose pages hold the most
-        rows first, then rows of mapped spare pages, then the rest; ascending within each."""
-        pages = self._pages2[free]
-        occupancy = self._count[pages[:, 0]] + self._count[pages[:, 1]]
-        mapped = (self._state[pages[:, 0]] == MAPPED) & (self._state[pages[:, 1]] == MAPPED)
-        return free[np.lexsort((free, ~mapped, -occupancy))]
+        """`free` (an engine's free rows) in packing order (`pack_keys`)."""
+        free = as_rows(free)
+        return free[np.argsort(self.pack_keys()[free], kind="stable")]
 
     def pages_changed(self, pages: Iterable[int]) -> None:
         pass  # in-use is kept by the counts; nothing tiered here

@@ -54,14 +54,15 @@ import numpy as np
 
 from allocator.rows import RowFollower
 from kvledger.sglang_bridge.compat import WRAPPED_METHODS
-from kvledger.sglang_bridge.freelist import FreeListMirror, host_ids
-from kvledger.sglang_bridge.journal import MERGE, RELEASE, TAKE, Divergence, Journal
-from kvledger.sglang_bridge.readback import HostReader
+from kvledger.sglang_bridge.journal import MERGE, RELEASE, TAKE, Journal
+from kvledger.sglang_bridge.readback import HostReader, host_ids
 
 log = logging.getLogger(__name__)
 
 AHEAD_ROWS = 64  # rows at the front of SGLang's free list kept mapped ahead
-FRONT_ROWS = 64  # rows at the front looked at for pinning, with or without map-ahead
+# Rows at the front read with each batch: pinned as far as mapped, and what an allocation
+# past the pinned rows can be mapped from without reading the device.
+FRONT_ROWS = 256
 PACK_EVERY = 16  # releases between two looks at whether the free list needs packing
 BATCH = 32  # recorded calls between two replays
 IDLE_FLUSH_S = 0.02  # the background mapper replays a journal left alone this long
@@ -95,21 +96,23 @@ class AllocatorHooks:
         self.follower = follower
         self.reader = reader or HostReader()
         self.ahead_rows = ahead_rows
+        self.front_rows = max(ahead_rows, FRONT_ROWS)
         self.batch = batch
         self.installed = False
-        self.resyncs = 0  # times the mirror disagreed with SGLang's list and was re-read
+        self.resyncs = 0  # times the follower was re-read from SGLang's allocator
         self.flushes = 0  # replays
-        self.forced = 0  # replays forced by an allocation past the pinned rows
+        self.forced = 0  # replays that waited to read what an allocation took (CUDA: a wait)
         self.packs = 0  # times SGLang's free list was reordered to pack
-        self.mirror = FreeListMirror(np.zeros(0, np.int64))
-        self.journal = Journal(self.mirror, self.reader)
+        self.journal = Journal(self.reader)
         self.safe_until = 0  # journal.taken may reach this before a replay is needed
+        self.soft_until = 0  # past this (3/4 of the pinned rows used) the next take replays
         self._lock = threading.Lock()  # replays (the hooks' recording takes no lock)
         self._owner: int | None = None  # the thread that drives the allocator
         self._since_pack = 0
         self._last_flush = time.monotonic()
         self._resync_due = False
-        self._n0 = -1  # free-list length when an allocation started (after a merge)
+        self._fp0: Any = None  # the free list an allocation takes from (after a merge)
+        self._front: list[int] = []  # the first rows of SGLang's list at the last replay
         orig = {m: getattr(allocator, m) for m in WRAPPED_METHODS}
         self._orig = orig
         journal = self.journal
@@ -119,20 +122,17 @@ class AllocatorHooks:
             fn = orig[name]
 
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                self._n0 = allocator.free_pages.shape[0]  # shape: a third of len()'s cost
+                self._fp0 = allocator.free_pages
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    after = allocator.free_pages.shape[0]
-                    taken = self._n0 - after
-                    self._n0 = -1
+                    fp0 = self._fp0
+                    self._fp0 = None
+                    taken = fp0.shape[0] - allocator.free_pages.shape[0]
                     if taken > 0:
-                        raw.append((TAKE, taken, after))
                         journal.taken += taken
-                        if journal.taken > self.safe_until:
-                            self.forced += 1
-                            self._flush(wait=True, owner=True)
-                        elif len(raw) >= self.batch:
+                        raw.append((TAKE, fp0, taken, journal.taken))
+                        if journal.taken > self.soft_until or len(raw) >= self.batch:
                             self._flush(wait=False, owner=True)
 
             wrapper.__name__ = name
@@ -146,16 +146,16 @@ class AllocatorHooks:
             with self._lock:
                 out = merge(*args, **kwargs)
                 raw.append((MERGE, journal.taken))
-                self.safe_until = journal.taken  # the order changed: no row is known mapped
-            if self._n0 >= 0:
-                self._n0 = allocator.free_pages.shape[0]
+                self.safe_until = self.soft_until = journal.taken  # no row is known mapped
+            if self._fp0 is not None:
+                self._fp0 = allocator.free_pages  # the allocation takes from the merged list
             return out
 
         release = orig["_release_page_ids"]
 
         def release_page_ids(*page_ids: Any) -> Any:
             out = release(*page_ids)
-            raw.append((RELEASE, page_ids, bool(allocator.need_sort)))
+            raw.append((RELEASE, page_ids))
             if len(raw) >= self.batch:
                 self._flush(wait=False, owner=True)
             return out
@@ -181,8 +181,8 @@ class AllocatorHooks:
             return
         self._owner = threading.get_ident()
         with self._lock:
-            self._read_list()
-            self._after_replay(owner=True)
+            self.journal.clear()
+            self._pin(host_ids(self.allocator.free_pages[: self.front_rows]).tolist())
         for name, fn in self._wrappers.items():
             setattr(self.allocator, name, fn)
         self.installed = True
@@ -199,15 +199,15 @@ class AllocatorHooks:
 
     def held_by_engine(self) -> list[int]:
         """Pages the allocator has handed out now: all pages minus its free (and staged) list.
-        Reads the list from the device (attach only)."""
+        Reads the list from the device (attach, `clear`, after a divergence)."""
         a = self.allocator
         free = set(host_ids(a.get_all_free_pages()).tolist())
         return [p for p in range(1, int(a.num_pages) + 1) if p not in free]
 
     def flush(self, *, wait: bool = True) -> None:
-        """Replay what was recorded onto the follower (`wait`: waiting for released ids still
-        being read). From any thread; on the one driving the allocator it may also pack and
-        re-read SGLang's list after a divergence."""
+        """Replay what was recorded onto the follower (`wait`: waiting for ids still being
+        read). From any thread; on the one driving the allocator it may also pack and re-read
+        SGLang's allocator after a divergence."""
         self._flush(wait=wait, owner=threading.get_ident() == self._owner)
 
     def settle(self) -> None:
@@ -222,71 +222,79 @@ class AllocatorHooks:
     # -- replay ------------------------------------------------------------------------------
     def _flush(self, *, wait: bool, owner: bool) -> None:
         with self._lock:
-            if not len(self.journal) and not self._resync_due:
+            journal = self.journal
+            if not len(journal) and not self._resync_due:
                 return
             self.flushes += 1
             self._last_flush = time.monotonic()
             if self._resync_due and owner:
                 self._resync_locked()
                 return
-            journal = self.journal
-            journal.drain()
-            try:
-                taken, given, releases = journal.replay(wait=wait)
-            except Divergence as e:
-                self._diverged(str(e), owner)
-                return
-            self._apply(taken, given, releases)
-            if journal.taken > self.safe_until and not wait:  # the budget ran out meanwhile
-                self.forced += 1
-                journal.drain()
-                try:
-                    taken, given, releases = journal.replay(wait=True)
-                except Divergence as e:
-                    self._diverged(str(e), owner)
-                    return
-                self._apply(taken, given, releases)
-            self._after_replay(owner=owner and not len(journal))
+            if journal.raw:
+                journal.drain(self.allocator.free_pages[: self.front_rows])
+            self._replay(wait)
+            if journal.taken > self.safe_until and not self._cover():
+                self.forced += 1  # past the known front: read what was taken, waiting
+                self._replay(True)
+            if owner and not len(journal) and self._since_pack >= PACK_EVERY:
+                self._maybe_pack()
 
-    def _apply(self, taken: np.ndarray, given: np.ndarray, releases: int) -> None:
-        """The netted rows onto the follower: takes first (a page refilled in the same batch
-        never empties), then give-backs, fenced on CUDA; the spare policy runs after the new
-        pins (`_after_replay`)."""
+    def _replay(self, wait: bool) -> None:
         f = self.follower
+        taken, given, releases, front = self.journal.replay(wait=wait, held=f.held_flags)
         try:
-            if taken.size:
+            if taken:
                 f.take(taken)
         except BaseException:
-            self._resync_due = True  # SGLang handed the rows out; re-read it next time
+            self._resync_due = True  # SGLang handed the rows out: re-read it next time
             raise
-        if not releases:
-            return
-        fence = self.reader.fence_now()
-        if given.size:
-            f.give_back(given, fence, trim=False)
-        if fence is not None:  # rows taken and released within the batch: their pages too
-            store = f.store
-            with store.lock:
-                store.fence(list(store.spares), fence)
-        self._since_pack += releases
+        if releases:
+            # Taken first, then given back: a page refilled in the same batch never empties.
+            # On CUDA the pages emptied (and every spare: rows taken and released within
+            # the batch may have been written) wait for the device before they are unmapped.
+            fence = self.reader.fence_now()
+            if given:
+                f.give_back(given, fence, trim=False)
+            if fence is not None:
+                store = f.store
+                with store.lock:
+                    store.fence(list(store.spares), fence)
+            self._since_pack += releases
+        if front is not None:
+            self._pin(front)
 
-    def _after_replay(self, *, owner: bool) -> None:
-        """Pack (when due, on the allocator's thread, with nothing left to replay), then pin
-        the rows at the front that are mapped, announce the front to the mapper, and apply
-        the spare policy."""
-        if owner and self._since_pack >= PACK_EVERY:
-            self._maybe_pack()
+    def _cover(self) -> bool:
+        """SGLang took more rows than were pinned: they are released rows (still held, so
+        mapped) and the first rows of the front last read. Map and pin as many of those as
+        rows were taken (on this thread: `waited_allocs` counts it), reading nothing from the
+        device. False when more rows were taken than the front read holds."""
+        journal, f = self.journal, self.follower
+        need = journal.taken - journal.replayed_taken
+        if need > len(self._front) or journal.pending_merge() is not None:
+            return False
+        store = f.store
+        with store.lock:
+            pages = f.cover(self._front[:need])
+            store.pin([*store.pinned, *pages])
+        self.safe_until = self.soft_until = journal.replayed_taken + need
+        return True
+
+    def _pin(self, front: list[int]) -> None:
+        """Pin the pages of the rows at the front that can be handed out without a map, set
+        the budget of rows SGLang may take before the next replay, announce the front to the
+        mapper and apply the spare policy (under the new pins)."""
         journal, f = self.journal, self.follower
         store = f.store
-        front = self.mirror.front(max(self.ahead_rows, FRONT_ROWS)).tolist()
+        self._front = front
         with store.lock:
-            safe = f.mapped_prefix(front, store.max_spare_pages)
-            store.pin(f.pages_in_order(front[:safe]))
+            safe, pinned, pages = f.front(np.asarray(front, np.intp), store.max_spare_pages)
+            store.pin(pinned)
             if self.ahead_rows:
-                store.set_ahead(f.pages_in_order(front[: self.ahead_rows]))
+                store.set_ahead(pages)
             until = journal.replayed_taken + safe
             merged_at = journal.pending_merge()
             self.safe_until = until if merged_at is None else min(until, merged_at)
+            self.soft_until = min(self.safe_until, journal.replayed_taken + safe * 3 // 4)
             if not store.closed:
                 store.after_release_locked()
 
@@ -294,57 +302,47 @@ class AllocatorHooks:
         """Packing: when more page ids are mapped than the held rows need, reorder SGLang's
         free list (a permutation of the same ids: any order is valid for SGLang's paged
         allocator, which takes from the front and sorts on merge) so the next allocations
-        fill the most occupied mapped pages first and the sparse ones empty. The new order is
-        written as a new tensor (CUDA: a pinned, non-blocking copy), never read back."""
+        fill the most occupied mapped pages first and the sparse ones empty. The order is
+        computed where the list lives (a key per row, uploaded; a sort on the device for a
+        CUDA pool), so nothing is read back."""
         self._since_pack = 0
         if not self.follower.fragmented():
             return
-        free = self.mirror.known()
-        if len(free) != len(self.allocator.free_pages):
-            return
-        order = self.follower.pack_order(free)
-        old = self.allocator.free_pages
-        self.allocator.free_pages = torch_from(order, like=old)
-        self.mirror.replace(order)
+        a, f = self.allocator, self.follower
+        keys = f.pack_keys()
+        a.free_pages = reorder(a.free_pages, keys)
         self.packs += 1
-
-    def _read_list(self) -> None:
-        a = self.allocator
-        staged = [host_ids(t) for t in getattr(a, "staged_pages", [])]
-        self.mirror.reset(host_ids(a.free_pages), staged)
-        self.journal.clear()
-
-    def _diverged(self, what: str, owner: bool) -> None:
-        self.resyncs += 1
-        self.follower.divergences += 1
-        log.warning(
-            "kvledger sglang bridge: %s; re-reading SGLang's free list and held pages", what
-        )
-        if owner:
-            self._resync_locked()
-        else:
-            self._resync_due = True
-            self.safe_until = -1  # the next allocation replays on the allocator's thread
+        if a.staged_pages:  # the list is not every free row: learn the front with a batch
+            self.safe_until = self.soft_until = self.journal.taken
+            return
+        # Replayed to the end, the follower's free rows are SGLang's list: its new front is
+        # known on the host, nothing read back.
+        free = np.flatnonzero(np.frombuffer(f.held_flags, np.uint8) == 0)
+        self._pin(free[np.argsort(keys[free], kind="stable")][: self.front_rows].tolist())
 
     def _resync_locked(self) -> None:
-        """Make the follower and the mirror SGLang's list and held pages as they are now
-        (the allocator's thread: start, `clear`, after a divergence)."""
+        """Make the follower SGLang's held pages as they are now, and pin its front (the
+        allocator's thread: `clear`, after a failed take)."""
         self._resync_due = False
+        self.resyncs += 1
         self.journal.clear()
         f = self.follower
         held = set(self.held_by_engine())
         mine = set(f.held().tolist())
-        f.give_back(sorted(mine - held), self.reader.fence_now())
-        f.take(sorted(held - mine))
-        self._read_list()
-        self._after_replay(owner=True)
+        if mine - held:
+            f.give_back(sorted(mine - held), self.reader.fence_now())
+        if held - mine:
+            f.take(sorted(held - mine))
+        self._pin(host_ids(self.allocator.free_pages[: self.front_rows]).tolist())
 
 
-def torch_from(ids: np.ndarray, *, like: Any) -> Any:
-    """`ids` as a tensor of `like`'s dtype on `like`'s device, without a synchronisation."""
+def reorder(free: Any, keys: np.ndarray) -> Any:
+    """`free` (page ids) sorted by `keys[id]`, on `free`'s device, without a
+    synchronisation (a CUDA pool: the keys go up with a pinned non-blocking copy)."""
     import torch
 
-    t = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(like.dtype)
-    if like.device.type == "cpu":
-        return t
-    return t.pin_memory().to(like.device, non_blocking=True)
+    k = torch.from_numpy(keys)
+    if free.device.type != "cpu":
+        k = k.pin_memory().to(free.device, non_blocking=True)
+    order = torch.argsort(k[free.long()], stable=True)
+    return free[order]

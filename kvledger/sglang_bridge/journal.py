@@ -1,27 +1,27 @@
 """The journal of SGLang's free-list changes: recorded per call, replayed in batches.
 
-What the scheduler's thread pays per hooked call is one tuple appended to `raw`: an
-allocation records how many pages left the front of the free list (host metadata, the
-list's length before and after) and the length after; a release records the id tensors
-SGLang passed (referenced, not read); a merge records that the list was re-sorted. Nothing
-is read from the device and nothing is locked on that path.
+What the scheduler's thread pays per hooked call is one tuple appended to `raw`, nothing
+read from the device and no lock:
 
-`replay` turns the recorded calls into what the follower needs, for many calls at once:
+- an allocation records the free-list tensor it took from, how many pages it took (the
+  list's length before and after, host metadata) and `taken` after it. SGLang takes from the front and replaces
+  its list by a view of the rest, never writing into a list in place, so the pages taken
+  are that tensor's first `n` entries whenever they are read;
+- a release records the id tensors SGLang passed (referenced, not read);
+- a merge (`need_sort` only) records how many rows had been taken when it re-sorted.
 
-1. `drain` moves `raw` into a queue, reading the released ids of all new releases with one
-   read (`reader.read_many`: on CPU a view, on CUDA one device-side concatenation, one pinned
-   non-blocking copy and one event);
-2. the queue is replayed in order on the host mirror of the free list (`freelist`) while
-   the ids it needs are known (all of them with `wait`): an allocation pops its count from
-   the mirror's front, a release pushes its ids in front (or stages them), a merge sorts;
-   every allocation's recorded length is checked against the mirror's (a mismatch is a
-   divergence: the replay stops and the caller re-reads SGLang's list);
-3. the rows taken and given back are netted: a row released and taken again in the same
-   batch never left the engine, one taken and released again never reached the follower.
+`drain` turns everything recorded since the last drain into one *batch*: the taken slices,
+the released tensors and the first rows of the free list as it is at that moment (the
+front), all read with one `reader.read_many` (on CPU the tensors' values; on CUDA one
+device-side concatenation, one pinned non-blocking copy and one event). `replay` takes the
+batches whose values are there (all of them with `wait`), in order, and nets them: a row's
+state after them is its last move, and only the rows whose state differs from the
+follower's are returned (a row released and taken again never left the engine; one taken
+and released again never reached the follower).
 
 `taken` (written by the scheduler's thread only) and `replayed_taken` (written under the
 hooks' lock only) count rows taken since attach, so the hooks can tell, without a lock,
-how many rows were handed out past the last replay.
+how many rows were handed out past the batch the follower knows.
 """
 
 from __future__ import annotations
@@ -29,119 +29,90 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-import numpy as np
-
-from kvledger.sglang_bridge.freelist import FreeListMirror
-
 TAKE, RELEASE, MERGE = 0, 1, 2
-_EMPTY = np.zeros(0, np.int64)
 
 
-class Divergence(Exception):
-    """The mirror disagrees with what SGLang recorded; the caller re-reads SGLang's list."""
+class Batch:
+    """Recorded calls read together: `moves` is (is_take, first, end) per id tensor in order,
+    indexing the read's lists; the front is the read's last list."""
+
+    __slots__ = ("moves", "read", "releases", "taken")
+
+    def __init__(self, read: Any, moves: list[tuple[int, int]], taken: int, releases: int):
+        self.read = read
+        self.moves = moves
+        self.taken = taken  # journal.taken after the batch's last call
+        self.releases = releases
 
 
 class Journal:
-    def __init__(self, mirror: FreeListMirror, reader: Any) -> None:
-        self.mirror = mirror
+    def __init__(self, reader: Any) -> None:
         self.reader = reader
         self.raw: list[tuple[Any, ...]] = []  # appended by the hooks, lock-free
-        self._queue: deque[tuple[Any, ...]] = deque()
+        self._queue: deque[Batch] = deque()
         self.taken = 0  # rows taken, recorded (the scheduler's thread writes it)
-        self.replayed_taken = 0  # rows taken, replayed (under the hooks' lock)
+        self.replayed_taken = 0  # rows taken in the batches replayed (under the hooks' lock)
         self.releases = 0  # release calls replayed
-        self.doubles = 0  # rows a batch took (or gave back) twice: a divergence
+        self._drained_taken = 0  # `taken` as of the last allocation drained
 
     def __len__(self) -> int:
         return len(self.raw) + len(self._queue)
 
     def pending_merge(self) -> int | None:
-        """`taken` when the first merge not replayed yet happened (rows taken after it are in
-        an order the mirror does not know), or None."""
-        for e in (*self._queue, *self.raw):
+        """`taken` when the first merge not replayed yet happened (rows taken after it come
+        from a re-sorted list), or None."""
+        for e in self.raw:
             if e[0] == MERGE:
                 return int(e[1])
         return None
 
-    def drain(self) -> None:
-        """Move what the hooks recorded into the queue, starting the reads of released ids."""
+    def drain(self, front: Any) -> None:
+        """Read everything recorded so far, and `front` (the first rows of SGLang's free list
+        now), as one batch."""
         n = len(self.raw)
-        if not n:
-            return
         entries = self.raw[:n]
-        del self.raw[:n]  # the hooks may append meanwhile: only what was read goes
-        tensors = [t for e in entries if e[0] == RELEASE for t in e[1]]
-        if not tensors:
-            self._queue.extend(entries)
-            return
-        read, sizes = self.reader.read_many(tensors)
-        k = i = 0
+        del self.raw[:n]  # only what was read goes: the hooks may append meanwhile
+        tensors: list[Any] = []
+        moves: list[tuple[int, int]] = []  # (is_take, tensor index)
+        releases = 0
         for e in entries:
-            if e[0] != RELEASE:
-                self._queue.append(e)
-                continue
-            spans = []
-            for _ in e[1]:
-                spans.append((k, k + sizes[i]))
-                k += sizes[i]
-                i += 1
-            self._queue.append((RELEASE, read, spans, e[2]))
+            if e[0] == TAKE:
+                moves.append((1, len(tensors)))
+                tensors.append(e[1][: e[2]])
+                self._drained_taken = e[3]
+            elif e[0] == RELEASE:
+                releases += 1
+                for t in e[1]:
+                    moves.append((0, len(tensors)))
+                    tensors.append(t)
+        tensors.append(front)
+        read = self.reader.read_many(tensors)
+        self._queue.append(Batch(read, moves, self._drained_taken, releases))
 
-    def replay(self, *, wait: bool) -> tuple[np.ndarray, np.ndarray, int]:
-        """Replay the queue in order while its ids are known (every entry with `wait`).
-        Returns (rows taken, rows given back, releases replayed), netted."""
-        takes: list[np.ndarray] = []
-        gives: list[np.ndarray] = []
-        mirror = self.mirror
+    def replay(self, *, wait: bool, held: Any) -> tuple[list[int], list[int], int, Any]:
+        """Replay the batches whose values are there (all with `wait`), in order. Returns the
+        rows to take and to give back (netted against `held`, the follower's held flags per
+        row before), the releases replayed and the front of the last batch replayed (None
+        when none was)."""
+        last: dict[int, int] = {}  # row -> 1 if its last move was a take, 0 a release
         q = self._queue
         releases = 0
-        while q:
-            e = q[0]
-            kind = e[0]
-            if kind == TAKE:
-                n, after = e[1], e[2]
-                if n > len(mirror) or len(mirror) - n != after:
-                    raise Divergence(
-                        f"an allocation took {n} pages leaving {after}, the mirror has "
-                        f"{len(mirror)}"
-                    )
-                takes.append(mirror.take(n))
-                self.replayed_taken += n
-            elif kind == RELEASE:
-                read = e[1]
-                if not wait and not read.ready():
-                    break
-                ids = read.ids()
-                chunks = [ids[a:b] for a, b in e[2]]
-                mirror.release(chunks, staged=e[3])
-                gives.extend(chunks)
-                releases += 1
-            else:
-                mirror.merge_and_sort()
-            q.popleft()
+        front = None
+        while q and (wait or q[0].read.ready()):
+            b = q.popleft()
+            lists = b.read.lists()
+            for is_take, i in b.moves:
+                last.update(dict.fromkeys(lists[i], is_take))
+            front = lists[-1]
+            releases += b.releases
+            self.replayed_taken = b.taken
         self.releases += releases
-        return (*self._net(takes, gives), releases)
-
-    def _net(self, takes: list[np.ndarray], gives: list[np.ndarray]) -> tuple[Any, Any]:
-        t = _cat(takes)
-        g = _cat(gives)
-        if not t.size or not g.size:
-            return t, g
-        ids = np.concatenate([t, g])
-        sign = np.concatenate([np.ones(t.size, np.int64), -np.ones(g.size, np.int64)])
-        rows, inv = np.unique(ids, return_inverse=True)
-        net = np.bincount(inv, weights=sign, minlength=rows.size)
-        self.doubles += int(np.count_nonzero(np.abs(net) > 1))
-        return rows[net > 0], rows[net < 0]
+        take = [row for row, v in last.items() if v and not held[row]]
+        give = [row for row, v in last.items() if not v and held[row]]
+        return take, give, releases, front
 
     def clear(self) -> None:
-        """Forget everything recorded (SGLang's list is re-read by the caller)."""
+        """Forget everything recorded (the caller re-reads SGLang's allocator)."""
         self.raw.clear()
         self._queue.clear()
-        self.replayed_taken = self.taken
-
-
-def _cat(parts: list[np.ndarray]) -> np.ndarray:
-    if not parts:
-        return _EMPTY
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self.replayed_taken = self._drained_taken = self.taken

@@ -1,13 +1,14 @@
 """Reading page ids SGLang computed on its device, without a device synchronisation.
 
-On CPU the ids are host memory already: `HostReader` views them. On CUDA the ids a free
-releases are device tensors; reading one with `.tolist()` would wait for the whole stream.
-`CudaReader` instead copies them into pinned host memory with `non_blocking=True` and
-records a CUDA event after the copy: the values are read when the event has completed
-(`PendingIds.ids`), normally long before they are needed, since the scheduler does host
-work between a free and the next allocation. When they are needed sooner, the read waits
-on that event (only for the copy and the small kernels before it: SGLang's free path has
-synchronised already, on `torch.unique` or its boolean mask) and `waits` counts it.
+The hooks' journal reads page-id tensors in batches (`read_many`: many tensors, one read).
+On CPU the ids are host memory already: `HostReader` reads their values at once. On CUDA
+they are device tensors; reading one with `.tolist()` would wait for the whole stream.
+`CudaReader` instead concatenates them on the device and copies the result into pinned
+host memory with `non_blocking=True`, recording a CUDA event after the copy: the values are
+read when the event has completed (`CudaRead.lists`), normally long before they are needed,
+since the scheduler does host work between two replays. When they are needed sooner, the
+read waits on that event (only for the copy and the small kernels before it) and `waits`
+counts it.
 
 The pages released carry a *fence* (`DeviceFence`): reading an unmapped page faults and
 poisons the context (docs/background.md#cuda-driver-facts), and a kernel that reads them
@@ -23,39 +24,51 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
+class HostRead:
+    """CPU tensors: their values, read at once."""
 
-class PendingIds:
-    """Ids being copied to the host; `event` (None: already there) says when they are."""
+    __slots__ = ("_lists",)
 
-    __slots__ = ("_host", "event", "reader")
-
-    def __init__(self, host: Any, event: Any, reader: Any) -> None:
-        self._host = host
-        self.event = event
-        self.reader = reader
+    def __init__(self, tensors: list[Any]) -> None:
+        self._lists = [t.tolist() if t.dim() == 1 else t.reshape(-1).tolist() for t in tensors]
 
     def ready(self) -> bool:
-        return self.event is None or bool(self.event.query())
+        return True
 
-    def ids(self) -> np.ndarray:
-        if self.event is not None and not self.event.query():
-            self.reader.waits += 1
-            self.event.synchronize()
-        out: np.ndarray = self._host.numpy() if hasattr(self._host, "numpy") else self._host
-        return out
+    def lists(self) -> list[list[int]]:
+        return self._lists
 
-    # -- as a fence (allocator.store.Fence) --------------------------------------------------
-    def done(self) -> bool:
-        return self.ready()
 
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
+class CudaRead:
+    """Device tensors being copied to pinned host memory; `event` says when they are there."""
 
-    def __len__(self) -> int:
-        return int(self._host.shape[0])
+    __slots__ = ("_host", "_lists", "_sizes", "event", "reader")
+
+    def __init__(self, host: Any, sizes: list[int], event: Any, reader: Any) -> None:
+        self._host = host
+        self._sizes = sizes
+        self.event = event
+        self.reader = reader
+        self._lists: list[list[int]] | None = None
+
+    def ready(self) -> bool:
+        return self._lists is not None or bool(self.event.query())
+
+    def lists(self) -> list[list[int]]:
+        """Each tensor's values; waits for the copy (counted in the reader's `waits`) when
+        it has not landed yet."""
+        if self._lists is None:
+            if not self.event.query():
+                self.reader.waits += 1
+                self.event.synchronize()
+            flat = self._host.tolist()
+            out, k = [], 0
+            for n in self._sizes:
+                out.append(flat[k : k + n])
+                k += n
+            self._lists = out
+        return self._lists
 
 
 class DeviceFence:
@@ -84,13 +97,8 @@ class HostReader:
     waits = 0
     device = "cpu"
 
-    def read_many(self, tensors: list[Any]) -> tuple[PendingIds, list[int]]:
-        """Every tensor's ids in one host array (a view when there is one tensor), with each
-        one's length."""
-        flat = [t.reshape(-1) for t in tensors]
-        sizes = [int(f.shape[0]) for f in flat]
-        one = flat[0] if len(flat) == 1 else _torch().cat(flat)
-        return PendingIds(one.numpy(), None, self), sizes
+    def read_many(self, tensors: list[Any]) -> HostRead:
+        return HostRead(tensors)
 
     def fence_now(self) -> Any:
         return None
@@ -106,9 +114,9 @@ class CudaReader:
         self.device = device
         self.waits = 0  # reads that had to wait for their copy
 
-    def read_many(self, tensors: list[Any]) -> tuple[PendingIds, list[int]]:
-        """Every tensor's ids: one concatenation on the device, one pinned non-blocking copy
-        and one event, whatever the number of tensors."""
+    def read_many(self, tensors: list[Any]) -> CudaRead:
+        """Every tensor's values: one concatenation on the device, one pinned non-blocking
+        copy and one event, whatever the number of tensors."""
         torch = self._torch
         flat = [t.reshape(-1) for t in tensors]
         sizes = [int(f.shape[0]) for f in flat]
@@ -117,20 +125,22 @@ class CudaReader:
         host.copy_(one, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(one.device))
-        return PendingIds(host, event, self), sizes
+        return CudaRead(host, sizes, event, self)
 
     def fence_now(self) -> Any:
         """A fence that is done once every kernel queued so far, on any stream, has run."""
         return DeviceFence(self._torch, self.device)
 
 
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
 def reader_for(device: str) -> Any:
     if device.startswith("cuda"):
         return CudaReader(device)
     return HostReader()
+
+
+def host_ids(t: Any) -> Any:
+    """A whole device or host tensor of ids read to the host as numpy (attach, `clear` and
+    resyncs only: on CUDA this synchronises)."""
+    import numpy as np
+
+    return np.asarray(t.detach().to("cpu").reshape(-1).numpy(), dtype=np.int64)

@@ -583,43 +583,50 @@ class _FakeEvent:
 def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_needed(
     r: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CUDA read-back path on CPU: freed ids arrive later (a pinned copy and an event).
-    Until then the rows stay held and their pages mapped; an allocation after the copy
-    landed reads them without waiting; one that needs them sooner waits, and is counted."""
+    """The CUDA read-back path on CPU: the ids of a batch arrive later (a pinned copy and an
+    event). Until then the follower has not heard of the rows, and their pages stay mapped
+    and pinned; a replay after the copy landed reads them without waiting; one that needs
+    them sooner waits, and is counted."""
     import torch
 
     from kvledger.sglang_bridge import bridge as bridge_mod
-    from kvledger.sglang_bridge.readback import PendingIds
+    from kvledger.sglang_bridge.readback import CudaRead
 
     events: list[_FakeEvent] = []
 
     class Reader:
         waits = 0
 
-        def read_many(self, tensors: list[Any]) -> tuple[PendingIds, list[int]]:
+        def read_many(self, tensors: list[Any]) -> Any:
             events.append(_FakeEvent())
-            flat = [t.reshape(-1) for t in tensors]
-            ids = torch.cat(flat).clone().numpy()
-            return PendingIds(ids, events[-1], self), [len(t) for t in flat]
+            lists = [t.reshape(-1).tolist() for t in tensors]  # copied now, read later
+            return CudaRead(torch.tensor(sum(lists, [])), [len(x) for x in lists], events[-1], self)
 
         def fence_now(self) -> Any:
             return None
 
     monkeypatch.setattr(bridge_mod, "reader_for", lambda device: Reader())
     br = r.attach(pool_options=EXACT)
+    reader = br.hooks.reader
     a = r.sched.prefill(2 * rig.PAGE)
-    rows = br.follower.held().tolist()
+    rows = br.hooks.held_by_engine()
     r.sched.finish(a)
     br.hooks.flush(wait=False)  # the read starts; the ids are not there yet
-    assert br.follower.held_rows == 2  # nothing given back, nothing unmapped
-    assert all(br.store.is_mapped(p) for p in br.follower.pages_of(rows))
+    assert br.follower.held_rows == 0  # the follower has not heard of `a` ...
+    assert all(br.store.is_mapped(p) for p in br.follower.pages_of(rows))  # ... its pages stay
+    assert set(br.follower.pages_of(rows)) <= set(br.store.pinned)
     for ev in events:
         ev.complete = True
-    b = r.sched.prefill(rig.PAGE)  # the copy landed: read without waiting
-    assert br.stats()["readback_waits"] == 0
-    check(r)
-    r.sched.finish(b)
-    c = r.sched.prefill(rig.PAGE)  # needs the ids just freed (SGLang hands them out first)
+    br.hooks.flush(wait=False)  # the copies landed: replayed without waiting
+    assert reader.waits == 0 and br.follower.held_rows == 0  # taken and released: netted
+    b = r.sched.prefill(rig.PAGE)
+    br.hooks.flush(wait=True)  # b's read has not landed: the replay waits, and counts it
+    assert reader.waits == 1 and br.follower.held_rows == 1
     assert br.stats()["readback_waits"] == 1
     check(r)
-    r.sched.finish(c)
+    r.sched.finish(b)
+    br.hooks.flush(wait=False)  # the read of b's release starts ...
+    for ev in events:
+        ev.complete = True  # ... and lands before the next replay: no wait
+    check(r)
+    assert reader.waits == 1 and br.follower.held_rows == 0

@@ -181,28 +181,39 @@ class RowFollower:
         never write it)."""
         return self._held_b
 
-    def front(self, rows: np.ndarray, max_spares: int) -> tuple[int, list[int], list[int]]:
-        """For `rows` an engine hands out next, in order: how many can be handed out
-        without a map (the longest prefix whose pages are all mapped, touching at most
-        `max_spares` pages not in use), the pages of that prefix, and the pages of all of
-        `rows`, each in order of first use (under the store's lock)."""
-        flat = self._pages2[rows].ravel().tolist()  # two per row: first byte, last byte
-        order = list(dict.fromkeys(flat))
-        count, state = self._count_a, self.store.state
+    def front(
+        self, rows: list[int], max_spares: int, ahead: int
+    ) -> tuple[int, list[int], list[int]]:
+        """For `rows` an engine hands out next, in order: how many can be handed out without
+        a map (the longest prefix whose pages are all mapped, touching at most `max_spares`
+        pages not in use), the pages of that prefix, and the pages of the first
+        max(`ahead`, that many) rows, each in order of first use (under the store's lock).
+        A loop that stops at the first row it cannot take: a few dozen rows in practice."""
+        p0, p1, count, state = self._p0, self._p1, self._count_a, self.store.state
+        pages: dict[int, None] = {}
         spares = 0
-        good = len(order)
-        for i, q in enumerate(order):
-            if state[q] != MAPPED:
-                good = i
-                break
-            if not count[q]:
-                if spares == max_spares:
-                    good = i
+        safe = len(rows)
+        for i, row in enumerate(rows):
+            a, b = p0[row], p1[row]
+            if a not in pages:
+                if state[a] != MAPPED or (not count[a] and spares == max_spares):
+                    safe = i
                     break
-                spares += 1
-        if good == len(order):
-            return len(rows), order, order
-        return flat.index(order[good]) // 2, order[:good], order
+                spares += not count[a]
+                pages[a] = None
+            if b not in pages:
+                if state[b] != MAPPED or (not count[b] and spares == max_spares):
+                    safe = i
+                    break
+                spares += not count[b]
+                pages[b] = None
+        pinned = list(pages)
+        if safe >= ahead:
+            return safe, pinned, pinned
+        for row in rows[safe:ahead]:
+            pages[p0[row]] = None
+            pages[p1[row]] = None
+        return safe, pinned, list(pages)
 
     def cover(self, rows: list[int]) -> list[int]:
         """Map (now, if the mapper has not) the pages of `rows` an engine may have handed out

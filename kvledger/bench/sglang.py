@@ -65,7 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cycles", type=_positive, default=8, help="fill/drain cycles (8)")
     p.add_argument("--churn-events", type=_positive, default=2000, help="churn events (2000)")
     p.add_argument("--churn-warmup", type=int, default=200, help="churn events not checked")
-    p.add_argument("--max-spare-pages", type=int, default=1, help="passed to the bridge (1)")
+    p.add_argument(
+        "--max-spare-pages",
+        type=int,
+        default=None,
+        help="passed to the bridge (default: the bridge's own, "
+        "kvledger.sglang_bridge.bridge.DEFAULT_POOL_OPTIONS)",
+    )
     p.add_argument("--seed", type=int, default=13)
     p.add_argument(
         "--threads",
@@ -121,6 +127,16 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"kvledger bench sglang: --churn-warmup={args.churn_warmup}, expected "
             f"0..{args.churn_events - 1}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.max_spare_pages is None:
+        from kvledger.sglang_bridge.bridge import DEFAULT_POOL_OPTIONS
+
+        args.max_spare_pages = int(DEFAULT_POOL_OPTIONS["max_spare_pages"])
+    elif args.max_spare_pages < 0:
+        print(
+            f"kvledger bench sglang: --max-spare-pages={args.max_spare_pages}, expected >= 0",
             file=sys.stderr,
         )
         return 2

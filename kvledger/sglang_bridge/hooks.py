@@ -231,7 +231,7 @@ class AllocatorHooks:
                 self._resync_locked()
                 return
             if journal.raw:
-                journal.drain(self.allocator.free_pages[: self.front_rows])
+                journal.drain((self.allocator.free_pages, self.front_rows))
             self._replay(wait)
             if journal.taken > self.safe_until and not self._cover():
                 self.forced += 1  # past the known front: read what was taken, waiting
@@ -287,10 +287,10 @@ class AllocatorHooks:
         store = f.store
         self._front = front
         with store.lock:
-            safe, pinned, pages = f.front(np.asarray(front, np.intp), store.max_spare_pages)
+            safe, pinned, ahead = f.front(front, store.max_spare_pages, self.ahead_rows)
             store.pin(pinned)
             if self.ahead_rows:
-                store.set_ahead(pages)
+                store.set_ahead(ahead)
             until = journal.replayed_taken + safe
             merged_at = journal.pending_merge()
             self.safe_until = until if merged_at is None else min(until, merged_at)

@@ -66,27 +66,27 @@ class Journal:
                 return int(e[1])
         return None
 
-    def drain(self, front: Any) -> None:
-        """Read everything recorded so far, and `front` (the first rows of SGLang's free list
-        now), as one batch."""
+    def drain(self, front: tuple[Any, int]) -> None:
+        """Read everything recorded so far, and `front` (SGLang's free list now and how many
+        of its first rows to read), as one batch."""
         n = len(self.raw)
         entries = self.raw[:n]
         del self.raw[:n]  # only what was read goes: the hooks may append meanwhile
-        tensors: list[Any] = []
-        moves: list[tuple[int, int]] = []  # (is_take, tensor index)
+        items: list[tuple[Any, int | None]] = []  # (tensor, first n or all)
+        moves: list[tuple[int, int]] = []  # (is_take, index in items)
         releases = 0
         for e in entries:
             if e[0] == TAKE:
-                moves.append((1, len(tensors)))
-                tensors.append(e[1][: e[2]])
+                moves.append((1, len(items)))
+                items.append((e[1], e[2]))
                 self._drained_taken = e[3]
             elif e[0] == RELEASE:
                 releases += 1
                 for t in e[1]:
-                    moves.append((0, len(tensors)))
-                    tensors.append(t)
-        tensors.append(front)
-        read = self.reader.read_many(tensors)
+                    moves.append((0, len(items)))
+                    items.append((t, None))
+        items.append(front)
+        read = self.reader.read_many(items)
         self._queue.append(Batch(read, moves, self._drained_taken, releases))
 
     def replay(self, *, wait: bool, held: Any) -> tuple[list[int], list[int], int, Any]:

@@ -26,12 +26,16 @@ from typing import Any
 
 
 class HostRead:
-    """CPU tensors: their values, read at once."""
+    """CPU tensors: their values, read at once (through numpy: a torch slice costs several
+    times a numpy one)."""
 
     __slots__ = ("_lists",)
 
-    def __init__(self, tensors: list[Any]) -> None:
-        self._lists = [t.tolist() if t.dim() == 1 else t.reshape(-1).tolist() for t in tensors]
+    def __init__(self, items: list[tuple[Any, int | None]]) -> None:
+        self._lists = [
+            t.numpy().reshape(-1)[:n].tolist() if n is not None else t.reshape(-1).tolist()
+            for t, n in items
+        ]
 
     def ready(self) -> bool:
         return True
@@ -97,8 +101,9 @@ class HostReader:
     waits = 0
     device = "cpu"
 
-    def read_many(self, tensors: list[Any]) -> HostRead:
-        return HostRead(tensors)
+    def read_many(self, items: list[tuple[Any, int | None]]) -> HostRead:
+        """The values of each (tensor, n): its first `n` (all with None)."""
+        return HostRead(items)
 
     def fence_now(self) -> Any:
         return None
@@ -114,11 +119,12 @@ class CudaReader:
         self.device = device
         self.waits = 0  # reads that had to wait for their copy
 
-    def read_many(self, tensors: list[Any]) -> CudaRead:
-        """Every tensor's values: one concatenation on the device, one pinned non-blocking
-        copy and one event, whatever the number of tensors."""
+    def read_many(self, items: list[tuple[Any, int | None]]) -> CudaRead:
+        """The values of each (tensor, n): its first `n` (all with None). One concatenation on
+        the device, one pinned non-blocking copy and one event, whatever the number of
+        tensors."""
         torch = self._torch
-        flat = [t.reshape(-1) for t in tensors]
+        flat = [t.reshape(-1)[:n] if n is not None else t.reshape(-1) for t, n in items]
         sizes = [int(f.shape[0]) for f in flat]
         one = flat[0] if len(flat) == 1 else torch.cat(flat)
         host = torch.empty(one.shape, dtype=one.dtype, pin_memory=True)

@@ -65,7 +65,7 @@ def test_a_page_in_use_by_a_queued_kernel_is_unmapped_only_after_it_ran() -> Non
         with torch.cuda.stream(side):
             _busy_kernel(torch)
             sums = [v[rows].float().sum() for v in views]  # queued behind the sleep
-        read = reader.read_many([ids])  # the engine frees the rows: read back, no sync
+        read = reader.read_many([(ids, None)])  # the engine frees the rows: read back, no sync
         page_ids = [p for p in follower.pages_of(rows) if p not in follower.pages_of([0])]
         follower.give_back(read.lists()[0], reader.fence_now())
         follower.take([200])

@@ -597,9 +597,9 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
     class Reader:
         waits = 0
 
-        def read_many(self, tensors: list[Any]) -> Any:
+        def read_many(self, items: list[tuple[Any, int | None]]) -> Any:
             events.append(_FakeEvent())
-            lists = [t.reshape(-1).tolist() for t in tensors]  # copied now, read later
+            lists = [t.reshape(-1)[:n].tolist() for t, n in items]  # copied now, read later
             return CudaRead(torch.tensor(sum(lists, [])), [len(x) for x in lists], events[-1], self)
 
         def fence_now(self) -> Any:

@@ -104,7 +104,7 @@ class AllocatorHooks:
         self.forced = 0  # replays that waited to read what an allocation took (CUDA: a wait)
         self.packs = 0  # times SGLang's free list was reordered to pack
         self.journal = Journal(self.reader)
-        self.safe_until = 0  # journal.taken may reach this before a replay is needed
+        self.safe_until = 0  # journal.net may reach this before a replay is needed
         self.soft_until = 0  # past this (3/4 of the pinned rows used) the next take replays
         self._lock = threading.Lock()  # replays (the hooks' recording takes no lock)
         self._owner: int | None = None  # the thread that drives the allocator
@@ -130,9 +130,9 @@ class AllocatorHooks:
                     self._fp0 = None
                     taken = fp0.shape[0] - allocator.free_pages.shape[0]
                     if taken > 0:
-                        journal.taken += taken
-                        raw.append((TAKE, fp0, taken, journal.taken))
-                        if journal.taken > self.soft_until or len(raw) >= self.batch:
+                        journal.net += taken
+                        raw.append((TAKE, fp0, taken, journal.net))
+                        if journal.net > self.soft_until or len(raw) >= self.batch:
                             self._flush(wait=False, owner=True)
 
             wrapper.__name__ = name
@@ -145,8 +145,8 @@ class AllocatorHooks:
                 return merge(*args, **kwargs)
             with self._lock:
                 out = merge(*args, **kwargs)
-                raw.append((MERGE, journal.taken))
-                self.safe_until = self.soft_until = journal.taken  # no row is known mapped
+                raw.append((MERGE, journal.net))
+                self.safe_until = self.soft_until = -(1 << 62)  # no row is known mapped
             if self._fp0 is not None:
                 self._fp0 = allocator.free_pages  # the allocation takes from the merged list
             return out
@@ -155,7 +155,10 @@ class AllocatorHooks:
 
         def release_page_ids(*page_ids: Any) -> Any:
             out = release(*page_ids)
-            raw.append((RELEASE, page_ids))
+            if not allocator.need_sort:  # in front of the list (else staged until a merge)
+                for t in page_ids:
+                    journal.net -= t.numel()
+            raw.append((RELEASE, page_ids, journal.net))
             if len(raw) >= self.batch:
                 self._flush(wait=False, owner=True)
             return out
@@ -233,7 +236,8 @@ class AllocatorHooks:
             if journal.raw:
                 journal.drain((self.allocator.free_pages, self.front_rows))
             self._replay(wait)
-            if journal.taken > self.safe_until and not self._cover():
+            peak = journal.peak()
+            if peak is not None and peak > self.safe_until and not self._cover(peak):
                 self.forced += 1  # past the known front: read what was taken, waiting
                 self._replay(True)
             if owner and not len(journal) and self._since_pack >= PACK_EVERY:
@@ -250,33 +254,28 @@ class AllocatorHooks:
             raise
         if releases:
             # Taken first, then given back: a page refilled in the same batch never empties.
-            # On CUDA the pages emptied (and every spare: rows taken and released within
-            # the batch may have been written) wait for the device before they are unmapped.
-            fence = self.reader.fence_now()
+            # On CUDA the pages emptied wait for the device before they are unmapped (and
+            # so does every spare: `_pin` fences them).
             if given:
-                f.give_back(given, fence, trim=False)
-            if fence is not None:
-                store = f.store
-                with store.lock:
-                    store.fence(list(store.spares), fence)
+                f.give_back(given, self.reader.fence_now(), trim=False)
             self._since_pack += releases
         if front is not None:
             self._pin(front)
 
-    def _cover(self) -> bool:
-        """SGLang took more rows than were pinned: they are released rows (still held, so
-        mapped) and the first rows of the front last read. Map and pin as many of those as
-        rows were taken (on this thread: `waited_allocs` counts it), reading nothing from the
-        device. False when more rows were taken than the front read holds."""
+    def _cover(self, peak: int) -> bool:
+        """SGLang may have taken rows past the pinned ones: at most `peak - replayed_net` of
+        the front last read (released rows, taken first, are held, so mapped). Map and pin
+        those (on this thread: `waited_allocs` counts it), reading nothing from the device.
+        False when that is more rows than the front read holds, or after a merge."""
         journal, f = self.journal, self.follower
-        need = journal.taken - journal.replayed_taken
-        if need > len(self._front) or journal.pending_merge() is not None:
+        need = peak - journal.replayed_net
+        if need > len(self._front) or journal.merged():
             return False
         store = f.store
         with store.lock:
             pages = f.cover(self._front[:need])
             store.pin([*store.pinned, *pages])
-        self.safe_until = self.soft_until = journal.replayed_taken + need
+        self.safe_until = self.soft_until = journal.replayed_net + need
         return True
 
     def _pin(self, front: list[int]) -> None:
@@ -291,10 +290,17 @@ class AllocatorHooks:
             store.pin(pinned)
             if self.ahead_rows:
                 store.set_ahead(ahead)
-            until = journal.replayed_taken + safe
-            merged_at = journal.pending_merge()
-            self.safe_until = until if merged_at is None else min(until, merged_at)
-            self.soft_until = min(self.safe_until, journal.replayed_taken + safe * 3 // 4)
+            if journal.merged():
+                self.safe_until = self.soft_until = -(1 << 62)
+            else:
+                self.safe_until = journal.replayed_net + safe
+                self.soft_until = journal.replayed_net + safe * 3 // 4
+            fence = self.reader.fence_now()
+            if fence is not None:
+                # Rows handed out and given back since the front was read are unknown here,
+                # and GPU work may still write them: a page that is not pinned any more is
+                # unmapped only after the device has drained past this point.
+                store.fence([p for p in store.spares if p not in store.pinned], fence)
             if not store.closed:
                 store.after_release_locked()
 
@@ -313,7 +319,8 @@ class AllocatorHooks:
         a.free_pages = reorder(a.free_pages, keys)
         self.packs += 1
         if a.staged_pages:  # the list is not every free row: learn the front with a batch
-            self.safe_until = self.soft_until = self.journal.taken
+            self.safe_until = self.soft_until = self.journal.net
+            self._front = []
             return
         # Replayed to the end, the follower's free rows are SGLang's list: its new front is
         # known on the host, nothing read back.

@@ -3,12 +3,18 @@
 What the scheduler's thread pays per hooked call is one tuple appended to `raw`, nothing
 read from the device and no lock:
 
-- an allocation records the free-list tensor it took from, how many pages it took (the
-  list's length before and after, host metadata) and `taken` after it. SGLang takes from the front and replaces
+- an allocation records the free-list tensor it took from and how many pages it took (the
+  list's length before and after, host metadata). SGLang takes from the front and replaces
   its list by a view of the rest, never writing into a list in place, so the pages taken
   are that tensor's first `n` entries whenever they are read;
 - a release records the id tensors SGLang passed (referenced, not read);
-- a merge (`need_sort` only) records how many rows had been taken when it re-sorted.
+- a merge (`need_sort` only) records that the list was re-sorted.
+
+Each entry also records `net` after it: rows taken minus rows released to the front of the
+list since attach. SGLang's list is a stack for these calls (a release puts its ids in
+front, an allocation takes from the front), so between two points in time an allocation
+reached `net - net_then` rows deep into the list as it was then, or less: released rows
+are taken first. The hooks bound that depth by the rows they pinned.
 
 `drain` turns everything recorded since the last drain into one *batch*: the taken slices,
 the released tensors and the first rows of the free list as it is at that moment (the
@@ -19,9 +25,8 @@ state after them is its last move, and only the rows whose state differs from th
 follower's are returned (a row released and taken again never left the engine; one taken
 and released again never reached the follower).
 
-`taken` (written by the scheduler's thread only) and `replayed_taken` (written under the
-hooks' lock only) count rows taken since attach, so the hooks can tell, without a lock,
-how many rows were handed out past the batch the follower knows.
+`net` is written by the scheduler's thread only, `replayed_net` (its value at the end of the
+last batch replayed) under the hooks' lock only, so the hooks compare them without a lock.
 """
 
 from __future__ import annotations
@@ -36,13 +41,17 @@ class Batch:
     """Recorded calls read together: `moves` is (is_take, first, end) per id tensor in order,
     indexing the read's lists; the front is the read's last list."""
 
-    __slots__ = ("moves", "read", "releases", "taken")
+    __slots__ = ("merged", "moves", "net", "peak", "read", "releases")
 
-    def __init__(self, read: Any, moves: list[tuple[int, int]], taken: int, releases: int):
+    def __init__(
+        self, read: Any, moves: list[tuple[int, int]], net: int, peak: int | None, releases: int
+    ) -> None:
         self.read = read
         self.moves = moves
-        self.taken = taken  # journal.taken after the batch's last call
+        self.net = net  # journal.net after the batch's last call
+        self.peak = peak  # the highest journal.net after an allocation of the batch
         self.releases = releases
+        self.merged = False  # the list was re-sorted during the batch
 
 
 class Journal:
@@ -50,21 +59,24 @@ class Journal:
         self.reader = reader
         self.raw: list[tuple[Any, ...]] = []  # appended by the hooks, lock-free
         self._queue: deque[Batch] = deque()
-        self.taken = 0  # rows taken, recorded (the scheduler's thread writes it)
-        self.replayed_taken = 0  # rows taken in the batches replayed (under the hooks' lock)
+        self.net = 0  # rows taken - rows released to the front (the scheduler's thread)
+        self.replayed_net = 0  # `net` at the end of the last batch replayed (under the lock)
         self.releases = 0  # release calls replayed
-        self._drained_taken = 0  # `taken` as of the last allocation drained
+        self._drained_net = 0  # `net` at the end of the last batch drained
 
     def __len__(self) -> int:
         return len(self.raw) + len(self._queue)
 
-    def pending_merge(self) -> int | None:
-        """`taken` when the first merge not replayed yet happened (rows taken after it come
-        from a re-sorted list), or None."""
-        for e in self.raw:
-            if e[0] == MERGE:
-                return int(e[1])
-        return None
+    def merged(self) -> bool:
+        """A merge not replayed yet: rows taken after it come from a re-sorted list."""
+        return any(b.merged for b in self._queue) or any(e[0] == MERGE for e in self.raw)
+
+    def peak(self) -> int | None:
+        """The highest `net` after an allocation not replayed yet (None when none): how deep
+        into the front of the last batch replayed SGLang may have taken rows."""
+        peaks = [b.peak for b in self._queue if b.peak is not None]
+        peaks += [e[3] for e in self.raw if e[0] == TAKE]
+        return max(peaks) if peaks else None
 
     def drain(self, front: tuple[Any, int]) -> None:
         """Read everything recorded so far, and `front` (SGLang's free list now and how many
@@ -75,19 +87,24 @@ class Journal:
         items: list[tuple[Any, int | None]] = []  # (tensor, first n or all)
         moves: list[tuple[int, int]] = []  # (is_take, index in items)
         releases = 0
+        peak: int | None = None
         for e in entries:
             if e[0] == TAKE:
                 moves.append((1, len(items)))
                 items.append((e[1], e[2]))
-                self._drained_taken = e[3]
+                self._drained_net = e[3]
+                peak = e[3] if peak is None else max(peak, e[3])
             elif e[0] == RELEASE:
                 releases += 1
                 for t in e[1]:
                     moves.append((0, len(items)))
                     items.append((t, None))
+                self._drained_net = e[2]
         items.append(front)
         read = self.reader.read_many(items)
-        self._queue.append(Batch(read, moves, self._drained_taken, releases))
+        batch = Batch(read, moves, self._drained_net, peak, releases)
+        batch.merged = any(e[0] == MERGE for e in entries)
+        self._queue.append(batch)
 
     def replay(self, *, wait: bool, held: Any) -> tuple[list[int], list[int], int, Any]:
         """Replay the batches whose values are there (all with `wait`), in order. Returns the
@@ -105,7 +122,7 @@ class Journal:
                 last.update(dict.fromkeys(lists[i], is_take))
             front = lists[-1]
             releases += b.releases
-            self.replayed_taken = b.taken
+            self.replayed_net = b.net
         self.releases += releases
         take = [row for row, v in last.items() if v and not held[row]]
         give = [row for row, v in last.items() if not v and held[row]]
@@ -115,4 +132,4 @@ class Journal:
         """Forget everything recorded (the caller re-reads SGLang's allocator)."""
         self.raw.clear()
         self._queue.clear()
-        self.replayed_taken = self._drained_taken = self.taken
+        self.replayed_net = self._drained_net = self.net

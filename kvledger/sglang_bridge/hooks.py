@@ -64,7 +64,7 @@ AHEAD_ROWS = 64  # rows at the front of SGLang's free list kept mapped ahead
 # past the pinned rows can be mapped from without reading the device.
 FRONT_ROWS = 256
 PACK_EVERY = 16  # releases between two looks at whether the free list needs packing
-BATCH = 32  # recorded calls between two replays
+BATCH = 64  # recorded calls between two replays
 IDLE_FLUSH_S = 0.02  # the background mapper replays a journal left alone this long
 
 

@@ -130,11 +130,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.max_spare_pages is None:
-        from kvledger.sglang_bridge.bridge import DEFAULT_POOL_OPTIONS
-
-        args.max_spare_pages = int(DEFAULT_POOL_OPTIONS["max_spare_pages"])
-    elif args.max_spare_pages < 0:
+    if args.max_spare_pages is not None and args.max_spare_pages < 0:
         print(
             f"kvledger bench sglang: --max-spare-pages={args.max_spare_pages}, expected >= 0",
             file=sys.stderr,

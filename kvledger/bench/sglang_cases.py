@@ -346,6 +346,11 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
 
     import torch
 
+    from kvledger.sglang_bridge.bridge import DEFAULT_POOL_OPTIONS
+
+    if args.max_spare_pages is None:  # the bridge's own policy
+        args.max_spare_pages = int(DEFAULT_POOL_OPTIONS["max_spare_pages"])
+
     with variants(args) as vs:
         bridge = bridged_of(vs).bridge
         row_bytes = int(bridged_of(vs).engine.pool.swa_kv_pool.kv_buffer[0].shape[1])

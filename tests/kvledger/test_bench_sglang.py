@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvledger.sglang_bridge.bridge import DEFAULT_POOL_OPTIONS
+
 from kvledger.bench import sglang as bench
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,8 +80,9 @@ def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     assert ch["checked"] == 120 - 10
     assert 0 <= ch["over"] <= ch["checked"]
     assert ch["mapped_max"] >= 1
-    # The spare cap (docs/allocator.md): max_spare_pages (1 by default) + grace_pages (1).
-    assert 0 <= ch["spares_max"] <= 2
+    # The spare cap (docs/allocator.md): max_spare_pages (the bridge's default) + grace_pages (1).
+    assert r["config"]["max_spare_pages"] == DEFAULT_POOL_OPTIONS["max_spare_pages"]
+    assert 0 <= ch["spares_max"] <= r["config"]["max_spare_pages"] + 1
     assert ch["in_use_excess_max"] >= 0
     assert "of which: spare page ids at most" in "\n".join(bench.report(r))
     lines = bench.report(r)

@@ -108,4 +108,3 @@ def runtime_buffer(
         tensor_bytes=tensor_bytes,
         reserved_bytes=max(storage, tensor_bytes),
     )
-

@@ -88,4 +88,3 @@ def markdown_table() -> str:
     rows = ["| figure | unit | meaning | relation |", "|---|---|---|---|"]
     rows += [f"| `{f.name}` | {f.unit} | {f.meaning} | `{f.relation}` |" for f in FIGURES]
     return "\n".join(rows)
-

@@ -203,4 +203,3 @@ class DemoSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

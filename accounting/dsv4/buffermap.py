@@ -42,7 +42,9 @@ SLOT_MEANING: dict[str, str] = {
     "c128_state": "ring row",
 }
 
-DEFAULT_GRANULARITY = 2 << 20  # CUDA VMM granularity on the H200 (docs/background.md#cuda-driver-facts)
+DEFAULT_GRANULARITY = (
+    2 << 20
+)  # CUDA VMM granularity on the H200 (docs/background.md#cuda-driver-facts)
 
 
 @dataclass(frozen=True)

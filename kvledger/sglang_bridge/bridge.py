@@ -385,9 +385,7 @@ def _activate(
         # On CUDA the mapper always runs: it is the thread that waits for the fences of
         # freed pages (a device synchronisation) before unmapping them (readback).
         cuda = facts.devices[0].startswith("cuda")
-        mapper = (
-            BackgroundMapper(store, on_idle=hooks.idle_flush) if map_ahead or cuda else None
-        )
+        mapper = BackgroundMapper(store, on_idle=hooks.idle_flush) if map_ahead or cuda else None
         undo.pop_all()  # every step done: keep them
     bridge.backend, bridge.owns_backend = be, owns
     bridge.store, bridge.tensors, bridge.follower = store, vmm, follower

@@ -236,6 +236,8 @@ def test_reconciliation_keeps_every_key_a_truth_reader_writes(published):
     envelope["snapshot"]["reconciliation"] = [{**entry, "unattributed_bytes": 0}]
     (got,) = _load(_bytes(envelope, rows)).summary["reconciliation"]
     assert got == entry
+
+
 @given(
     st.fixed_dictionaries(
         {

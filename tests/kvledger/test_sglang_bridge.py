@@ -600,7 +600,8 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
         def read_many(self, items: list[tuple[Any, int | None]]) -> Any:
             events.append(_FakeEvent())
             lists = [t.reshape(-1)[:n].tolist() for t, n in items]  # copied now, read later
-            return CudaRead(torch.tensor(sum(lists, [])), [len(x) for x in lists], events[-1], self)
+            flat = [x for one in lists for x in one]
+            return CudaRead(torch.tensor(flat), [len(x) for x in lists], events[-1], self)
 
         def fence_now(self) -> Any:
             return None

@@ -631,3 +631,75 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
         ev.complete = True  # ... and lands before the next replay: no wait
     check(r)
     assert reader.waits == 1 and br.follower.held_rows == 0
+
+
+class LaggingReader:
+    """The CUDA read-back on CPU, late: a batch's ids land only after a random number of later
+    reads (some replays then stop short of it), and a replay that needs them waits."""
+
+    def __init__(self, rng: Any) -> None:
+        import torch
+
+        from kvledger.sglang_bridge.readback import CudaRead
+
+        self._torch, self._read, self.rng = torch, CudaRead, rng
+        self.waits = 0
+        self.pending: list[tuple[int, _FakeEvent]] = []
+
+    def read_many(self, items: list[tuple[Any, int | None]]) -> Any:
+        for k, (left, ev) in enumerate(self.pending):
+            self.pending[k] = (left - 1, ev)
+            ev.complete = ev.complete or left <= 1
+        ev = _FakeEvent()
+        self.pending = [p for p in self.pending if not p[1].complete]
+        self.pending.append((self.rng.randint(0, 3), ev))
+        lists = [t.reshape(-1)[:n].tolist() for t, n in items]  # copied now, read later
+        flat = [x for one in lists for x in one]
+        return self._read(self._torch.tensor(flat), [len(x) for x in lists], ev, self)
+
+    def fence_now(self) -> Any:
+        return None
+
+
+@pytest.mark.parametrize("options", ["default", "exact", "lagging"])
+def test_every_row_sglang_holds_is_mapped_after_every_call(
+    r: Rig, options: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal's safety rule: the follower hears of allocations late, yet after every
+    call SGLang makes, every row it holds (and the padding row) lies on mapped pages, with
+    the background mapper unmapping spares meanwhile (default options), none kept (exact),
+    or the ids of a batch arriving several replays late (lagging: the CUDA path)."""
+    import random
+
+    from kvledger.sglang_bridge import bridge as bridge_mod
+
+    rng = random.Random(11)
+    if options == "lagging":
+        monkeypatch.setattr(bridge_mod, "reader_for", lambda device: LaggingReader(rng))
+    br = r.attach(pool_options=EXACT if options == "exact" else None)
+    s, live = r.sched, []
+    moves = 0
+    for _ in range(400):
+        op = rng.random()
+        free_pages = r.alloc.swa_available_size() // rig.PAGE
+        if live and (op < 0.3 or len(live) == 4 or free_pages < 3):
+            s.finish(live.pop(rng.randrange(len(live))))
+        elif op < 0.6:
+            live.append(s.prefill(rng.randint(1, 2 * rig.PAGE)))
+        else:
+            req = live[rng.randrange(len(live))] if live else None
+            if req is not None and req.seq_len < 3 * rig.PAGE and free_pages >= 1:
+                s.decode([req])
+            elif req is not None:
+                s.evict_window(req)
+        moves += 1
+        held = br.hooks.held_by_engine()  # SGLang's truth, read without a replay
+        unmapped = [p for p in br.follower.pages_of([0, *held]) if not br.store.is_mapped(p)]
+        assert unmapped == [], f"after move {moves}: rows {held} use unmapped pages {unmapped}"
+        if options != "exact":
+            with br.store.lock:  # the harshest policy: every spare not pinned goes
+                br.store.trim_locked(keep=0)
+    for req in live:
+        s.finish(req)
+    check(r)
+    assert br.stats()["held_pages"] == 0

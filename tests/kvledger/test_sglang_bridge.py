@@ -678,8 +678,7 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
         monkeypatch.setattr(bridge_mod, "reader_for", lambda device: LaggingReader(rng))
     br = r.attach(pool_options=EXACT if options == "exact" else None)
     s, live = r.sched, []
-    moves = 0
-    for _ in range(400):
+    for moves in range(1, 401):
         op = rng.random()
         free_pages = r.alloc.swa_available_size() // rig.PAGE
         if live and (op < 0.3 or len(live) == 4 or free_pages < 3):
@@ -692,7 +691,6 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
                 s.decode([req])
             elif req is not None:
                 s.evict_window(req)
-        moves += 1
         held = br.hooks.held_by_engine()  # SGLang's truth, read without a replay
         unmapped = [p for p in br.follower.pages_of([0, *held]) if not br.store.is_mapped(p)]
         assert unmapped == [], f"after move {moves}: rows {held} use unmapped pages {unmapped}"

@@ -677,7 +677,8 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
     if options == "lagging":
         monkeypatch.setattr(bridge_mod, "reader_for", lambda device: LaggingReader(rng))
     br = r.attach(pool_options=EXACT if options == "exact" else None)
-    s, live = r.sched, []
+    s = r.sched
+    live: list[Any] = []
     for moves in range(1, 401):
         op = rng.random()
         free_pages = r.alloc.swa_available_size() // rig.PAGE

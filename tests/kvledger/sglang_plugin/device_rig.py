@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvledger.bench.sglang_engine import pin_torch_native
 from kvledger.bench.sglang_pool import Sizes, build_allocator, build_pool, build_req_to_token
 from tests.kvledger import sglang_rig as rig
 
@@ -27,6 +28,8 @@ def build(
     )
     r2t = build_req_to_token(4, full, device)
     alloc = build_allocator(pool, r2t, full_tokens=full, page=rig.PAGE, device=device)
+    if device == "cpu":  # SGLang picks Triton by platform: a GPU host would run it on CPU tensors
+        pin_torch_native(alloc)
     return pool, r2t, alloc
 
 
@@ -67,6 +70,8 @@ def build_plain(kind: str, device: str, *, pages: int = 16) -> tuple[Any, Any, A
         raise ValueError(f"kind={kind!r}, expected 'mla' or 'mha'")
     r2t = ReqToTokenPool(4, size, device, False)
     alloc = PagedTokenToKVPoolAllocator(size, page, torch.bfloat16, device, pool, False)
+    if device == "cpu":  # as in `build`
+        alloc.use_triton_kernels = False
     return pool, r2t, alloc
 
 

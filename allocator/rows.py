@@ -194,19 +194,17 @@ class RowFollower:
         spares = 0
         safe = len(rows)
         for i, row in enumerate(rows):
-            a, b = p0[row], p1[row]
-            if a not in pages:
-                if state[a] != MAPPED or (not count[a] and spares == max_spares):
-                    safe = i
-                    break
-                spares += not count[a]
-                pages[a] = None
-            if b not in pages:
-                if state[b] != MAPPED or (not count[b] and spares == max_spares):
-                    safe = i
-                    break
-                spares += not count[b]
-                pages[b] = None
+            for q in (p0[row], p1[row]):  # the row's first and last page
+                if q in pages:
+                    continue
+                if state[q] != MAPPED or (not count[q] and spares == max_spares):
+                    break  # unmapped, or one spare too many
+                spares += not count[q]
+                pages[q] = None
+            else:
+                continue
+            safe = i
+            break
         pinned = list(pages)
         if safe >= ahead:
             return safe, pinned, pinned

@@ -280,3 +280,63 @@ def test_a_row_twice_in_a_long_call_is_caught_by_the_count_check(
         assert f.held_rows == SMALL + 1
         f.give_back(rows[:-1])
         assert f.held_rows == 0 and mapped(store) <= {0} | set(store.spares)
+
+
+# -- what the SGLang bridge's journal asks of the follower --------------------------------------
+def test_front_pins_mapped_rows_up_to_the_spare_limit(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=1)
+    with store:
+        f.take([1, 2])  # pages 0 and 1 (row 2 straddles) in use
+        with store.lock:
+            store.map_locked([2, 3])  # two spares
+            # rows 3..: row 3-4 in page 1, row 5 straddles 1-2, rows 6-7 in page 2, 8 in 3
+            safe, pinned, ahead = f.front([3, 4, 5, 6, 7, 8, 9], max_spares=1, ahead=7)
+        assert safe == 5  # row 8 would touch a second page not in use (page 3)
+        assert pinned == [1, 2]
+        assert set(ahead) >= {1, 2, 3}
+        with store.lock:
+            safe0, pinned0, _ = f.front([3, 4, 5], max_spares=0, ahead=0)
+        assert safe0 == 2 and pinned0 == [1]  # row 5 reaches page 2, a spare
+        with store.lock:
+            unmapped, _, _ = f.front([30, 3], max_spares=4, ahead=0)
+        assert unmapped == 0  # row 30's page is not mapped
+
+
+def test_pinned_spares_are_never_trimmed(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=0, grace_pages=0)
+    with store:
+        f.take([20, 30])
+        keep = sorted(pages_of_rows([20]))
+        with store.lock:
+            store.pin(keep)
+        f.give_back([20, 30])  # both emptied: spares beyond the limit of 0
+        assert all(store.is_mapped(p) for p in keep)
+        assert not any(store.is_mapped(p) for p in pages_of_rows([30]) - set(keep))
+        with store.lock:
+            store.pin([])
+            store.trim_locked()
+        assert not any(store.is_mapped(p) for p in keep)
+
+
+def test_cover_maps_without_taking_and_counts_the_wait(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=4)
+    with store:
+        with store.lock:
+            pages = f.cover([40, 41])
+        assert pages == sorted(pages_of_rows([40, 41])) and all(store.is_mapped(p) for p in pages)
+        assert f.held_rows == 0 and f.waited == 1
+        with store.lock:
+            f.cover([40])  # mapped already: no wait
+        assert f.waited == 1
+
+
+def test_pack_keys_put_the_fullest_mapped_pages_first(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=4)
+    with store:
+        f.take([9, 10, 11])  # page 3 (rows 8-10) and page 4 in use
+        with store.lock:
+            store.map_locked([7])  # a spare
+        order = f.pack_order(np.array([30, 19, 8, 12, 20], np.int64))
+        assert order.tolist()[:2] == [8, 12]  # free rows of the pages in use first
+        assert order.tolist()[2] == 19  # then a row lying in the mapped spare (page 7)
+        assert sorted(order.tolist()[3:]) == [20, 30]

@@ -176,6 +176,15 @@ class RowFollower:
             self.store.set_ahead(pages)
 
     @property
+    def row_pages(self) -> np.ndarray:
+        """Per row, the pages of its first and last byte (read it, never write it)."""
+        return self._pages2
+
+    @property
+    def row_bytes(self) -> int:
+        return self._row_bytes
+
+    @property
     def held_flags(self) -> bytearray:
         """One byte per row, 1 while the engine holds it (the follower's own buffer: read it,
         never write it)."""

@@ -223,7 +223,8 @@ def report(r: dict[str, Any]) -> list[str]:
         f"  churn: {ch['events']} events ({ch['admits']} admissions, {ch['finishes']} finishes), "
         f"occupancy {ch['occupancy_min']:.0%}..{ch['occupancy_max']:.0%}; bound = ceil(held rows "
         f"/ rows per VMM page) + max spare pages ({c['max_spare_pages']}) + 1, held rows with "
-        f"row 0; checked after event {ch['warmup']}"
+        f"row 0; checked after event {ch['warmup']}; the bridge compacts after every event "
+        f"({ch['rows_moved']} rows moved)"
     )
     out.append(
         f"    mapped page ids - bound: max {ch['excess_max']:+d}, samples over {ch['over']} of "

@@ -303,6 +303,9 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
         for _ in range(min(per_round, args.churn_events - churn.done)):
             t0 = time.perf_counter()
             kind = churn.event(e)
+            if v.bridge is not None:  # between batches: the bridge may move held rows
+                v.bridge.compact()
+                e.sync()
             times[v.name].append(time.perf_counter() - t0)
             if v.bridge is None:
                 continue
@@ -320,6 +323,7 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
     worst = max(range(len(samples)), key=lambda i: samples[i][0])
     return {
         **{k: summary(t) for k, t in times.items()},
+        "rows_moved": int(bridged_of(vs).bridge.stats()["rows_moved"]),
         "events": args.churn_events,
         "admits": kinds["admit"],
         "finishes": kinds["finish"],

@@ -100,6 +100,8 @@ class Bridge:
         self.hooks: AllocatorHooks | None = None
         self.swa_account: Account | None = None
         self.runtime_accounts: list[Account] = []
+        self.swa_owner: Any = None  # SGLang's SWATokenToKVPoolAllocator (the index mapping)
+        self.rows_moved = 0  # rows moved by compaction
 
     @property
     def pool(self) -> Any:
@@ -131,7 +133,18 @@ class Bridge:
             "resyncs": self.hooks.resyncs,
             "replays": self.hooks.flushes,
             "forced_replays": self.hooks.forced,
+            "rows_moved": self.rows_moved,
         }
+
+    def compact(self, max_moves: int | None = None) -> int:
+        """Move held SWA rows out of sparse VMM pages so those pages unmap; returns the rows
+        moved. Only where no batch holds translated SWA ids: see `compact`'s docstring and
+        docs/allocator.md#compaction. 0 when not active."""
+        if not self.active or self.hooks is None:
+            return 0
+        from kvledger.sglang_bridge.compact import MAX_MOVES, compact
+
+        return compact(self, max_moves=MAX_MOVES if max_moves is None else max_moves)
 
     def flush(self) -> None:
         """Bring the follower (hence the ledger) up to what SGLang's allocator did: replay the
@@ -243,6 +256,7 @@ def attach(
             "(swa_attn_allocator), expected SGLang's SWATokenToKVPoolAllocator"
         )
     device = _device_kind(facts)
+    bridge.swa_owner = getattr(allocator, "logical_attn_allocator", allocator)
     be, owns = None, False
     if not reasons:
         try:

@@ -216,6 +216,24 @@ class AllocatorHooks:
     def settle(self) -> None:
         self.flush(wait=True)
 
+    def on_owner_thread(self) -> bool:
+        """Whether the caller is the thread that installed the hooks (drives the allocator)."""
+        return threading.get_ident() == self._owner
+
+    def exclusive(self) -> Any:
+        """The hooks' lock: no replay runs while it is held (compaction)."""
+        return self._lock
+
+    @property
+    def front(self) -> list[int]:
+        """The first rows of SGLang's list as last read."""
+        return self._front
+
+    def repin(self, front: list[int]) -> None:
+        """Pin `front` as SGLang's new front (after the caller changed the list, holding
+        `exclusive()`)."""
+        self._pin(front)
+
     def idle_flush(self) -> None:
         """The background mapper's call when it has nothing to do: replay a journal left
         alone for IDLE_FLUSH_S, so pages freed by an engine gone quiet come back."""

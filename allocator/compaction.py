@@ -1,0 +1,96 @@
+"""Compaction plans: which held rows of a `RowFollower` to move where, so that sparse pages
+empty and can be unmapped.
+
+Packing (the engine's free-list order) decides where new rows go, never where held rows
+are: after finishes at random, the survivors stay scattered over many pages, each mapped
+while any one of its rows lives. Moving rows is the engine's business (its indices point
+at them); this module only says which moves would empty pages: `plan` returns held rows
+(sources) and free rows (destinations), one for one, such that
+
+- every page a source leaves is emptied whole (a plan never half-empties a page: that would
+  move bytes for nothing), the sparsest pages first;
+- every destination lies in pages that are in use, mapped and fuller than the page its row
+  leaves, and that are not being emptied (so nothing is mapped, and a move never undoes
+  another);
+- the rows below `first_row` (an engine's padding row) and their pages stay.
+
+The SGLang bridge applies a plan with `kvledger.sglang_bridge.compact`. See
+docs/allocator.md#compaction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from allocator.rows import RowFollower
+from allocator.store import MAPPED
+
+
+def in_use_beyond_packed(f: RowFollower) -> int:
+    """Pages in use beyond what the held rows (and the padding row) would fill packed."""
+    store = f.store
+    per_page = store.page_bytes / f.row_bytes
+    packed = int(-(-(f.held_rows + f.first_row) // per_page))
+    return store.in_use.count(1) - packed
+
+
+def plan(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
+    """(sources, destinations) for at most `max_moves` moves; empty when no page can be
+    emptied into fuller ones. Call under the store's lock, with the follower up to date."""
+    if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 1:
+        raise ValueError(f"max_moves={max_moves!r}, expected an int >= 1")
+    store = f.store
+    first, last = f.row_pages[:, 0], f.row_pages[:, 1]
+    held = np.frombuffer(f.held_flags, np.uint8).astype(bool)
+    n = store.num_pages
+    occupancy = np.bincount(first[held], minlength=n) + np.bincount(
+        last[held & (last != first)], minlength=n
+    )
+    state = np.frombuffer(store.state, np.uint8)
+    fixed = {int(p) for r in range(f.first_row) for p in (first[r], last[r])}
+    free = np.flatnonzero(~held)
+    free = free[free >= f.first_row]
+    usable = (
+        (occupancy[first[free]] > 0)
+        & (occupancy[last[free]] > 0)
+        & (state[first[free]] == MAPPED)
+        & (state[last[free]] == MAPPED)
+    )
+    dest = free[usable]
+    dest_fill = np.minimum(occupancy[first[dest]], occupancy[last[dest]])
+    dest = dest[np.argsort(-dest_fill, kind="stable")].tolist()  # fullest pages first
+    f0, l0 = first.tolist(), last.tolist()
+    sources: list[int] = []
+    targets: list[int] = []
+    emptying: set[int] = set()
+    dest_pages: set[int] = set()
+    taken: set[int] = set()
+    order = np.argsort(occupancy, kind="stable").tolist()  # sparsest first
+    for p in order:
+        fill = int(occupancy[p])
+        if not fill or p in fixed or p in dest_pages:
+            continue
+        movers = [
+            r
+            for r in np.flatnonzero(held & ((first == p) | (last == p))).tolist()
+            if r not in sources
+        ]
+        if len(sources) + len(movers) > max_moves:
+            break
+        chosen: list[int] = []
+        for d in dest:
+            if d in taken or f0[d] in emptying or l0[d] in emptying or p in (f0[d], l0[d]):
+                continue
+            if min(occupancy[f0[d]], occupancy[l0[d]]) <= fill:
+                break  # sorted: no fuller page left to move into
+            chosen.append(d)
+            if len(chosen) == len(movers):
+                break
+        if len(chosen) < len(movers):
+            break  # the next pages are fuller still: they will not fit either
+        emptying.add(p)
+        sources += movers
+        targets += chosen
+        taken.update(chosen)
+        dest_pages.update(q for d in chosen for q in (f0[d], l0[d]))
+    return sources, targets

@@ -1,0 +1,80 @@
+"""Compaction of a bridged SGLang pool: held SWA rows moved out of sparse VMM pages.
+
+SGLang 0.5.23 reaches a token's SWA slot only through the allocator's
+`full_to_swa_index_mapping` (its request-to-token table holds full-attention ids; every
+reader translates them when it builds a batch), so a held SWA page (one row of every
+layer buffer) can be moved: copy the row's bytes in every layer to a free row, rewrite
+the mapping's entries that point into it, and swap the two page ids in the free list (the
+old row becomes free, the new one is taken). `allocator.compaction.plan` picks the moves
+so that the sparsest VMM pages empty into fuller ones; they are then unmapped by the page
+store's policy at once (on CUDA once the device has drained past the copy, by the fence
+rule).
+
+When it may run: `Bridge.compact()` is the caller's to call, on the thread that drives
+the allocator, between batches, when no batch that has already translated SWA ids is still
+to run (SGLang's overlap scheduler prepares the next batch while one runs: call it where
+neither is in flight), and not while HiCache or a PD transfer holds SWA ids. The copies
+and the mapping's rewrite are queued on the current stream, so later kernels see them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from allocator import compaction
+
+MAX_MOVES = 64  # rows moved by one call at most
+
+
+def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
+    """Move held rows so that sparse VMM pages empty; returns the rows moved (0 when the
+    held rows already fill as few pages as they can, or nothing fits)."""
+    hooks, f, store = bridge.hooks, bridge.follower, bridge.store
+    if not hooks.on_owner_thread():
+        raise RuntimeError(
+            f"{store.name}: compact() from another thread than the one driving SGLang's "
+            "allocator, expected a call between batches on the scheduler's thread"
+        )
+    owner = bridge.swa_owner
+    mapping = getattr(owner, "full_to_swa_index_mapping", None)
+    sub = hooks.allocator
+    if mapping is None or getattr(sub, "staged_pages", None):
+        return 0  # no mapping to rewrite, or staged pages: the list is not every free row
+    hooks.flush(wait=True)
+    with hooks.exclusive():
+        with store.lock:
+            if compaction.in_use_beyond_packed(f) <= 0:
+                return 0
+            sources, targets = compaction.plan(f, max_moves=max_moves)
+        if not sources:
+            return 0
+        _move(bridge, mapping, sub, sources, targets)
+        f.take(targets)
+        f.give_back(sources, hooks.reader.fence_now(), trim=False)
+        swapped = dict(zip(targets, sources, strict=True))
+        hooks.repin([swapped.get(r, r) for r in hooks.front])
+        with store.lock:
+            if not store.closed:
+                store.trim_locked()  # emptied by a move, not by a finish: no grace to wait
+    bridge.rows_moved += len(sources)
+    return len(sources)
+
+
+def _move(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list[int]) -> None:
+    import torch
+
+    dev = mapping.device
+    src = torch.tensor(sources, dtype=torch.int64, device=dev)
+    dst = torch.tensor(targets, dtype=torch.int64, device=dev)
+    for t in bridge.tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))
+    rows = bridge.follower.rows
+    page = int(sub.page_size)
+    to_new = torch.arange(rows, dtype=torch.int64, device=dev)
+    to_new[src] = dst
+    live = mapping >= 0  # the trailing -1 stays
+    ids = mapping[live]
+    mapping[live] = (to_new[ids // page] * page + ids % page).to(mapping.dtype)
+    swap = torch.arange(rows, dtype=torch.int64, device=dev)
+    swap[dst] = src  # the free list: each target's id replaced by its source's
+    sub.free_pages = swap[sub.free_pages].to(sub.free_pages.dtype)

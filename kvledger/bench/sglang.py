@@ -22,8 +22,10 @@ Workload (`--requests` running requests of `--prompt` tokens, each decoding
   them all;
 - churn: random admissions (1..4096-token prompts) and finishes of random
   requests, SWA occupancy sweeping between 10% and 90% (`sglang_cases.Churn`);
-  after every event past the warm-up, the bridge's mapped page ids are checked
-  against ceil(held rows / rows per VMM page) + max spare pages + 1.
+  after each event the bridged engine calls `Bridge.compact()` (between batches,
+  timed with the event); after every event past the warm-up, the bridge's mapped
+  page ids are checked against ceil(held rows / rows per VMM page) + max spare
+  pages + 1.
 
 Maps are page ids (one VMM page in every layer), from the `swa_kv` account of the
 bridge's ledger. The fewest maps a fill/drain cycle can make: every VMM page that

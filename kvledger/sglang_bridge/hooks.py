@@ -112,6 +112,7 @@ class AllocatorHooks:
         self._last_flush = time.monotonic()
         self._resync_due = False
         self._fp0: Any = None  # the free list an allocation takes from (after a merge)
+        self._calls = 0  # hooked calls begun + ended: odd while one runs
         self._front: list[int] = []  # the first rows of SGLang's list at the last replay
         orig = {m: getattr(allocator, m) for m in WRAPPED_METHODS}
         self._orig = orig
@@ -122,6 +123,7 @@ class AllocatorHooks:
             fn = orig[name]
 
             def wrapper(*args: Any, **kwargs: Any) -> Any:
+                self._calls += 1  # odd: inside a call (see `_flush`)
                 self._fp0 = allocator.free_pages
                 try:
                     return fn(*args, **kwargs)
@@ -132,8 +134,9 @@ class AllocatorHooks:
                     if taken > 0:
                         journal.net += taken
                         raw.append((TAKE, fp0, taken, journal.net))
-                        if journal.net > self.soft_until or len(raw) >= self.batch:
-                            self._flush(wait=False, owner=True)
+                    self._calls += 1
+                    if taken > 0 and (journal.net > self.soft_until or len(raw) >= self.batch):
+                        self._flush(wait=False, owner=True)
 
             wrapper.__name__ = name
             return wrapper
@@ -154,19 +157,27 @@ class AllocatorHooks:
         release = orig["_release_page_ids"]
 
         def release_page_ids(*page_ids: Any) -> Any:
-            out = release(*page_ids)
-            if not allocator.need_sort:  # in front of the list (else staged until a merge)
-                for t in page_ids:
-                    journal.net -= t.numel()
-            raw.append((RELEASE, page_ids, journal.net))
+            self._calls += 1
+            try:
+                out = release(*page_ids)
+                if not allocator.need_sort:  # in front of the list (else staged until a merge)
+                    for t in page_ids:
+                        journal.net -= t.numel()
+                raw.append((RELEASE, page_ids, journal.net))
+            finally:
+                self._calls += 1
             if len(raw) >= self.batch:
                 self._flush(wait=False, owner=True)
             return out
 
         def clear(*args: Any, **kwargs: Any) -> Any:
-            out = orig["clear"](*args, **kwargs)
-            with self._lock:
-                self._resync_locked()
+            self._calls += 1
+            try:
+                out = orig["clear"](*args, **kwargs)
+                with self._lock:
+                    self._resync_locked()
+            finally:
+                self._calls += 1
             return out
 
         self._wrappers: dict[str, Callable[..., Any]] = {
@@ -252,7 +263,7 @@ class AllocatorHooks:
                 self._resync_locked()
                 return
             if journal.raw:
-                journal.drain((self.allocator.free_pages, self.front_rows))
+                self._drain(owner)
             self._replay(wait)
             peak = journal.peak()
             if peak is not None and peak > self.safe_until and not self._cover(peak):
@@ -260,6 +271,21 @@ class AllocatorHooks:
                 self._replay(True)
             if owner and not len(journal) and self._since_pack >= PACK_EVERY:
                 self._maybe_pack()
+
+    def _drain(self, owner: bool) -> None:
+        """Close the batch. The front read with it must be SGLang's list right after the
+        batch's last call: on the allocator's thread it is; from another thread (the mapper's
+        idle replay, a reader's `stats()`) only when no hooked call ran meanwhile, which the
+        call counter tells (odd inside a call; unchanged across the reads)."""
+        journal = self.journal
+        if owner:
+            journal.drain((self.allocator.free_pages, self.front_rows))
+            return
+        calls = self._calls
+        n = len(journal.raw)
+        free = self.allocator.free_pages
+        if not calls & 1 and calls == self._calls:
+            journal.drain((free, self.front_rows), count=n)
 
     def _replay(self, wait: bool) -> None:
         f = self.follower

@@ -78,10 +78,11 @@ class Journal:
         peaks += [e[3] for e in self.raw if e[0] == TAKE]
         return max(peaks) if peaks else None
 
-    def drain(self, front: tuple[Any, int]) -> None:
-        """Read everything recorded so far, and `front` (SGLang's free list now and how many
-        of its first rows to read), as one batch."""
-        n = len(self.raw)
+    def drain(self, front: tuple[Any, int], count: int | None = None) -> None:
+        """Read what was recorded (the first `count` entries; all by default) and `front`
+        (SGLang's free list right after them and how many of its first rows to read), as one
+        batch."""
+        n = len(self.raw) if count is None else count
         entries = self.raw[:n]
         del self.raw[:n]  # only what was read goes: the hooks may append meanwhile
         items: list[tuple[Any, int | None]] = []  # (tensor, first n or all)

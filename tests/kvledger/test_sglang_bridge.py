@@ -702,3 +702,28 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
         s.finish(req)
     check(r)
     assert br.stats()["held_pages"] == 0
+
+
+def test_a_reader_thread_closes_a_batch_only_between_sglang_calls(r: Rig) -> None:
+    """`stats()` from another thread replays what was recorded, but closes a batch (reads
+    SGLang's front) only when no hooked call is running on the allocator's thread."""
+    import threading
+
+    br = r.attach()
+    a = r.sched.prefill(rig.PAGE)
+    r.sched.finish(a)
+    recorded = len(br.hooks.journal.raw)
+    assert recorded > 0
+
+    def read() -> None:
+        t = threading.Thread(target=br.stats)
+        t.start()
+        t.join()
+
+    br.hooks._calls += 1  # as if SGLang were inside a hooked call on its own thread
+    read()
+    assert len(br.hooks.journal.raw) == recorded  # nothing closed mid-call
+    br.hooks._calls += 1  # the call ended
+    read()
+    assert len(br.hooks.journal.raw) == 0 and br.follower.held_rows == 0
+    check(r)

@@ -9,9 +9,9 @@ at them); this module only says which moves would empty pages: `plan` returns he
 
 - every page a source leaves is emptied whole (a plan never half-empties a page: that would
   move bytes for nothing), the sparsest pages first;
-- every destination lies in pages that are in use, mapped and fuller than the page its row
-  leaves, and that are not being emptied (so nothing is mapped, and a move never undoes
-  another);
+- every destination lies in pages that are in use, mapped and not being emptied, the
+  fullest first (so nothing is mapped, and every page a plan empties is one page fewer in
+  use: a plan cannot go round in circles);
 - the rows below `first_row` (an engine's padding row) and their pages stay.
 
 The SGLang bridge applies a plan with `kvledger.sglang_bridge.compact`. See
@@ -36,7 +36,8 @@ def in_use_beyond_packed(f: RowFollower) -> int:
 
 def plan(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
     """(sources, destinations) for at most `max_moves` moves; empty when no page can be
-    emptied into fuller ones. Call under the store's lock, with the follower up to date."""
+    emptied into the other pages in use. Call under the store's lock, with the follower up
+    to date."""
     if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 1:
         raise ValueError(f"max_moves={max_moves!r}, expected an int >= 1")
     store = f.store
@@ -67,8 +68,7 @@ def plan(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
     taken: set[int] = set()
     order = np.argsort(occupancy, kind="stable").tolist()  # sparsest first
     for p in order:
-        fill = int(occupancy[p])
-        if not fill or p in fixed or p in dest_pages:
+        if not occupancy[p] or p in fixed or p in dest_pages:
             continue
         movers = [
             r
@@ -81,13 +81,11 @@ def plan(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
         for d in dest:
             if d in taken or f0[d] in emptying or l0[d] in emptying or p in (f0[d], l0[d]):
                 continue
-            if min(occupancy[f0[d]], occupancy[l0[d]]) <= fill:
-                break  # sorted: no fuller page left to move into
             chosen.append(d)
             if len(chosen) == len(movers):
                 break
         if len(chosen) < len(movers):
-            break  # the next pages are fuller still: they will not fit either
+            break  # the next pages hold more rows still: they will not fit either
         emptying.add(p)
         sources += movers
         targets += chosen

@@ -43,11 +43,12 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
     hooks.flush(wait=True)
     with hooks.exclusive():
         with store.lock:
-            if compaction.in_use_beyond_packed(f) <= 0:
+            if not f.fragmented():  # within ceil(held / rows per page) + spares + 1 already
                 return 0
             sources, targets = compaction.plan(f, max_moves=max_moves)
-        if not sources:
-            return 0
+            if not sources:  # nothing to move: the spare waiting out its grace goes instead
+                store.trim_locked()
+                return 0
         _move(bridge, mapping, sub, sources, targets)
         f.take(targets)
         f.give_back(sources, hooks.reader.fence_now(), trim=False)
@@ -70,11 +71,13 @@ def _move(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list
         t.index_copy_(0, dst, t.index_select(0, src))
     rows = bridge.follower.rows
     page = int(sub.page_size)
-    to_new = torch.arange(rows, dtype=torch.int64, device=dev)
-    to_new[src] = dst
-    live = mapping >= 0  # the trailing -1 stays
-    ids = mapping[live]
-    mapping[live] = (to_new[ids // page] * page + ids % page).to(mapping.dtype)
+    # Token ids of the moved rows to their new ones, the rest to themselves: one gather over
+    # the mapping. Its last entry is SGLang's -1 (what a last_loc of -1 reads); every other
+    # entry is an SWA token id or 0.
+    to_new = torch.arange(rows * page, dtype=mapping.dtype, device=dev).view(rows, page)
+    to_new[src] = to_new[dst].clone()
+    body = mapping[:-1]
+    body.copy_(to_new.view(-1)[body])
     swap = torch.arange(rows, dtype=torch.int64, device=dev)
     swap[dst] = src  # the free list: each target's id replaced by its source's
     sub.free_pages = swap[sub.free_pages].to(sub.free_pages.dtype)

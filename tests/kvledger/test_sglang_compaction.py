@@ -1,6 +1,7 @@
 """Compaction of a bridged SGLang pool (kvledger.sglang_bridge.compact, allocator.compaction)
-against SGLang 0.5.23's own DeepSeek-V4 pool and allocator on CPU, host VMM backend at 2 MiB
-(14 SWA rows per VMM page)."""
+against SGLang 0.5.23's own DeepSeek-V4 pool and allocator: on CPU with the host VMM backend
+at 2 MiB (14 SWA rows per VMM page), and on cuda:0 with the CUDA backend and SGLang's Triton
+allocator kernels (marker gpu)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ from kvledger.sglang_bridge import ENV_ENABLE, attach
 pytestmark = pytest.mark.sglang
 
 
-@pytest.fixture
-def scattered() -> Iterator[tuple[Engine, Any, list[Request]]]:
+@pytest.fixture(params=["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def scattered(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Any, list[Request]]]:
     """40 one-page requests admitted, then two of every three finished at random: the
     survivors' rows scattered over the VMM pages."""
+    device = request.param
     with published():
-        e = Engine(Shape(layers=2, swa_pages=64, full_pages=96, requests=48, max_context=512))
-        backend = HostBackend()
+        e = Engine(
+            Shape(layers=2, swa_pages=64, full_pages=96, requests=48, max_context=512), device
+        )
+        backend = HostBackend() if device == "cpu" else None  # None: the bridge's CudaBackend
         bridge = attach(
             e.pool,
             Ledger({"model_name": "compaction"}),
@@ -42,7 +46,8 @@ def scattered() -> Iterator[tuple[Engine, Any, list[Request]]]:
             yield e, bridge, list(e.running)
         finally:
             bridge.detach()
-            backend.close()
+            if backend is not None:
+                backend.close()
 
 
 def token_rows(e: Engine, reqs: list[Request]) -> dict[tuple[int, int], int]:
@@ -80,14 +85,16 @@ def test_compaction_moves_rows_and_every_token_reads_the_same_bytes(
     # The follower holds what SGLang holds; fewer pages in use, the emptied ones unmapped.
     held = sorted(set(after.values()))
     assert bridge.follower.held().tolist() == bridge.hooks.held_by_engine() == held
+    assert bridge.wait_idle()  # CUDA: the emptied pages go once the device passed the copies
     assert pages_in_use(bridge) < in_use and bridge.stats()["mapped_pages"] < mapped
-    per_page = bridge.store.page_bytes / bridge.follower.row_bytes
-    assert pages_in_use(bridge) <= -(-(len(held) + 1) // per_page) + 1
+    assert not bridge.follower.fragmented()
     assert bridge.compact() == 0  # nothing left to gain
     # SGLang carries on over the moved rows: decode, then free them through the mapping.
     for _ in range(3):
         e.decode()
+    e.sync()
     e.finish_all()
+    e.sync()
     bridge.flush()
     assert bridge.follower.held_rows == 0 and bridge.follower.divergences == 0
     assert e.held_swa_pages() == 0

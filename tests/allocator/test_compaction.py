@@ -1,0 +1,71 @@
+"""allocator.compaction: plans that empty whole pages, sparsest first, into pages in use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from allocator import compaction
+from allocator.host import HostBackend
+from allocator.rows import RowFollower
+from allocator.store import PageStore
+from tests.allocator.rigs import KIB
+
+GRAN = 64 * KIB
+ROW = 16 * KIB  # 4 rows per page, none straddling
+ROWS = 32  # 8 pages; row 0 (the padding row) holds page 0
+
+
+@pytest.fixture
+def follower() -> Iterator[RowFollower]:
+    be = HostBackend(GRAN)
+    store = PageStore(
+        be, layers=2, page_bytes=GRAN, num_pages=ROWS * ROW // GRAN, max_spare_pages=0
+    )
+    try:
+        yield RowFollower(store, rows=ROWS, row_bytes=ROW)
+    finally:
+        store.close()
+        be.close()
+
+
+def page(row: int) -> int:
+    return row * ROW // GRAN
+
+
+def test_packed_rows_need_no_plan(follower: RowFollower) -> None:
+    follower.take([1, 2, 3, 4, 5])
+    with follower.store.lock:
+        assert compaction.in_use_beyond_packed(follower) == 0
+        assert compaction.plan(follower, max_moves=8) == ([], [])
+
+
+def test_the_sparsest_pages_empty_whole_into_pages_in_use(follower: RowFollower) -> None:
+    # page 1: rows 4, 5, 6 (3 rows, one free); page 2: row 8; page 3: rows 12, 13
+    follower.take([4, 5, 6, 8, 12, 13])
+    with follower.store.lock:
+        assert compaction.in_use_beyond_packed(follower) == 2  # 4 in use, 7 rows fill 2
+        sources, targets = compaction.plan(follower, max_moves=8)
+    assert sources[:1] == [8]  # page 2 first: the sparsest
+    assert len(sources) == len(targets) and set(sources).isdisjoint(targets)
+    emptied = {page(r) for r in sources}
+    assert all(page(t) not in emptied for t in targets)  # never into a page being emptied
+    assert all(follower.store.in_use[page(t)] for t in targets)  # into pages in use
+    for p in emptied:  # whole pages: every held row of an emptied page moves
+        assert {r for r in (4, 5, 6, 8, 12, 13) if page(r) == p} <= set(sources)
+    follower.take(targets)
+    follower.give_back(sources)
+    with follower.store.lock:
+        assert compaction.in_use_beyond_packed(follower) < 2
+
+
+def test_max_moves_and_the_padding_row_are_respected(follower: RowFollower) -> None:
+    follower.take([8, 12, 13, 16, 17, 18])
+    with follower.store.lock:
+        sources, _ = compaction.plan(follower, max_moves=1)
+        assert sources == [8]
+        everything, _ = compaction.plan(follower, max_moves=32)
+    assert 0 not in everything  # row 0 never moves; page 0 is never emptied
+    with pytest.raises(ValueError, match="max_moves=0"):
+        compaction.plan(follower, max_moves=0)

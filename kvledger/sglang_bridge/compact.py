@@ -6,9 +6,9 @@ reader translates them when it builds a batch), so a held SWA page (one row of e
 layer buffer) can be moved: copy the row's bytes in every layer to a free row, rewrite
 the mapping's entries that point into it, and swap the two page ids in the free list (the
 old row becomes free, the new one is taken). `allocator.compaction.plan` picks the moves
-so that the sparsest VMM pages empty into fuller ones; they are then unmapped by the page
-store's policy at once (on CUDA once the device has drained past the copy, by the fence
-rule).
+so that the sparsest VMM pages empty into the other pages in use; the emptied pages are
+unmapped before the call returns (on CUDA after an event recorded behind the copies has
+completed: the fence rule, with a stream's event enough because no batch is in flight).
 
 When it may run: `Bridge.compact()` is the caller's to call, on the thread that drives
 the allocator, between batches, when no batch that has already translated SWA ids is still
@@ -50,10 +50,15 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
                 store.trim_locked()
                 return 0
         _move(bridge, mapping, sub, sources, targets)
+        # No batch is in flight (the caller's precondition): the copies just queued are the
+        # last work reading the source rows, so an event after them fences their pages.
+        fence = hooks.reader.stream_fence()
         f.take(targets)
-        f.give_back(sources, hooks.reader.fence_now(), trim=False)
+        f.give_back(sources, fence, trim=False)
         swapped = dict(zip(targets, sources, strict=True))
         hooks.repin([swapped.get(r, r) for r in hooks.front])
+        if fence is not None:
+            fence.wait()  # the copies: a few rows, microseconds on a GPU
         with store.lock:
             if not store.closed:
                 store.trim_locked()  # emptied by a move, not by a finish: no grace to wait

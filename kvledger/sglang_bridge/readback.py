@@ -95,6 +95,22 @@ class DeviceFence:
             self._done = True
 
 
+class StreamFence:
+    """Done once the work queued on the current stream so far has run: a CUDA event. Enough
+    only where no other stream can be using the pages (compaction, between batches)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return bool(self._event.query())
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
 class HostReader:
     """CPU tensors: the ids are there; no fence."""
 
@@ -106,6 +122,9 @@ class HostReader:
         return HostRead(items)
 
     def fence_now(self) -> Any:
+        return None
+
+    def stream_fence(self) -> Any:
         return None
 
 
@@ -136,6 +155,12 @@ class CudaReader:
     def fence_now(self) -> Any:
         """A fence that is done once every kernel queued so far, on any stream, has run."""
         return DeviceFence(self._torch, self.device)
+
+    def stream_fence(self) -> StreamFence:
+        """A fence that is done once the work queued so far on the current stream has run."""
+        event = self._torch.cuda.Event()
+        event.record(self._torch.cuda.current_stream(self.device))
+        return StreamFence(event)
 
 
 def reader_for(device: str) -> Any:

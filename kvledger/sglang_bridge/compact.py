@@ -45,6 +45,12 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
         with store.lock:
             if not f.fragmented():  # within ceil(held / rows per page) + spares + 1 already
                 return 0
+            if store.fences:  # no batch in flight: the device is idle, waiting costs nothing
+                for fence in {id(x): x for x in store.fences.values()}.values():
+                    fence.wait()
+                store.trim_locked()  # spares freed by finishes, over the watermark
+                if not f.fragmented():
+                    return 0
             sources, targets = compaction.plan(f, max_moves=max_moves)
             if not sources:  # nothing to move: the spare waiting out its grace goes instead
                 store.trim_locked()

@@ -242,8 +242,8 @@ class AllocatorHooks:
 
     def repin(self, front: list[int]) -> None:
         """Pin `front` as SGLang's new front (after the caller changed the list, holding
-        `exclusive()`)."""
-        self._pin(front)
+        `exclusive()`, with no batch in flight: the spares get no new fence)."""
+        self._pin(front, fence_spares=False)
 
     def idle_flush(self) -> None:
         """The background mapper's call when it has nothing to do: replay a journal left
@@ -322,7 +322,7 @@ class AllocatorHooks:
         self.safe_until = self.soft_until = journal.replayed_net + need
         return True
 
-    def _pin(self, front: list[int]) -> None:
+    def _pin(self, front: list[int], *, fence_spares: bool = True) -> None:
         """Pin the pages of the rows at the front that can be handed out without a map, set
         the budget of rows SGLang may take before the next replay, announce the front to the
         mapper and apply the spare policy (under the new pins)."""
@@ -339,7 +339,7 @@ class AllocatorHooks:
             else:
                 self.safe_until = journal.replayed_net + safe
                 self.soft_until = journal.replayed_net + safe * 3 // 4
-            fence = self.reader.fence_now()
+            fence = self.reader.fence_now() if fence_spares else None
             if fence is not None:
                 # Rows handed out and given back since the front was read are unknown here,
                 # and GPU work may still write them: a page that is not pinned any more is

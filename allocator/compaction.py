@@ -75,6 +75,9 @@ def plan(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
             for r in np.flatnonzero(held & ((first == p) | (last == p))).tolist()
             if r not in sources
         ]
+        if not movers:  # its rows move already (they straddle a page emptied before)
+            emptying.add(p)
+            continue
         if len(sources) + len(movers) > max_moves:
             break
         chosen: list[int] = []

@@ -64,6 +64,17 @@ def summary(seconds: list[float]) -> dict[str, float]:
 Variants = tuple[Variant, ...]
 
 
+def paired(per_round: dict[str, list[float]]) -> dict[str, Any]:
+    """Ratios paired by round: in each round every engine ran back to back, so the ratio of
+    their medians in that round cancels what drifts between rounds (other load, clock
+    changes); the median of those ratios over the rounds, with their min and max."""
+    out: dict[str, Any] = {"rounds": len(per_round["native"])}
+    for name in ("bridged", "control"):
+        ratios = [b / n for b, n in zip(per_round[name], per_round["native"], strict=True)]
+        out[name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return out
+
+
 def _rounds(vs: Variants, rounds: int) -> Iterator[tuple[int, Variant]]:
     """(round, variant), the order rotating round by round (every variant goes first in turn)."""
     for i in range(rounds):
@@ -158,14 +169,18 @@ def bench_decode(vs: Variants, args: Any) -> dict[str, Any]:
         for _ in range(64):
             decode_step(v.engine, args)
     times: dict[str, list[float]] = {v.name: [] for v in vs}
+    per_round: dict[str, list[float]] = {v.name: [] for v in vs}
     bridged = bridged_of(vs)
     m0, u0 = bridged.map_totals()
     for _, v in _rounds(vs, args.rounds):
         gc.collect()
-        times[v.name] += [_timed(decode_step, v.engine, args) for _ in range(args.steps)]
+        got = [_timed(decode_step, v.engine, args) for _ in range(args.steps)]
+        times[v.name] += got
+        per_round[v.name].append(statistics.median(got))
     m1, u1 = bridged.map_totals()
     return {
         **{k: summary(t) for k, t in times.items()},
+        "paired": paired(per_round),
         "bridged_maps": m1 - m0,
         "bridged_unmaps": u1 - u0,
     }
@@ -177,12 +192,16 @@ def bench_round_trip(vs: Variants, args: Any) -> dict[str, Any]:
     times: dict[str, list[float]] = {v.name: [] for v in vs}
     bridged = bridged_of(vs)
     m0, u0 = bridged.map_totals()
+    per_round: dict[str, list[float]] = {v.name: [] for v in vs}
     for _, v in _rounds(vs, args.rounds):
         gc.collect()
-        times[v.name] += [_timed(round_trip, v.engine) for _ in range(args.trips)]
+        got = [_timed(round_trip, v.engine) for _ in range(args.trips)]
+        times[v.name] += got
+        per_round[v.name].append(statistics.median(got))
     m1, u1 = bridged.map_totals()
     return {
         **{k: summary(t) for k, t in times.items()},
+        "paired": paired(per_round),
         "bridged_maps": m1 - m0,
         "bridged_unmaps": u1 - u0,
     }

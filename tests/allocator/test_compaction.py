@@ -69,3 +69,30 @@ def test_max_moves_and_the_padding_row_are_respected(follower: RowFollower) -> N
     assert 0 not in everything  # row 0 never moves; page 0 is never emptied
     with pytest.raises(ValueError, match="max_moves=0"):
         compaction.plan(follower, max_moves=0)
+
+
+def test_plans_pair_sources_and_destinations_one_for_one_when_rows_straddle() -> None:
+    """Rows straddling two pages: emptying one moves the row out of the other too, which
+    then needs no destination of its own. Over random held sets, a plan always pairs every
+    source with one destination, moves each row once, and empties whole pages."""
+    import random
+
+    be = HostBackend(GRAN)
+    row = 40 * KIB  # 1.6 rows per page: most rows straddle
+    rows = 30
+    store = PageStore(be, layers=1, page_bytes=GRAN, num_pages=-(-rows * row // GRAN))
+    try:
+        f = RowFollower(store, rows=rows, row_bytes=row)
+        rng = random.Random(3)
+        for _ in range(300):
+            held = rng.sample(range(1, rows), rng.randint(1, rows - 2))
+            f.take(held)
+            with store.lock:
+                sources, targets = compaction.plan(f, max_moves=rows)
+            assert len(sources) == len(targets)
+            assert len(set(sources)) == len(sources) and set(sources) <= set(held)
+            assert len(set(targets)) == len(targets) and not set(targets) & set(held)
+            f.give_back(held)
+    finally:
+        store.close()
+        be.close()

@@ -109,10 +109,11 @@ class AllocatorHooks:
         self._lock = threading.Lock()  # replays (the hooks' recording takes no lock)
         self._owner: int | None = None  # the thread that drives the allocator
         self._since_pack = 0
-        self._last_flush = time.monotonic()
         self._resync_due = False
         self._fp0: Any = None  # the free list an allocation takes from (after a merge)
         self._calls = 0  # hooked calls begun + ended: odd while one runs
+        self._idle_calls = -1  # `_calls` at the mapper's last idle look, and since when
+        self._idle_since = 0.0
         self._front: list[int] = []  # the first rows of SGLang's list at the last replay
         orig = {m: getattr(allocator, m) for m in WRAPPED_METHODS}
         self._orig = orig
@@ -246,9 +247,17 @@ class AllocatorHooks:
         self._pin(front, fence_spares=False)
 
     def idle_flush(self) -> None:
-        """The background mapper's call when it has nothing to do: replay a journal left
-        alone for IDLE_FLUSH_S, so pages freed by an engine gone quiet come back."""
-        if len(self.journal) and time.monotonic() - self._last_flush >= IDLE_FLUSH_S:
+        """The background mapper's call when it has nothing to do: replay a journal that SGLang
+        has left alone (no hooked call) for IDLE_FLUSH_S, so pages freed by an engine gone
+        quiet come back. While SGLang keeps calling, its own calls replay: a replay on this
+        thread then would only compete with it for the interpreter."""
+        if not len(self.journal):
+            return
+        now, calls = time.monotonic(), self._calls
+        if calls != self._idle_calls:
+            self._idle_calls, self._idle_since = calls, now
+            return
+        if now - self._idle_since >= IDLE_FLUSH_S:
             self._flush(wait=False, owner=False)
 
     # -- replay ------------------------------------------------------------------------------
@@ -258,7 +267,6 @@ class AllocatorHooks:
             if not len(journal) and not self._resync_due:
                 return
             self.flushes += 1
-            self._last_flush = time.monotonic()
             if self._resync_due and owner:
                 self._resync_locked()
                 return

@@ -727,3 +727,19 @@ def test_a_reader_thread_closes_a_batch_only_between_sglang_calls(r: Rig) -> Non
     read()
     assert len(br.hooks.journal.raw) == 0 and br.follower.held_rows == 0
     check(r)
+
+
+def test_the_mapper_replays_a_journal_sglang_left_alone(r: Rig) -> None:
+    """Pages freed by an engine that then goes quiet come back without anyone asking: the
+    background mapper replays the journal once no hooked call came for IDLE_FLUSH_S."""
+    import time
+
+    br = r.attach()
+    a = r.sched.prefill(2 * rig.PAGE)
+    r.sched.finish(a)
+    assert len(br.hooks.journal) > 0  # recorded, not replayed
+    deadline = time.monotonic() + 5.0
+    while len(br.hooks.journal) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(br.hooks.journal) == 0 and br.follower.held_rows == 0
+    check(r)

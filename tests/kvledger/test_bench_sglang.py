@@ -48,6 +48,14 @@ def test_too_few_swa_pages_are_refused_naming_the_value() -> None:
 
 
 @pytest.mark.sglang
+def test_a_negative_spare_count_is_refused_naming_the_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert bench.run(_args(["--max-spare-pages", "-1"])) == 2
+    assert "--max-spare-pages=-1, expected >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.sglang
 def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     from kvledger.bench.sglang_cases import run_all
 
@@ -90,6 +98,11 @@ def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     for target in ("decode step <=", "4096-token alloc+release <=", "fill/drain cycle <="):
         assert f"target {target}" in text
     assert "maps per cycle <= 1.10x fewest" in text
+    for key in ("decode_step", "round_trip_4096"):  # the targets' ratio, paired by round
+        pr = r[key]["paired"]
+        assert pr["rounds"] == 3  # --rounds 3: one ratio per round
+        assert pr["bridged"]["min"] <= pr["bridged"]["median"] <= pr["bridged"]["max"]
+    assert text.count("paired by round (") == 2
     assert "churn mapped <= bound" in text
     if r["driver_waits"] is None:
         assert "waited on a driver call: n/a" in text

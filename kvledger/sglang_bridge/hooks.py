@@ -22,13 +22,17 @@ whenever a reader asks (`Bridge.stats`, `Bridge.flush`).
 Why handing out rows before the follower knows is safe: after each replay the
 first rows of SGLang's free list whose pages are mapped (with at most
 `max_spare_pages` pages not in use among them) are *pinned* (`PageStore.pin`:
-never unmapped) and their count is the budget of rows SGLang may hand out before
-the next replay. Releases only push rows the follower still counts as held (so
-mapped) in front of them, so any allocation within the budget lands on mapped
-pages. An allocation past the budget replays at once, waiting for the ids it
-needs, and maps what is missing before SGLang's method returns (counted as
-`waited_allocs` by the follower when it had to map). A merge re-sorts the list:
-after it no row is within the budget.
+never unmapped), and their count is a budget. SGLang's list is a stack for these
+calls (releases go in front, allocations take from the front), so the journal's
+`net` (rows taken minus rows released to the front) bounds how deep into the
+front last read any allocation reached; released rows, taken first, are still
+held for the follower, so mapped. An allocation that goes past the budget makes
+the next rows of that front mapped and pinned before SGLang's method returns
+(`RowFollower.cover`, counted as `waited_allocs` when it had to map), reading
+nothing from the device; only past all of the front read, or after a merge (which
+re-sorts the list), does the replay wait to read what was taken (`forced`). On
+CUDA, spares not pinned are fenced at each re-pin. docs/allocator.md has the
+argument in full.
 
 The rows at the front (`ahead_rows` of them) are also handed to the background
 mapper after each replay, so their pages are mapped before they are needed.

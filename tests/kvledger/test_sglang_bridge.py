@@ -710,6 +710,7 @@ def test_a_reader_thread_closes_a_batch_only_between_sglang_calls(r: Rig) -> Non
     import threading
 
     br = r.attach()
+    br.mapper.on_idle = None  # no idle replay from the mapper: this is about reader threads
     a = r.sched.prefill(rig.PAGE)
     r.sched.finish(a)
     recorded = len(br.hooks.journal.raw)

@@ -14,6 +14,14 @@ at them); this module only says which moves would empty pages: `plan` returns he
   use: a plan cannot go round in circles);
 - the rows below `first_row` (an engine's padding row) and their pages stay.
 
+That plan cannot always empty a page when held rows are scattered: a row straddles two
+pages, so a page in use between pages not in use holds one row fewer than its share, and
+the free rows left in the pages in use may all be such unusable halves. `slide` is then
+the way out: it moves the held rows of the highest pages down into free rows of the lowest
+pages (where the held rows, packed, would lie), whole pages at a time, mapping the low
+pages it needs; repeated, it leaves every held row inside the fewest pages that can hold
+them.
+
 The SGLang bridge applies a plan with `kvledger.sglang_bridge.compact`. See
 docs/allocator.md#compaction.
 """
@@ -26,20 +34,63 @@ from allocator.rows import RowFollower
 from allocator.store import MAPPED
 
 
+def packed_pages(f: RowFollower) -> int:
+    """The fewest pages the held rows and the padding rows fit in (rows 0 .. held)."""
+    return -(-((f.held_rows + f.first_row) * f.row_bytes) // f.store.page_bytes)
+
+
 def in_use_beyond_packed(f: RowFollower) -> int:
     """Pages in use beyond what the held rows (and the padding row) would fill packed."""
-    store = f.store
-    per_page = store.page_bytes / f.row_bytes
-    packed = int(-(-(f.held_rows + f.first_row) // per_page))
-    return store.in_use.count(1) - packed
+    return f.store.in_use.count(1) - packed_pages(f)
+
+
+def _check_moves(max_moves: object) -> None:
+    if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 1:
+        raise ValueError(f"max_moves={max_moves!r}, expected an int >= 1")
+
+
+def slide(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
+    """(sources, destinations) for at most `max_moves` moves: the held rows of the highest
+    pages whose rows lie beyond the first `packed_pages(f)` pages, whole pages first, onto
+    the free rows inside those pages, the holes of pages in use first, then the others in
+    address order (the caller maps those not mapped: `pages_to_map`). Empty when every held row
+    lies inside already. Call under the store's lock, with the follower up to date."""
+    _check_moves(max_moves)
+    end = packed_pages(f) * f.store.page_bytes // f.row_bytes  # rows below lie inside
+    held = np.frombuffer(f.held_flags, np.uint8).astype(bool)
+    above = np.flatnonzero(held[end:]) + end
+    if not above.size:
+        return [], []
+    last = f.row_pages[:, 1]
+    sources: list[int] = []
+    for p in np.unique(last[above])[::-1].tolist():  # the highest pages first, whole
+        movers = above[last[above] == p].tolist()
+        if sources and len(sources) + len(movers) > max_moves:
+            break
+        sources += movers
+    sources = sources[:max_moves]
+    in_use = np.frombuffer(f.store.in_use, np.uint8)
+    free = np.flatnonzero(~held[:end])
+    free = free[free >= f.first_row]
+    pages = f.row_pages[free]
+    # The holes in pages in use first; then the other free rows in address order, so each
+    # page brought into use fills whole (scattered, every one would cost a page).
+    gap = (in_use[pages[:, 0]] == 0) | (in_use[pages[:, 1]] == 0)
+    targets = np.concatenate([free[~gap], free[gap]])[: len(sources)].tolist()
+    return sources[: len(targets)], targets
+
+
+def pages_to_map(f: RowFollower, rows: list[int]) -> list[int]:
+    """The pages of `rows` not mapped (a slide's destinations in gaps)."""
+    state = f.store.state
+    return [p for p in f.pages_of(rows) if state[p] != MAPPED]
 
 
 def plan(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
     """(sources, destinations) for at most `max_moves` moves; empty when no page can be
     emptied into the other pages in use. Call under the store's lock, with the follower up
     to date."""
-    if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 1:
-        raise ValueError(f"max_moves={max_moves!r}, expected an int >= 1")
+    _check_moves(max_moves)
     store = f.store
     first, last = f.row_pages[:, 0], f.row_pages[:, 1]
     held = np.frombuffer(f.held_flags, np.uint8).astype(bool)

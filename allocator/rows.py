@@ -191,36 +191,48 @@ class RowFollower:
         return self._held_b
 
     def front(
-        self, rows: list[int], max_spares: int, ahead: int
-    ) -> tuple[int, list[int], list[int]]:
+        self, rows: list[int], max_spares: int, ahead: int, ahead_spares: int | None = None
+    ) -> tuple[int, list[int], list[int], int]:
         """For `rows` an engine hands out next, in order: how many can be handed out without
         a map (the longest prefix whose pages are all mapped, touching at most `max_spares`
-        pages not in use), the pages of that prefix, and the pages of the first
-        max(`ahead`, that many) rows, each in order of first use (under the store's lock).
-        A loop that stops at the first row it cannot take: a few dozen rows in practice."""
+        pages not in use), the pages of that prefix, the pages of the first
+        max(`ahead`, that many) rows, each in order of first use (under the store's lock);
+        past the prefix, the ahead pages stop where they would hold more than `ahead_spares`
+        pages not in use (None: no cap), so what is mapped ahead and never handed out stays
+        within that; and how many rows come before the first that touches a page not in use
+        (handing that one out is when the next page should be mapped ahead). A loop that
+        stops at the first row it cannot take: a few dozen rows in practice."""
         p0, p1, count, state = self._p0, self._p1, self._count_a, self.store.state
         pages: dict[int, None] = {}
         spares = 0
-        safe = len(rows)
+        safe = warm = len(rows)
         for i, row in enumerate(rows):
             for q in (p0[row], p1[row]):  # the row's first and last page
                 if q in pages:
                     continue
                 if state[q] != MAPPED or (not count[q] and spares == max_spares):
                     break  # unmapped, or one spare too many
+                if not count[q] and not spares:
+                    warm = i
                 spares += not count[q]
                 pages[q] = None
             else:
                 continue
             safe = i
             break
+        warm = min(warm, safe)
         pinned = list(pages)
         if safe >= ahead:
-            return safe, pinned, pinned
+            return safe, pinned, pinned, warm
+        cap = len(rows) if ahead_spares is None else max(ahead_spares, spares)
         for row in rows[safe:ahead]:
-            pages[p0[row]] = None
-            pages[p1[row]] = None
-        return safe, pinned, list(pages)
+            new = [q for q in dict.fromkeys((p0[row], p1[row])) if q not in pages]
+            unused = sum(1 for q in new if not count[q])
+            if spares + unused > cap:
+                break
+            spares += unused
+            pages.update(dict.fromkeys(new))
+        return safe, pinned, list(pages), warm
 
     def cover(self, rows: list[int]) -> list[int]:
         """Map (now, if the mapper has not) the pages of `rows` an engine may have handed out

@@ -261,6 +261,9 @@ def report(r: dict[str, Any]) -> list[str]:
             targets.append("  target no allocation waits on a driver call (CUDA): n/a, not counted")
     else:
         line = f"  allocations that waited on a driver call ({COUNTER_DRIVER_WAITS}): {waits}"
+        by_case = r.get("driver_waits_by_case") or {}
+        if by_case:
+            line += " (" + ", ".join(f"{k} {n}" for k, n in by_case.items()) + ")"
         if c["device"] == "cuda":
             targets.append(f"  target no allocation waits on a driver call: {_met(waits == 0)}")
     out.append(line)

@@ -399,10 +399,19 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
                 "max_spare_pages": args.max_spare_pages,
             }
         }
-        results["decode_step"] = bench_decode(vs, args)
-        results["round_trip_4096"] = bench_round_trip(vs, args)
-        results["fill_drain"] = bench_fill_drain(vs, args, geometry)
-        results["churn_event"] = bench_churn(vs, args, geometry)
+        waits_by_case: dict[str, int] = {}
+        cases: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+            ("decode_step", lambda: bench_decode(vs, args)),
+            ("round_trip_4096", lambda: bench_round_trip(vs, args)),
+            ("fill_drain", lambda: bench_fill_drain(vs, args, geometry)),
+            ("churn_event", lambda: bench_churn(vs, args, geometry)),
+        ]
+        for name, case in cases:
+            before = _waits(bridge)
+            results[name] = case()
+            after = _waits(bridge)
+            if before is not None and after is not None:
+                waits_by_case[name] = after - before
         results["churn"] = {
             k: v
             for k, v in results["churn_event"].items()
@@ -413,5 +422,11 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
         stats = bridge.stats()
         waits = stats.get(COUNTER_DRIVER_WAITS)
         results["driver_waits"] = None if waits is None else int(waits)
+        results["driver_waits_by_case"] = waits_by_case
         results["bridge_stats"] = {k: int(x) for k, x in stats.items()}
     return results
+
+
+def _waits(bridge: Any) -> int | None:
+    waits = bridge.stats().get(COUNTER_DRIVER_WAITS)
+    return None if waits is None else int(waits)

@@ -54,7 +54,7 @@ from kvledger.sglang_bridge.compat import (
     read_facts,
 )
 from kvledger.sglang_bridge.follow import TokenObserver
-from kvledger.sglang_bridge.hooks import AHEAD_ROWS, AllocatorHooks
+from kvledger.sglang_bridge.hooks import AHEAD_PAGES, AHEAD_ROWS, AllocatorHooks
 from kvledger.sglang_bridge.readback import reader_for
 
 log = logging.getLogger(__name__)
@@ -70,13 +70,15 @@ BackendSource = Backend | Callable[[], Backend] | None
 # two spares (room for the front of SGLang's free list mapped ahead); one more may stay
 # mapped for 50 ms (a few scheduler steps: a page a finish empties and the next admission
 # refills is not unmapped and mapped again), any beyond it is unmapped at once; and a
-# background mapper.
+# background mapper, which maps ahead the pages of SGLang's next rows but at most one page
+# not in use (more would be mapped for nothing when a fill stops).
 DEFAULT_POOL_OPTIONS: dict[str, Any] = {
     "max_spare_pages": 2,
     "unmap_grace_s": 0.05,
     "grace_pages": 1,
     "map_ahead": True,
     "ahead_rows": AHEAD_ROWS,
+    "ahead_pages": AHEAD_PAGES,
 }
 
 
@@ -345,6 +347,7 @@ def _activate(
     options = {**DEFAULT_POOL_OPTIONS, **pool_options}
     map_ahead = bool(options.pop("map_ahead"))
     ahead_rows = int(options.pop("ahead_rows"))
+    ahead_pages = options.pop("ahead_pages")
     layout = SlotLayout(
         capacity_slots=facts.rows,
         slot_bytes=facts.row_bytes,
@@ -379,6 +382,7 @@ def _activate(
             follower,
             reader=reader_for(facts.devices[0]),
             ahead_rows=ahead_rows if map_ahead else 0,
+            ahead_pages=ahead_pages,
         )
         live = hooks.held_by_engine()
         follower.take(live)

@@ -6,7 +6,9 @@ reader translates them when it builds a batch), so a held SWA page (one row of e
 layer buffer) can be moved: copy the row's bytes in every layer to a free row, rewrite
 the mapping's entries that point into it, and swap the two page ids in the free list (the
 old row becomes free, the new one is taken). `allocator.compaction.plan` picks the moves
-so that the sparsest VMM pages empty into the other pages in use; the emptied pages are
+so that the sparsest VMM pages empty into the other pages in use (or, when none can,
+`allocator.compaction.slide` moves the highest pages' rows down to where the held rows
+would lie packed, mapping the gaps it fills); the emptied pages are
 unmapped before the call returns (on CUDA after an event recorded behind the copies has
 completed: the fence rule, with a stream's event enough because no batch is in flight).
 
@@ -22,13 +24,16 @@ from __future__ import annotations
 from typing import Any
 
 from allocator import compaction
+from allocator.errors import DriverError
 
-MAX_MOVES = 64  # rows moved by one call at most
+MAX_MOVES = 512  # rows moved by one call at most
 
 
 def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
-    """Move held rows so that sparse VMM pages empty; returns the rows moved (0 when the
-    held rows already fill as few pages as they can, or nothing fits)."""
+    """Move held rows so that sparse VMM pages empty, plan after plan until the mapped pages
+    are within ceil(held rows / rows per page) + spares + 1 or `max_moves` rows moved;
+    returns the rows moved (0 when the held rows already fill as few pages as they can, or
+    nothing fits)."""
     hooks, f, store = bridge.hooks, bridge.follower, bridge.store
     if not hooks.on_owner_thread():
         raise RuntimeError(
@@ -41,35 +46,74 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
     if mapping is None or getattr(sub, "staged_pages", None):
         return 0  # no mapping to rewrite, or staged pages: the list is not every free row
     hooks.flush(wait=True)
+    moved = 0
     with hooks.exclusive():
-        with store.lock:
-            if not f.fragmented():  # within ceil(held / rows per page) + spares + 1 already
-                return 0
-            if store.fences:  # no batch in flight: the device is idle, waiting costs nothing
-                for fence in {id(x): x for x in store.fences.values()}.values():
-                    fence.wait()
-                store.trim_locked()  # spares freed by finishes, over the watermark
-                if not f.fragmented():
-                    return 0
-            sources, targets = compaction.plan(f, max_moves=max_moves)
-            if not sources:  # nothing to move: the spare waiting out its grace goes instead
-                store.trim_locked()
-                return 0
-        _move(bridge, mapping, sub, sources, targets)
-        # No batch is in flight (the caller's precondition): the copies just queued are the
-        # last work reading the source rows, so an event after them fences their pages.
-        fence = hooks.reader.stream_fence()
-        f.take(targets)
-        f.give_back(sources, fence, trim=False)
-        swapped = dict(zip(targets, sources, strict=True))
-        hooks.repin([swapped.get(r, r) for r in hooks.front])
-        if fence is not None:
-            fence.wait()  # the copies: a few rows, microseconds on a GPU
-        with store.lock:
-            if not store.closed:
-                store.trim_locked()  # emptied by a move, not by a finish: no grace to wait
-    bridge.rows_moved += len(sources)
-    return len(sources)
+        while moved < max_moves:
+            with store.lock:
+                sources, targets = _next_plan(f, store, max_moves - moved)
+            if not sources:
+                break
+            _apply(bridge, mapping, sub, sources, targets)
+            moved += len(sources)
+    bridge.rows_moved += moved
+    return moved
+
+
+def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]]:
+    """The next moves (under the store's lock), or none when the pages mapped are within the
+    bound already or no move helps (the spare waiting out its grace is unmapped then)."""
+    if not f.fragmented():  # within ceil(held / rows per page) + spares + 1 already
+        return [], []
+    if store.fences:  # no batch in flight: the device is idle, waiting costs nothing
+        for fence in {id(x): x for x in store.fences.values()}.values():
+            fence.wait()
+        store.trim_locked()  # spares freed by finishes, over the watermark
+        if not f.fragmented():
+            return [], []
+    sources, targets = compaction.plan(f, max_moves=max_moves)
+    if not sources and compaction.in_use_beyond_packed(f) > 1:
+        # no page empties into the others: held rows scattered one page apart, each
+        # straddling row wasted; slide them down to where they would lie packed
+        sources, targets = compaction.slide(f, max_moves=max_moves)
+        if sources and not _map_gaps(store, compaction.pages_to_map(f, targets)):
+            sources, targets = [], []
+    if not sources:
+        store.trim_locked()
+    return sources, targets
+
+
+def _apply(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list[int]) -> None:
+    hooks, f, store = bridge.hooks, bridge.follower, bridge.store
+    _move(bridge, mapping, sub, sources, targets)
+    # No batch is in flight (the caller's precondition): the copies just queued are the
+    # last work reading the source rows, so an event after them fences their pages.
+    fence = hooks.reader.stream_fence()
+    f.take(targets)
+    f.give_back(sources, fence, trim=False)
+    swapped = dict(zip(targets, sources, strict=True))
+    hooks.repin([swapped.get(r, r) for r in hooks.front])
+    if fence is not None:
+        fence.wait()  # the copies: a few rows, microseconds on a GPU
+    with store.lock:
+        if not store.closed:
+            store.trim_locked()  # emptied by a move, not by a finish: no grace to wait
+
+
+def _map_gaps(store: Any, pages: list[int]) -> bool:
+    """Map the pages a slide moves rows into (under the store's lock); False when the
+    physical budget has no room or the driver failed (nothing moves then)."""
+    if not pages:
+        return True
+    if not store.budget_allows(store.sets_needed(pages)):
+        return False
+    try:
+        store.map_locked(pages)  # all or nothing; a failure is counted by the store
+    except DriverError:
+        return False
+    # Not in use until the move's take: pinned, or the spare policy could unmap them under
+    # the copy (the mapper's thread trims spares; `repin` at the end replaces the pins).
+    store.pin([*store.pinned, *pages])
+    return True
 
 
 def _move(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list[int]) -> None:

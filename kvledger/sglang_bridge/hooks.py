@@ -34,8 +34,9 @@ re-sorts the list), does the replay wait to read what was taken (`forced`). On
 CUDA, spares not pinned are fenced at each re-pin. docs/allocator.md has the
 argument in full.
 
-The rows at the front (`ahead_rows` of them) are also handed to the background
-mapper after each replay, so their pages are mapped before they are needed.
+The rows at the front (`ahead_rows` of them, as far as their pages hold at most
+`ahead_pages` pages not in use) are also handed to the background mapper after each
+replay, so their pages are mapped before they are needed.
 Every `PACK_EVERY` releases the replay looks at whether the free list needs
 packing (`_maybe_pack`).
 
@@ -64,6 +65,9 @@ from kvledger.sglang_bridge.readback import HostReader, host_ids
 log = logging.getLogger(__name__)
 
 AHEAD_ROWS = 64  # rows at the front of SGLang's free list kept mapped ahead
+# ... but at most this many pages not in use among them: a page mapped ahead that the
+# engine never asks for (the front when a fill stops) is a map for nothing.
+AHEAD_PAGES = 1
 # Rows at the front read with each batch: pinned as far as mapped, and what an allocation
 # past the pinned rows can be mapped from without reading the device.
 FRONT_ROWS = 256
@@ -80,6 +84,7 @@ class AllocatorHooks:
         *,
         reader: Any = None,
         ahead_rows: int = AHEAD_ROWS,
+        ahead_pages: int = AHEAD_PAGES,
         batch: int = BATCH,
     ) -> None:
         missing = [m for m in WRAPPED_METHODS if not hasattr(allocator, m)]
@@ -96,10 +101,13 @@ class AllocatorHooks:
             )
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch={batch!r}, expected an int >= 1")
+        if isinstance(ahead_pages, bool) or not isinstance(ahead_pages, int) or ahead_pages < 0:
+            raise ValueError(f"ahead_pages={ahead_pages!r}, expected an int >= 0")
         self.allocator = allocator
         self.follower = follower
         self.reader = reader or HostReader()
         self.ahead_rows = ahead_rows
+        self.ahead_pages = ahead_pages
         self.front_rows = max(ahead_rows, FRONT_ROWS)
         self.batch = batch
         self.installed = False
@@ -342,15 +350,20 @@ class AllocatorHooks:
         store = f.store
         self._front = front
         with store.lock:
-            safe, pinned, ahead = f.front(front, store.max_spare_pages, self.ahead_rows)
+            safe, pinned, ahead, warm = f.front(
+                front, store.max_spare_pages, self.ahead_rows, self.ahead_pages
+            )
             store.pin(pinned)
             if self.ahead_rows:
                 store.set_ahead(ahead)
             if journal.merged():
                 self.safe_until = self.soft_until = -(1 << 62)
             else:
+                # The next replay: at 3/4 of the pinned rows, or when SGLang first takes a
+                # row of a page not in use (the page mapped ahead), so that the mapper maps
+                # the page after it while SGLang fills this one.
                 self.safe_until = journal.replayed_net + safe
-                self.soft_until = journal.replayed_net + safe * 3 // 4
+                self.soft_until = journal.replayed_net + min(safe * 3 // 4, warm)
             fence = self.reader.fence_now() if fence_spares else None
             if fence is not None:
                 # Rows handed out and given back since the front was read are unknown here,

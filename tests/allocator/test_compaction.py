@@ -96,3 +96,58 @@ def test_plans_pair_sources_and_destinations_one_for_one_when_rows_straddle() ->
     finally:
         store.close()
         be.close()
+
+
+# -- slide: when no page empties into the others ----------------------------------------------
+def test_slide_moves_every_row_beyond_the_packed_pages_inside_them() -> None:
+    """Rows straddling pages: a page in use between pages not in use loses its halves, so a
+    plan may find nothing to empty while more pages are in use than the rows need. One slide
+    with room for every move leaves each held row inside the packed pages, and no more pages
+    in use than those; over random held sets."""
+    import random
+
+    be = HostBackend(GRAN)
+    row = 40 * KIB  # 1.6 rows per page: most rows straddle
+    rows = 40
+    store = PageStore(be, layers=1, page_bytes=GRAN, num_pages=-(-rows * row // GRAN))
+    try:
+        f = RowFollower(store, rows=rows, row_bytes=row)
+        rng = random.Random(7)
+        for _ in range(200):
+            held = rng.sample(range(1, rows), rng.randint(1, rows // 2))
+            f.take(held)
+            with store.lock:
+                packed = compaction.packed_pages(f)
+                end = packed * GRAN // row
+                sources, targets = compaction.slide(f, max_moves=rows)
+                assert sorted(sources) == sorted(r for r in held if r >= end)
+                assert len(targets) == len(sources) and all(1 <= t < end for t in targets)
+                assert not set(targets) & set(held)
+                store.map_locked(compaction.pages_to_map(f, targets))
+            f.take(targets)
+            f.give_back(sources)
+            with store.lock:
+                assert compaction.in_use_beyond_packed(f) <= 0
+                assert compaction.slide(f, max_moves=rows) == ([], [])
+            f.give_back_all()
+    finally:
+        store.close()
+        be.close()
+
+
+def test_slide_fills_holes_first_and_moves_whole_pages_within_max_moves(
+    follower: RowFollower,
+) -> None:
+    # page 0 full (rows 0-3), page 1 rows 5-7 (row 4 free), page 3 row 13, page 7 rows 29-30:
+    # 9 rows and the padding row pack into pages 0-2 (rows 0..11); page 2 is a gap
+    follower.take([1, 2, 3, 5, 6, 7, 13, 29, 30])
+    with follower.store.lock:
+        assert compaction.packed_pages(follower) == 3
+        sources, targets = compaction.slide(follower, max_moves=8)
+        assert sources == [29, 30, 13]  # the highest page first, each page whole
+        assert targets == [4, 8, 9]  # the hole in page 1, then the gap in address order
+        assert compaction.pages_to_map(follower, targets) == [2]
+        two, _ = compaction.slide(follower, max_moves=2)
+        assert two == [29, 30]  # page 3's row would pass max_moves: it waits
+        with pytest.raises(ValueError, match="max_moves=0"):
+            compaction.slide(follower, max_moves=0)

@@ -290,16 +290,33 @@ def test_front_pins_mapped_rows_up_to_the_spare_limit(host: HostBackend) -> None
         with store.lock:
             store.map_locked([2, 3])  # two spares
             # rows 3..: row 3-4 in page 1, row 5 straddles 1-2, rows 6-7 in page 2, 8 in 3
-            safe, pinned, ahead = f.front([3, 4, 5, 6, 7, 8, 9], max_spares=1, ahead=7)
+            safe, pinned, ahead, warm = f.front([3, 4, 5, 6, 7, 8, 9], max_spares=1, ahead=7)
         assert safe == 5  # row 8 would touch a second page not in use (page 3)
+        assert warm == 2  # row 5 is the first to touch a page not in use (page 2)
         assert pinned == [1, 2]
         assert set(ahead) >= {1, 2, 3}
         with store.lock:
-            safe0, pinned0, _ = f.front([3, 4, 5], max_spares=0, ahead=0)
-        assert safe0 == 2 and pinned0 == [1]  # row 5 reaches page 2, a spare
+            safe0, pinned0, _, warm0 = f.front([3, 4, 5], max_spares=0, ahead=0)
+        assert safe0 == warm0 == 2 and pinned0 == [1]  # row 5 reaches page 2, a spare
         with store.lock:
-            unmapped, _, _ = f.front([30, 3], max_spares=4, ahead=0)
-        assert unmapped == 0  # row 30's page is not mapped
+            unmapped, _, _, cold = f.front([30, 3], max_spares=4, ahead=0)
+        assert unmapped == cold == 0  # row 30's page is not mapped
+
+
+def test_ahead_pages_stop_at_the_cap_of_pages_not_in_use(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=1)
+    with store:
+        f.take([1, 2])  # pages 0 and 1 in use
+        with store.lock:
+            store.map_locked([2])  # one spare, in the safe prefix
+            rows = list(range(3, 20))
+            safe, pinned, capped, _ = f.front(rows, max_spares=1, ahead=16, ahead_spares=1)
+            _, _, two, _ = f.front(rows, max_spares=1, ahead=16, ahead_spares=2)
+            _, _, free, _ = f.front(rows, max_spares=1, ahead=16)
+        assert safe == 5 and pinned == [1, 2]
+        assert capped == [1, 2]  # page 2 is the one page not in use the cap allows
+        assert two == [1, 2, 3]  # one more: row 8's page
+        assert free == sorted(pages_of_rows(rows[:16])) and len(free) > len(two)
 
 
 def test_pinned_spares_are_never_trimmed(host: HostBackend) -> None:

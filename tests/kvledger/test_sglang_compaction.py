@@ -18,6 +18,10 @@ from kvledger.sglang_bridge import ENV_ENABLE, attach
 
 pytestmark = pytest.mark.sglang
 
+CHURN_EVENTS = 400
+# 3.5 SWA rows per VMM page: most pages in use lose a row to a straddle
+SMALL_GRANULARITY = 512 * 1024
+
 
 @pytest.fixture(params=["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def scattered(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Any, list[Request]]]:
@@ -36,6 +40,9 @@ def scattered(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Any, lis
             env={ENV_ENABLE: "1"},
             backend=backend,
             require=True,
+            # no spares: the pages the survivors leave beyond the packed ones are the
+            # excess, whatever the map-ahead did
+            pool_options={"max_spare_pages": 0, "grace_pages": 0},
         )
         try:
             reqs = [e.prefill(PAGE) for _ in range(40)]
@@ -119,3 +126,55 @@ def test_compaction_refuses_another_thread(
     t.join()
     assert len(errors) == 1 and "between batches on the scheduler's thread" in str(errors[0])
     assert bridge.stats()["rows_moved"] == 0
+
+
+def test_after_every_compaction_the_mapped_pages_are_within_the_packed_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`kvledger bench sglang`'s churn (random admissions of 1..4096 tokens and finishes,
+    sweeping between 10% and 90% of the SWA pages), a compaction after each event: the pages
+    mapped never exceed ceil((held rows + 1) / rows per VMM page) + max spare pages + 1,
+    the bound the benchmark checks, and the slide (what is left when no page empties into
+    the others) is among the plans that got there."""
+    import math
+
+    from allocator import compaction
+    from kvledger.bench.sglang_cases import Churn
+
+    slides: list[int] = []
+    slide = compaction.slide
+
+    def counting(*args: Any, **kwargs: Any) -> tuple[list[int], list[int]]:
+        out = slide(*args, **kwargs)
+        slides.append(len(out[0]))
+        return out
+
+    monkeypatch.setattr(compaction, "slide", counting)
+    swa_pages = 256
+    shape = Shape(layers=2, swa_pages=swa_pages, full_pages=384, requests=160, max_context=4096)
+    with published():
+        e = Engine(shape, "cpu")
+        with HostBackend(SMALL_GRANULARITY) as backend:
+            bridge = attach(
+                e.pool,
+                Ledger({"model_name": "compaction"}),
+                allocator=e.allocator,
+                env={ENV_ENABLE: "1"},
+                backend=backend,
+                require=True,
+            )  # the bridge's own spare policy
+            try:
+                rows_per_page = backend.granularity / e.pool.swa_kv_pool.kv_buffer[0].shape[1]
+                spares = bridge.store.max_spare_pages
+                churn = Churn(11, swa_pages)
+                for _ in range(CHURN_EVENTS):
+                    churn.event(e)
+                    bridge.compact()
+                    held = e.held_swa_pages()
+                    bound = math.ceil((held + 1) / rows_per_page) + spares + 1
+                    assert bridge.stats()["mapped_pages"] <= bound, held
+                assert bridge.follower.divergences == 0
+                assert bridge.follower.held().tolist() == bridge.hooks.held_by_engine()
+            finally:
+                bridge.detach()
+    assert any(slides), f"no slide moved a row ({len(slides)} slides): not the case it is for"

@@ -53,7 +53,7 @@ def slide(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
     """(sources, destinations) for at most `max_moves` moves: the held rows of the highest
     pages whose rows lie beyond the first `packed_pages(f)` pages, whole pages first, onto
     the free rows inside those pages, the holes of pages in use first, then the others in
-    address order (the caller maps those not mapped: `pages_to_map`). Empty when every held row
+    address order (taking them maps the pages not mapped). Empty when every held row
     lies inside already. Call under the store's lock, with the follower up to date."""
     _check_moves(max_moves)
     end = packed_pages(f) * f.store.page_bytes // f.row_bytes  # rows below lie inside
@@ -78,12 +78,6 @@ def slide(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
     gap = (in_use[pages[:, 0]] == 0) | (in_use[pages[:, 1]] == 0)
     targets = np.concatenate([free[~gap], free[gap]])[: len(sources)].tolist()
     return sources[: len(targets)], targets
-
-
-def pages_to_map(f: RowFollower, rows: list[int]) -> list[int]:
-    """The pages of `rows` not mapped (a slide's destinations in gaps)."""
-    state = f.store.state
-    return [p for p in f.pages_of(rows) if state[p] != MAPPED]
 
 
 def plan(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:

@@ -103,10 +103,11 @@ class RowFollower:
             self._apply_take(np.zeros(1, np.int64), count=False)  # the padding row
 
     # -- public ------------------------------------------------------------------------------
-    def take(self, ids: Any) -> int:
+    def take(self, ids: Any, *, count_waits: bool = True) -> int:
         """The engine handed out rows `ids`: they are held, their pages in use (mapped now if
-        the mapper has not). Returns the number of rows applied; all or nothing on a
-        CapacityError or DriverError from mapping."""
+        the mapper has not; counted in `waited` unless `count_waits` is False: a take that is
+        not an allocation, like a compaction's). Returns the number of rows applied; all or
+        nothing on a CapacityError or DriverError from mapping."""
         r = as_rows(ids)
         if r.size == 0:
             return 0
@@ -114,13 +115,13 @@ class RowFollower:
         with store.lock:
             store.check_open("take")
             if r.size <= SMALL and self._small_ok(rl := r.tolist(), held=False):
-                self._take_small(rl)
+                self._take_small(rl, count_waits)
             else:
                 if r.size <= SMALL or not self._all_rows_in(r, held=False):
                     r = self._sort_out(r, want_held=False, op="take")
                     if r.size == 0:
                         return 0
-                self._apply_take(r, count=True)
+                self._apply_take(r, count=True, count_waits=count_waits)
             self.takes += 1
             due = store.tick()
         if due:
@@ -288,11 +289,11 @@ class RowFollower:
                 return False
         return len(rows) == 1 or len(set(rows)) == len(rows)
 
-    def _take_small(self, rows: list[int]) -> None:
+    def _take_small(self, rows: list[int], count_waits: bool) -> None:
         count, p0, p1 = self._count_a, self._p0, self._p1
         fresh = [q for row in rows for q in (p0[row], p1[row]) if not count[q]]
         if fresh:
-            self._use_fresh(sorted(set(fresh)), count=True)
+            self._use_fresh(sorted(set(fresh)), count=count_waits)
         h = self._held_b
         for row in rows:
             h[row] = 1
@@ -314,12 +315,12 @@ class RowFollower:
                 emptied.append(b)
         self._released(sorted(emptied), len(rows), fence, trim)
 
-    def _apply_take(self, r: np.ndarray, *, count: bool) -> None:
+    def _apply_take(self, r: np.ndarray, *, count: bool, count_waits: bool = True) -> None:
         touch = self._pages2[r].ravel()
         before = self._count[touch]
         if np.count_nonzero(before) != touch.size:  # a page goes from unused to used: map it
             fresh = sorted(set(touch[before == 0].tolist()))  # a few pages: cheaper than np.unique
-            self._use_fresh(fresh, count=count)
+            self._use_fresh(fresh, count=count and count_waits)
         # bincount adds repeated pages (two rows in one page) like np.add.at, at a third of
         # its cost on these short arrays
         self._count += np.bincount(touch, minlength=self._count.size)

@@ -8,7 +8,7 @@ the mapping's entries that point into it, and swap the two page ids in the free 
 old row becomes free, the new one is taken). `allocator.compaction.plan` picks the moves
 so that the sparsest VMM pages empty into the other pages in use (or, when none can,
 `allocator.compaction.slide` moves the highest pages' rows down to where the held rows
-would lie packed, mapping the gaps it fills); the emptied pages are
+would lie packed, mapping the gaps it fills when it takes them); the emptied pages are
 unmapped before the call returns (on CUDA after an event recorded behind the copies has
 completed: the fence rule, with a stream's event enough because no batch is in flight).
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from allocator import compaction
-from allocator.errors import DriverError
+from allocator.errors import CapacityError, DriverError
 
 MAX_MOVES = 512  # rows moved by one call at most
 
@@ -75,20 +75,28 @@ def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]
         # no page empties into the others: held rows scattered one page apart, each
         # straddling row wasted; slide them down to where they would lie packed
         sources, targets = compaction.slide(f, max_moves=max_moves)
-        if sources and not _map_gaps(store, compaction.pages_to_map(f, targets)):
-            sources, targets = [], []
     if not sources:
         store.trim_locked()
+        return [], []
+    # The destinations are taken before the copies, under the lock: their pages are in use
+    # (mapped first, for a slide's gaps), so no trim can unmap them under the copies.
+    try:
+        f.take(targets, count_waits=False)
+    except (CapacityError, DriverError):  # counted by the store; nothing moves
+        return [], []
     return sources, targets
 
 
 def _apply(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list[int]) -> None:
     hooks, f, store = bridge.hooks, bridge.follower, bridge.store
-    _move(bridge, mapping, sub, sources, targets)
+    try:
+        _move(bridge, mapping, sub, sources, targets)
+    except BaseException:
+        f.give_back(targets, hooks.reader.fence_now())  # SGLang still holds the sources
+        raise
     # No batch is in flight (the caller's precondition): the copies just queued are the
     # last work reading the source rows, so an event after them fences their pages.
     fence = hooks.reader.stream_fence()
-    f.take(targets)
     f.give_back(sources, fence, trim=False)
     swapped = dict(zip(targets, sources, strict=True))
     hooks.repin([swapped.get(r, r) for r in hooks.front])
@@ -97,23 +105,6 @@ def _apply(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: lis
     with store.lock:
         if not store.closed:
             store.trim_locked()  # emptied by a move, not by a finish: no grace to wait
-
-
-def _map_gaps(store: Any, pages: list[int]) -> bool:
-    """Map the pages a slide moves rows into (under the store's lock); False when the
-    physical budget has no room or the driver failed (nothing moves then)."""
-    if not pages:
-        return True
-    if not store.budget_allows(store.sets_needed(pages)):
-        return False
-    try:
-        store.map_locked(pages)  # all or nothing; a failure is counted by the store
-    except DriverError:
-        return False
-    # Not in use until the move's take: pinned, or the spare policy could unmap them under
-    # the copy (the mapper's thread trims spares; `repin` at the end replaces the pins).
-    store.pin([*store.pinned, *pages])
-    return True
 
 
 def _move(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list[int]) -> None:

@@ -123,8 +123,7 @@ def test_slide_moves_every_row_beyond_the_packed_pages_inside_them() -> None:
                 assert sorted(sources) == sorted(r for r in held if r >= end)
                 assert len(targets) == len(sources) and all(1 <= t < end for t in targets)
                 assert not set(targets) & set(held)
-                store.map_locked(compaction.pages_to_map(f, targets))
-            f.take(targets)
+            f.take(targets)  # maps the gaps
             f.give_back(sources)
             with store.lock:
                 assert compaction.in_use_beyond_packed(f) <= 0
@@ -146,7 +145,7 @@ def test_slide_fills_holes_first_and_moves_whole_pages_within_max_moves(
         sources, targets = compaction.slide(follower, max_moves=8)
         assert sources == [29, 30, 13]  # the highest page first, each page whole
         assert targets == [4, 8, 9]  # the hole in page 1, then the gap in address order
-        assert compaction.pages_to_map(follower, targets) == [2]
+        assert not follower.store.is_mapped(2)  # the gap: taking row 8 maps it
         two, _ = compaction.slide(follower, max_moves=2)
         assert two == [29, 30]  # page 3's row would pass max_moves: it waits
         with pytest.raises(ValueError, match="max_moves=0"):

@@ -357,3 +357,16 @@ def test_pack_keys_put_the_fullest_mapped_pages_first(host: HostBackend) -> None
         assert order.tolist()[:2] == [8, 12]  # free rows of the pages in use first
         assert order.tolist()[2] == 19  # then a row lying in the mapped spare (page 7)
         assert sorted(order.tolist()[3:]) == [20, 30]
+
+
+def test_a_take_that_is_no_allocation_maps_without_counting_a_wait(host: HostBackend) -> None:
+    from allocator.rows import SMALL
+
+    store, f = make(host, max_spare_pages=0)
+    with store:
+        f.take([30], count_waits=False)  # a compaction's destination: mapped, not a wait
+        many = list(range(31, 31 + SMALL + 1))  # the vectorised path too
+        f.take(many, count_waits=False)
+        assert mapped(store) >= pages_of_rows([30, *many]) and f.waited == 0
+        f.take([10])  # an allocation that had to map its page: one wait
+        assert f.waited == 1

@@ -192,7 +192,12 @@ class RowFollower:
         return self._held_b
 
     def front(
-        self, rows: list[int], max_spares: int, ahead: int, ahead_spares: int | None = None
+        self,
+        rows: list[int],
+        max_spares: int,
+        ahead: int,
+        ahead_spares: int | None = None,
+        min_rows: int = 0,
     ) -> tuple[int, list[int], list[int], int]:
         """For `rows` an engine hands out next, in order: how many can be handed out without
         a map (the longest prefix whose pages are all mapped, touching at most `max_spares`
@@ -200,7 +205,8 @@ class RowFollower:
         max(`ahead`, that many) rows, each in order of first use (under the store's lock);
         past the prefix, the ahead pages stop where they would hold more than `ahead_spares`
         pages not in use (None: no cap), so what is mapped ahead and never handed out stays
-        within that; and how many rows come before the first that touches a page not in use
+        within that, except that the first `min_rows` rows are always covered (the most the
+        engine takes in one call); and how many rows come before the first that touches a page not in use
         (handing that one out is when the next page should be mapped ahead). A loop that
         stops at the first row it cannot take: a few dozen rows in practice."""
         p0, p1, count, state = self._p0, self._p1, self._count_a, self.store.state
@@ -226,10 +232,11 @@ class RowFollower:
         if safe >= ahead:
             return safe, pinned, pinned, warm
         cap = len(rows) if ahead_spares is None else max(ahead_spares, spares)
-        for row in rows[safe:ahead]:
+        for i in range(safe, min(ahead, len(rows))):
+            row = rows[i]
             new = [q for q in dict.fromkeys((p0[row], p1[row])) if q not in pages]
             unused = sum(1 for q in new if not count[q])
-            if spares + unused > cap:
+            if spares + unused > cap and i >= min_rows:
                 break
             spares += unused
             pages.update(dict.fromkeys(new))
@@ -250,14 +257,25 @@ class RowFollower:
         need = -(-(self.held_rows + 1) // per_page)  # + the padding row
         return store.state.count(MAPPED) > need + store.max_spare_pages + 1
 
+    def mapped_free_rows(self) -> int:
+        """Rows not held whose pages are all mapped (the padding row excluded)."""
+        p = self._pages2[self.first_row :]
+        free = self._held[self.first_row :] == 0
+        mapped = (self._state[p[:, 0]] == MAPPED) & (self._state[p[:, 1]] == MAPPED)
+        return int(np.count_nonzero(free & mapped))
+
     def pack_keys(self) -> np.ndarray:
-        """A sort key per row for packing: ascending, the rows whose pages hold the most rows
-        come first, then rows of mapped spare pages, then the rest; by row within each."""
+        """A sort key per row for packing: ascending, the rows whose pages are all mapped
+        first, the rows whose pages hold the most rows first among them (then rows of mapped
+        spare pages), then the rows touching a page not mapped (a row straddling a page in use
+        and one not mapped among them); by row within each."""
         p = self._pages2
         occupancy = self._count[p[:, 0]] + self._count[p[:, 1]]
         unmapped = (self._state[p[:, 0]] != MAPPED) | (self._state[p[:, 1]] != MAPPED)
+        top = int(occupancy.max()) + 1
         n = self.rows
-        return (-2 * occupancy + unmapped) * n + np.arange(n, dtype=np.int64)
+        rank = unmapped.astype(np.int64) * (top + 1) + (top - occupancy)
+        return rank * n + np.arange(n, dtype=np.int64)
 
     def pack_order(self, free: np.ndarray) -> np.ndarray:
         """`free` (an engine's free rows) in packing order (`pack_keys`)."""

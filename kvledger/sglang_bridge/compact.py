@@ -55,6 +55,8 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
                 break
             _apply(bridge, mapping, sub, sources, targets)
             moved += len(sources)
+        if moved:
+            hooks.pack_if_short()  # the moves took free rows the front was counting on
     bridge.rows_moved += moved
     return moved
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,7 @@ AHEAD_PAGES = 1
 # past the pinned rows can be mapped from without reading the device.
 FRONT_ROWS = 256
 PACK_EVERY = 16  # releases between two looks at whether the free list needs packing
+RECENT_REPLAYS = 32  # replays over which the widest allocation sets how far to map ahead
 BATCH = 64  # recorded calls between two replays
 IDLE_FLUSH_S = 0.02  # the background mapper replays a journal left alone this long
 
@@ -127,6 +129,10 @@ class AllocatorHooks:
         self._idle_calls = -1  # `_calls` at the mapper's last idle look, and since when
         self._idle_since = 0.0
         self._front: list[int] = []  # the first rows of SGLang's list at the last replay
+        self._widest = 0  # the most rows one allocation took since the last replay
+        self._recent: deque[int] = deque(maxlen=RECENT_REPLAYS)  # `_widest` of recent replays
+        self._reach = 0  # rows kept mapped ahead whatever `ahead_pages`: see `_pin`
+        self._short = False  # the last pin found mapped rows a pack would bring to the front
         orig = {m: getattr(allocator, m) for m in WRAPPED_METHODS}
         self._orig = orig
         journal = self.journal
@@ -145,6 +151,8 @@ class AllocatorHooks:
                     self._fp0 = None
                     taken = fp0.shape[0] - allocator.free_pages.shape[0]
                     if taken > 0:
+                        if taken > self._widest:
+                            self._widest = taken
                         journal.net += taken
                         raw.append((TAKE, fp0, taken, journal.net))
                     self._calls += 1
@@ -258,6 +266,13 @@ class AllocatorHooks:
         `exclusive()`, with no batch in flight: the spares get no new fence)."""
         self._pin(front, fence_spares=False)
 
+    def pack_if_short(self) -> None:
+        """Pack SGLang's free list if the last pin found it needs it (`_short`) and the journal
+        is empty; holding `exclusive()` on the allocator's thread (compaction, after its
+        moves re-pinned the front)."""
+        if self._short and not len(self.journal):
+            self._maybe_pack()
+
     def idle_flush(self) -> None:
         """The background mapper's call when it has nothing to do: replay a journal that SGLang
         has left alone (no hooked call) for IDLE_FLUSH_S, so pages freed by an engine gone
@@ -289,7 +304,7 @@ class AllocatorHooks:
             if peak is not None and peak > self.safe_until and not self._cover(peak):
                 self.forced += 1  # past the known front: read what was taken, waiting
                 self._replay(True)
-            if owner and not len(journal) and self._since_pack >= PACK_EVERY:
+            if owner and not len(journal) and (self._since_pack >= PACK_EVERY or self._short):
                 self._maybe_pack()
 
     def _drain(self, owner: bool) -> None:
@@ -350,9 +365,19 @@ class AllocatorHooks:
         store = f.store
         self._front = front
         with store.lock:
+            # Whatever `ahead_pages` allows, twice the widest allocation of the last
+            # RECENT_REPLAYS replays that had one stays mapped ahead (so the next one finds
+            # its rows mapped).
+            if self._widest:
+                self._recent.append(self._widest)
+                self._widest = 0
+                self._reach = 2 * max(self._recent)
             safe, pinned, ahead, warm = f.front(
-                front, store.max_spare_pages, self.ahead_rows, self.ahead_pages
+                front, store.max_spare_pages, self.ahead_rows, self.ahead_pages, self._reach
             )
+            # Fewer rows mapped at the front than the next allocation may take, while more
+            # free rows are mapped further down: packing would bring them to the front.
+            self._short = safe < min(self._reach, len(front)) and f.mapped_free_rows() > safe
             store.pin(pinned)
             if self.ahead_rows:
                 store.set_ahead(ahead)
@@ -381,7 +406,7 @@ class AllocatorHooks:
         computed where the list lives (a key per row, uploaded; a sort on the device for a
         CUDA pool), so nothing is read back."""
         self._since_pack = 0
-        if not self.follower.fragmented():
+        if not self._short and not self.follower.fragmented():
             return
         a, f = self.allocator, self.follower
         keys = f.pack_keys()

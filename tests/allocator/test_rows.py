@@ -316,6 +316,9 @@ def test_ahead_pages_stop_at_the_cap_of_pages_not_in_use(host: HostBackend) -> N
         assert safe == 5 and pinned == [1, 2]
         assert capped == [1, 2]  # page 2 is the one page not in use the cap allows
         assert two == [1, 2, 3]  # one more: row 8's page
+        with store.lock:
+            _, _, wide, _ = f.front(rows, max_spares=1, ahead=16, ahead_spares=1, min_rows=6)
+        assert wide == [1, 2, 3]  # rows 3..8 covered whatever the cap: row 8's page too
         assert free == sorted(pages_of_rows(rows[:16])) and len(free) > len(two)
 
 
@@ -353,10 +356,11 @@ def test_pack_keys_put_the_fullest_mapped_pages_first(host: HostBackend) -> None
         f.take([9, 10, 11])  # page 3 (rows 8-10) and page 4 in use
         with store.lock:
             store.map_locked([7])  # a spare
-        order = f.pack_order(np.array([30, 19, 8, 12, 20], np.int64))
-        assert order.tolist()[:2] == [8, 12]  # free rows of the pages in use first
-        assert order.tolist()[2] == 19  # then a row lying in the mapped spare (page 7)
-        assert sorted(order.tolist()[3:]) == [20, 30]
+        order = f.pack_order(np.array([30, 13, 19, 8, 12, 20], np.int64))
+        # free rows of the pages in use first, then rows of the mapped spare (page 7), then
+        # rows touching an unmapped page, even row 13, which straddles page 4 (in use) and
+        # page 5 (not mapped): handed out early it would need a map
+        assert order.tolist() == [8, 12, 19, 20, 13, 30]
 
 
 def test_a_take_that_is_no_allocation_maps_without_counting_a_wait(host: HostBackend) -> None:
@@ -370,3 +374,13 @@ def test_a_take_that_is_no_allocation_maps_without_counting_a_wait(host: HostBac
         assert mapped(store) >= pages_of_rows([30, *many]) and f.waited == 0
         f.take([10])  # an allocation that had to map its page: one wait
         assert f.waited == 1
+
+
+def test_mapped_free_rows_counts_free_rows_whose_pages_are_all_mapped(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=4)
+    with store:
+        f.take([1, 2])
+        mapped_rows = [r for r in range(1, ROWS) if pages_of_rows([r]) <= mapped(store)]
+        assert f.mapped_free_rows() == len(mapped_rows) - 2
+        f.give_back([2])  # page 1 stays mapped (a spare): row 2 still counts
+        assert f.mapped_free_rows() == len(mapped_rows) - 1

@@ -367,11 +367,13 @@ class AllocatorHooks:
         with store.lock:
             # Whatever `ahead_pages` allows, twice the widest allocation of the last
             # RECENT_REPLAYS replays that had one stays mapped ahead (so the next one finds
-            # its rows mapped).
+            # its rows mapped, and the mapper has time for the one after), when that is
+            # more than the rows of a page (the one page ahead covers narrower ones).
             if self._widest:
                 self._recent.append(self._widest)
                 self._widest = 0
-                self._reach = 2 * max(self._recent)
+                reach = 2 * max(self._recent)
+                self._reach = reach if reach > store.page_bytes // f.row_bytes else 0
             safe, pinned, ahead, warm = f.front(
                 front, store.max_spare_pages, self.ahead_rows, self.ahead_pages, self._reach
             )

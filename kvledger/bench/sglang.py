@@ -8,9 +8,10 @@ on this machine: the resolution of every ratio); and `bridged`, attached with
 `kvledger.sglang_bridge.attach` (host VMM backend on CPU, CUDA VMM backend on
 CUDA) with a ledger and a `Publisher` snapshotting it every second. All run the
 same workload; timed cases take turns round by round, the order rotating. The decode
-step's and the round trip's targets are judged on the ratio paired by round (in each
-round, the ratio of the two engines' medians, which cancels what drifts between rounds;
-the median of those ratios), printed under the ratio of the overall medians.
+step's, the round trip's and the fill/drain cycle's targets are judged on the ratio
+paired by round (in each round, the ratio of the two engines' medians, which cancels what
+drifts between rounds; the median of those ratios), printed under the ratio of the
+overall medians.
 
 Workload (`--requests` running requests of `--prompt` tokens, each decoding
 `--decode-tokens` then finishing; page 256, window 128):

@@ -268,7 +268,8 @@ def bench_fill_drain(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict
         times[v.name].append(r.pop("seconds"))
         if r:
             cycles.append(r)
-    return {**{k: summary(t) for k, t in times.items()}, "cycles": cycles}
+    # one cycle per engine per round: the per-round "medians" are the cycles themselves
+    return {**{k: summary(t) for k, t in times.items()}, "paired": paired(times), "cycles": cycles}
 
 
 class Churn:

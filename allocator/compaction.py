@@ -30,13 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from allocator.packing import packed_pages
 from allocator.rows import RowFollower
 from allocator.store import MAPPED
-
-
-def packed_pages(f: RowFollower) -> int:
-    """The fewest pages the held rows and the padding rows fit in (rows 0 .. held)."""
-    return -(-((f.held_rows + f.first_row) * f.row_bytes) // f.store.page_bytes)
 
 
 def in_use_beyond_packed(f: RowFollower) -> int:

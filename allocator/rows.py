@@ -250,37 +250,11 @@ class RowFollower:
         self._ensure_mapped(pages, count=True)
         return pages
 
-    def fragmented(self) -> bool:
-        """More page ids mapped than the held rows need packed, beyond the spares and one."""
-        store = self.store
-        per_page = store.page_bytes / self._row_bytes
-        need = -(-(self.held_rows + 1) // per_page)  # + the padding row
-        return store.state.count(MAPPED) > need + store.max_spare_pages + 1
-
-    def mapped_free_rows(self) -> int:
-        """Rows not held whose pages are all mapped (the padding row excluded)."""
-        p = self._pages2[self.first_row :]
-        free = self._held[self.first_row :] == 0
-        mapped = (self._state[p[:, 0]] == MAPPED) & (self._state[p[:, 1]] == MAPPED)
-        return int(np.count_nonzero(free & mapped))
-
-    def pack_keys(self) -> np.ndarray:
-        """A sort key per row for packing: ascending, the rows whose pages are all mapped
-        first, the rows whose pages hold the most rows first among them (then rows of mapped
-        spare pages), then the rows touching a page not mapped (a row straddling a page in use
-        and one not mapped among them); by row within each."""
-        p = self._pages2
-        occupancy = self._count[p[:, 0]] + self._count[p[:, 1]]
-        unmapped = (self._state[p[:, 0]] != MAPPED) | (self._state[p[:, 1]] != MAPPED)
-        top = int(occupancy.max()) + 1
-        n = self.rows
-        rank = unmapped.astype(np.int64) * (top + 1) + (top - occupancy)
-        return rank * n + np.arange(n, dtype=np.int64)
-
-    def pack_order(self, free: np.ndarray) -> np.ndarray:
-        """`free` (an engine's free rows) in packing order (`pack_keys`)."""
-        free = as_rows(free)
-        return free[np.argsort(self.pack_keys()[free], kind="stable")]
+    @property
+    def page_counts(self) -> np.ndarray:
+        """Per page id, the (row, end) incidences of held rows: non-zero exactly when the page
+        is in use (read it, never write it)."""
+        return self._count
 
     def pages_changed(self, pages: Iterable[int]) -> None:
         pass  # in-use is kept by the counts; nothing tiered here

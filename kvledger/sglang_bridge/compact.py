@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from allocator import compaction
+from allocator import compaction, packing
 from allocator.errors import CapacityError, DriverError
 
 MAX_MOVES = 512  # rows moved by one call at most
@@ -64,13 +64,13 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
 def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]]:
     """The next moves (under the store's lock), or none when the pages mapped are within the
     bound already or no move helps (the spare waiting out its grace is unmapped then)."""
-    if not f.fragmented():  # within ceil(held / rows per page) + spares + 1 already
+    if not packing.fragmented(f):  # within ceil(held / rows per page) + spares + 1 already
         return [], []
     if store.fences:  # no batch in flight: the device is idle, waiting costs nothing
         for fence in {id(x): x for x in store.fences.values()}.values():
             fence.wait()
         store.trim_locked()  # spares freed by finishes, over the watermark
-        if not f.fragmented():
+        if not packing.fragmented(f):
             return [], []
     sources, targets = compaction.plan(f, max_moves=max_moves)
     if not sources and compaction.in_use_beyond_packed(f) > 1:

@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from allocator import packing
 from allocator.rows import RowFollower
 from kvledger.sglang_bridge.compat import WRAPPED_METHODS
 from kvledger.sglang_bridge.journal import MERGE, RELEASE, TAKE, Journal
@@ -379,7 +380,7 @@ class AllocatorHooks:
             )
             # Fewer rows mapped at the front than the next allocation may take, while more
             # free rows are mapped further down: packing would bring them to the front.
-            self._short = safe < min(self._reach, len(front)) and f.mapped_free_rows() > safe
+            self._short = safe < min(self._reach, len(front)) and packing.mapped_free_rows(f) > safe
             store.pin(pinned)
             if self.ahead_rows:
                 store.set_ahead(ahead)
@@ -408,10 +409,10 @@ class AllocatorHooks:
         computed where the list lives (a key per row, uploaded; a sort on the device for a
         CUDA pool), so nothing is read back."""
         self._since_pack = 0
-        if not self._short and not self.follower.fragmented():
+        if not self._short and not packing.fragmented(self.follower):
             return
         a, f = self.allocator, self.follower
-        keys = f.pack_keys()
+        keys = packing.pack_keys(f)
         a.free_pages = reorder(a.free_pages, keys)
         self.packs += 1
         if a.staged_pages:  # the list is not every free row: learn the front with a batch

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from allocator import compaction
+from allocator import compaction, packing
 from allocator.host import HostBackend
 from allocator.rows import RowFollower
 from allocator.store import PageStore
@@ -117,7 +117,7 @@ def test_slide_moves_every_row_beyond_the_packed_pages_inside_them() -> None:
             held = rng.sample(range(1, rows), rng.randint(1, rows // 2))
             f.take(held)
             with store.lock:
-                packed = compaction.packed_pages(f)
+                packed = packing.packed_pages(f)
                 end = packed * GRAN // row
                 sources, targets = compaction.slide(f, max_moves=rows)
                 assert sorted(sources) == sorted(r for r in held if r >= end)
@@ -141,7 +141,7 @@ def test_slide_fills_holes_first_and_moves_whole_pages_within_max_moves(
     # 9 rows and the padding row pack into pages 0-2 (rows 0..11); page 2 is a gap
     follower.take([1, 2, 3, 5, 6, 7, 13, 29, 30])
     with follower.store.lock:
-        assert compaction.packed_pages(follower) == 3
+        assert packing.packed_pages(follower) == 3
         sources, targets = compaction.slide(follower, max_moves=8)
         assert sources == [29, 30, 13]  # the highest page first, each page whole
         assert targets == [4, 8, 9]  # the hole in page 1, then the gap in address order

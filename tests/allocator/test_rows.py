@@ -12,15 +12,8 @@ import pytest
 
 from allocator.host import HostBackend
 from allocator.mapper import BackgroundMapper
-from allocator.rows import RowFollower
 from allocator.store import PageStore
-from tests.allocator.rigs import KIB
-
-GRAN = 64 * KIB
-ROW = 24 * KIB  # 8 rows in 3 pages: rows 2 and 5 straddle
-ROWS = 64
-PAGES = ROWS * ROW // GRAN
-LAYERS = 2
+from tests.allocator.rows_rig import GRAN, LAYERS, PAGES, ROW, ROWS, make, mapped, pages_of_rows
 
 
 class FakeFence:
@@ -47,19 +40,6 @@ def host() -> Iterator[HostBackend]:
     be = HostBackend(GRAN)
     yield be
     be.close()
-
-
-def make(host: HostBackend, **options: object) -> tuple[PageStore, RowFollower]:
-    store = PageStore(host, layers=LAYERS, page_bytes=GRAN, num_pages=PAGES, **options)  # type: ignore[arg-type]
-    return store, RowFollower(store, rows=ROWS, row_bytes=ROW)
-
-
-def pages_of_rows(rows: list[int]) -> set[int]:
-    return {p for r in rows for p in range(r * ROW // GRAN, ((r + 1) * ROW - 1) // GRAN + 1)}
-
-
-def mapped(store: PageStore) -> set[int]:
-    return {p for p in range(PAGES) if store.is_mapped(p)}
 
 
 def every_layer_mapped(host: HostBackend, store: PageStore, page: int) -> bool:
@@ -201,24 +181,6 @@ def test_give_back_all_and_held(host: HostBackend) -> None:
         assert f.give_back_all() == 3 and f.held().tolist() == []
 
 
-def test_pack_order_puts_rows_of_the_fullest_mapped_pages_first(host: HostBackend) -> None:
-    """Packing: of an engine's free rows, those whose pages hold the most rows come first,
-    then those lying in mapped spare pages, then the rest, ascending within each;
-    `fragmented` says when more pages are mapped than the held rows need."""
-    store, f = make(host, max_spare_pages=1)
-    with store:
-        assert not f.fragmented()  # the padding row's page only
-        # 24 KiB rows on 64 KiB pages: rows 8, 9, 10 in page 3 (10 straddles into 4), row
-        # 16 alone in page 6, rows 40 and 41 exactly page 15.
-        f.take([8, 9, 10, 16, 40, 41])
-        f.give_back([40, 41])  # page 15 becomes the one spare kept
-        assert f.fragmented()  # pages 0, 3, 4, 6, 15 mapped for four rows
-        free = np.array([60, 45, 11, 17, 12, 42, 5, 43, 41], dtype=np.int64)
-        # 17 shares page 6 with a whole row; 11 and 12 page 4 with a straddling one; 41 is in
-        # the mapped spare; the rest touch an unmapped page (42 straddles into page 16).
-        assert f.pack_order(free).tolist() == [17, 11, 12, 41, 5, 42, 43, 45, 60]
-
-
 def test_the_scalar_and_vectorised_paths_keep_the_same_books(host: HostBackend) -> None:
     """Random takes and give-backs of 1..2*SMALL rows (both paths of RowFollower, mixed):
     after each, the page counts equal those recounted from the held rows, exactly the pages
@@ -350,19 +312,6 @@ def test_cover_maps_without_taking_and_counts_the_wait(host: HostBackend) -> Non
         assert f.waited == 1
 
 
-def test_pack_keys_put_the_fullest_mapped_pages_first(host: HostBackend) -> None:
-    store, f = make(host, max_spare_pages=4)
-    with store:
-        f.take([9, 10, 11])  # page 3 (rows 8-10) and page 4 in use
-        with store.lock:
-            store.map_locked([7])  # a spare
-        order = f.pack_order(np.array([30, 13, 19, 8, 12, 20], np.int64))
-        # free rows of the pages in use first, then rows of the mapped spare (page 7), then
-        # rows touching an unmapped page, even row 13, which straddles page 4 (in use) and
-        # page 5 (not mapped): handed out early it would need a map
-        assert order.tolist() == [8, 12, 19, 20, 13, 30]
-
-
 def test_a_take_that_is_no_allocation_maps_without_counting_a_wait(host: HostBackend) -> None:
     from allocator.rows import SMALL
 
@@ -374,13 +323,3 @@ def test_a_take_that_is_no_allocation_maps_without_counting_a_wait(host: HostBac
         assert mapped(store) >= pages_of_rows([30, *many]) and f.waited == 0
         f.take([10])  # an allocation that had to map its page: one wait
         assert f.waited == 1
-
-
-def test_mapped_free_rows_counts_free_rows_whose_pages_are_all_mapped(host: HostBackend) -> None:
-    store, f = make(host, max_spare_pages=4)
-    with store:
-        f.take([1, 2])
-        mapped_rows = [r for r in range(1, ROWS) if pages_of_rows([r]) <= mapped(store)]
-        assert f.mapped_free_rows() == len(mapped_rows) - 2
-        f.give_back([2])  # page 1 stays mapped (a spare): row 2 still counts
-        assert f.mapped_free_rows() == len(mapped_rows) - 1

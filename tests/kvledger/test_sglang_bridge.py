@@ -358,9 +358,7 @@ def test_a_failure_half_way_undoes_every_step(r: Rig) -> None:
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
-def test_a_bad_ahead_pages_is_refused_naming_it_and_undoes_every_step(
-    r: Rig, bad: object
-) -> None:
+def test_a_bad_ahead_pages_is_refused_naming_it_and_undoes_every_step(r: Rig, bad: object) -> None:
     buffers = list(r.pool.swa_kv_pool.kv_buffer)
     with pytest.raises(ValueError, match=f"ahead_pages={bad!r}, expected an int >= 0"):
         r.attach(pool_options={"ahead_pages": bad})

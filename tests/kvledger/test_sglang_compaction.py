@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from accounting.ledger import Ledger
+from allocator import packing
 from allocator.host import HostBackend
 from kvledger.bench.sglang_engine import PAGE, Engine, Request, Shape, published
 from kvledger.sglang_bridge import ENV_ENABLE, attach
@@ -94,7 +95,7 @@ def test_compaction_moves_rows_and_every_token_reads_the_same_bytes(
     assert bridge.follower.held().tolist() == bridge.hooks.held_by_engine() == held
     assert bridge.wait_idle()  # CUDA: the emptied pages go once the device passed the copies
     assert pages_in_use(bridge) < in_use and bridge.stats()["mapped_pages"] < mapped
-    assert not bridge.follower.fragmented()
+    assert not packing.fragmented(bridge.follower)
     assert bridge.compact() == 0  # nothing left to gain
     # SGLang carries on over the moved rows: decode, then free them through the mapping.
     for _ in range(3):

@@ -1,0 +1,62 @@
+"""Packing: the order in which an engine should hand out a `RowFollower`'s free rows, and
+whether its held rows sit on more pages than they need.
+
+The engine's free-list order decides which VMM pages new rows land on. Handed out in
+`pack_keys` order (the SGLang bridge reorders SGLang's free list by it:
+kvledger.sglang_bridge.hooks), new rows fill the fullest mapped pages first, then mapped
+spares, and only then pages that need a map, so sparse pages empty and unmap. A free row
+that straddles a page in use and a page not mapped goes with the latter: handed out early
+it would need a map. See docs/allocator.md#packing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from allocator.rows import RowFollower, as_rows
+from allocator.store import MAPPED
+
+
+def packed_pages(f: RowFollower) -> int:
+    """The fewest pages the held rows and the padding rows fit in (rows 0 .. held)."""
+    return -(-((f.held_rows + f.first_row) * f.row_bytes) // f.store.page_bytes)
+
+
+def fragmented(f: RowFollower) -> bool:
+    """More page ids mapped than the held rows need packed, beyond the spares and one."""
+    store = f.store
+    return store.state.count(MAPPED) > packed_pages(f) + store.max_spare_pages + 1
+
+
+def _mapped(f: RowFollower) -> np.ndarray:
+    """Per row, whether both its pages are mapped."""
+    state = np.frombuffer(f.store.state, np.uint8)
+    p = f.row_pages
+    return (state[p[:, 0]] == MAPPED) & (state[p[:, 1]] == MAPPED)
+
+
+def mapped_free_rows(f: RowFollower) -> int:
+    """Rows not held whose pages are all mapped (the padding rows excluded)."""
+    free = np.frombuffer(f.held_flags, np.uint8) == 0
+    free[: f.first_row] = False
+    return int(np.count_nonzero(free & _mapped(f)))
+
+
+def pack_keys(f: RowFollower) -> np.ndarray:
+    """A sort key per row for packing: ascending, the rows whose pages are all mapped first,
+    the rows whose pages hold the most rows first among them (then rows of mapped spare
+    pages), then the rows touching a page not mapped (a row straddling a page in use and
+    one not mapped among them); by row within each."""
+    p, count = f.row_pages, f.page_counts
+    occupancy = count[p[:, 0]] + count[p[:, 1]]
+    top = int(occupancy.max()) + 1
+    rank = (~_mapped(f)).astype(np.int64) * (top + 1) + (top - occupancy)
+    return rank * f.rows + np.arange(f.rows, dtype=np.int64)
+
+
+def pack_order(f: RowFollower, free: Any) -> np.ndarray:
+    """`free` (an engine's free rows) in packing order (`pack_keys`)."""
+    rows = as_rows(free)
+    return rows[np.argsort(pack_keys(f)[rows], kind="stable")]

@@ -1,0 +1,61 @@
+"""allocator.packing: the order an engine should hand out a follower's free rows in, and
+whether the held rows sit on more pages than they need."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from allocator import packing
+from allocator.host import HostBackend
+from tests.allocator.rows_rig import GRAN, ROWS, make, mapped, pages_of_rows
+
+
+@pytest.fixture
+def host() -> Iterator[HostBackend]:
+    be = HostBackend(GRAN)
+    yield be
+    be.close()
+
+
+def test_pack_order_puts_rows_of_the_fullest_mapped_pages_first(host: HostBackend) -> None:
+    """Packing: of an engine's free rows, those whose pages hold the most rows come first,
+    then those lying in mapped spare pages, then the rest, ascending within each;
+    `fragmented` says when more pages are mapped than the held rows need."""
+    store, f = make(host, max_spare_pages=1)
+    with store:
+        assert not packing.fragmented(f)  # the padding row's page only
+        # 24 KiB rows on 64 KiB pages: rows 8, 9, 10 in page 3 (10 straddles into 4), row
+        # 16 alone in page 6, rows 40 and 41 exactly page 15.
+        f.take([8, 9, 10, 16, 40, 41])
+        f.give_back([40, 41])  # page 15 becomes the one spare kept
+        assert packing.fragmented(f)  # pages 0, 3, 4, 6, 15 mapped for four rows
+        free = np.array([60, 45, 11, 17, 12, 42, 5, 43, 41], dtype=np.int64)
+        # 17 shares page 6 with a whole row; 11 and 12 page 4 with a straddling one; 41 is in
+        # the mapped spare; the rest touch an unmapped page (42 straddles into page 16).
+        assert packing.pack_order(f, free).tolist() == [17, 11, 12, 41, 5, 42, 43, 45, 60]
+
+
+def test_pack_keys_put_the_fullest_mapped_pages_first(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=4)
+    with store:
+        f.take([9, 10, 11])  # page 3 (rows 8-10) and page 4 in use
+        with store.lock:
+            store.map_locked([7])  # a spare
+        order = packing.pack_order(f, np.array([30, 13, 19, 8, 12, 20], np.int64))
+        # free rows of the pages in use first, then rows of the mapped spare (page 7), then
+        # rows touching an unmapped page, even row 13, which straddles page 4 (in use) and
+        # page 5 (not mapped): handed out early it would need a map
+        assert order.tolist() == [8, 12, 19, 20, 13, 30]
+
+
+def test_mapped_free_rows_counts_free_rows_whose_pages_are_all_mapped(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=4)
+    with store:
+        f.take([1, 2])
+        mapped_rows = [r for r in range(1, ROWS) if pages_of_rows([r]) <= mapped(store)]
+        assert packing.mapped_free_rows(f) == len(mapped_rows) - 2
+        f.give_back([2])  # page 1 stays mapped (a spare): row 2 still counts
+        assert packing.mapped_free_rows(f) == len(mapped_rows) - 1

@@ -64,6 +64,10 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
 def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]]:
     """The next moves (under the store's lock), or none when the pages mapped are within the
     bound already or no move helps (the spare waiting out its grace is unmapped then)."""
+    # A map the background mapper has in flight is not counted yet, and it may finish after
+    # the trims below: wait for it, or it leaves a spare over the bound behind this call.
+    while store.busy and not store.closed:
+        store.cond.wait(timeout=1.0)
     if not packing.fragmented(f):  # within ceil(held / rows per page) + spares + 1 already
         return [], []
     if store.fences:  # no batch in flight: the device is idle, waiting costs nothing

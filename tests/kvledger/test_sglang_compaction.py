@@ -173,7 +173,14 @@ def test_after_every_compaction_the_mapped_pages_are_within_the_packed_bound(
                     bridge.compact()
                     held = e.held_swa_pages()
                     bound = math.ceil((held + 1) / rows_per_page) + spares + 1
-                    assert bridge.stats()["mapped_pages"] <= bound, held
+                    st = bridge.stats()
+                    assert st["mapped_pages"] <= bound, (
+                        held,
+                        bridge.store.in_use.count(1),
+                        list(bridge.store.spares),
+                        list(bridge.store.pinned),
+                        st,
+                    )
                 assert bridge.follower.divergences == 0
                 assert bridge.follower.held().tolist() == bridge.hooks.held_by_engine()
             finally:

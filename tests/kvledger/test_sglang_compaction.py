@@ -156,7 +156,7 @@ def test_after_every_compaction_the_mapped_pages_are_within_the_packed_bound(
     with published():
         e = Engine(shape, "cpu")
         with HostBackend(SMALL_GRANULARITY) as backend:
-            bridge = attach(
+            bridge: Any = attach(
                 e.pool,
                 Ledger({"model_name": "compaction"}),
                 allocator=e.allocator,

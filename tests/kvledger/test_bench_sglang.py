@@ -98,11 +98,18 @@ def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     for target in ("decode step <=", "4096-token alloc+release <=", "fill/drain cycle <="):
         assert f"target {target}" in text
     assert "maps per cycle <= 1.10x fewest" in text
-    for key in ("decode_step", "round_trip_4096"):  # the targets' ratio, paired by round
+    # the targets' ratio, paired by round: one ratio per round (--rounds 3), one per cycle
+    for key, rounds in (("decode_step", 3), ("round_trip_4096", 3), ("fill_drain", 3)):
         pr = r[key]["paired"]
-        assert pr["rounds"] == 3  # --rounds 3: one ratio per round
+        assert pr["rounds"] == rounds
         assert pr["bridged"]["min"] <= pr["bridged"]["median"] <= pr["bridged"]["max"]
-    assert text.count("paired by round (") == 2
+    assert text.count("paired by round (") == 3
+    if r["driver_waits"] is not None:  # per case too, read before and after each
+        by_case = r["driver_waits_by_case"]
+        assert list(by_case) == ["decode_step", "round_trip_4096", "fill_drain", "churn_event"]
+        assert all(n >= 0 for n in by_case.values())
+        assert sum(by_case.values()) <= r["driver_waits"]
+        assert f"(decode_step {by_case['decode_step']}, round_trip_4096 " in text
     assert "churn mapped <= bound" in text
     if r["driver_waits"] is None:
         assert "waited on a driver call: n/a" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -28,6 +29,18 @@ def follower() -> Iterator[RowFollower]:
     finally:
         store.close()
         be.close()
+
+
+STRADDLING_ROW = 40 * KIB  # 1.6 rows per page: most rows straddle
+
+
+@contextlib.contextmanager
+def straddling(rows: int) -> Iterator[RowFollower]:
+    """A follower of `rows` rows of STRADDLING_ROW bytes on one layer, closed after."""
+    with HostBackend(GRAN) as be:
+        pages = -(-rows * STRADDLING_ROW // GRAN)
+        with PageStore(be, layers=1, page_bytes=GRAN, num_pages=pages) as store:
+            yield RowFollower(store, rows=rows, row_bytes=STRADDLING_ROW)
 
 
 def page(row: int) -> int:
@@ -77,25 +90,18 @@ def test_plans_pair_sources_and_destinations_one_for_one_when_rows_straddle() ->
     source with one destination, moves each row once, and empties whole pages."""
     import random
 
-    be = HostBackend(GRAN)
-    row = 40 * KIB  # 1.6 rows per page: most rows straddle
     rows = 30
-    store = PageStore(be, layers=1, page_bytes=GRAN, num_pages=-(-rows * row // GRAN))
-    try:
-        f = RowFollower(store, rows=rows, row_bytes=row)
+    with straddling(rows) as f:
         rng = random.Random(3)
         for _ in range(300):
             held = rng.sample(range(1, rows), rng.randint(1, rows - 2))
             f.take(held)
-            with store.lock:
+            with f.store.lock:
                 sources, targets = compaction.plan(f, max_moves=rows)
             assert len(sources) == len(targets)
             assert len(set(sources)) == len(sources) and set(sources) <= set(held)
             assert len(set(targets)) == len(targets) and not set(targets) & set(held)
             f.give_back(held)
-    finally:
-        store.close()
-        be.close()
 
 
 # -- slide: when no page empties into the others ----------------------------------------------
@@ -106,12 +112,9 @@ def test_slide_moves_every_row_beyond_the_packed_pages_inside_them() -> None:
     in use than those; over random held sets."""
     import random
 
-    be = HostBackend(GRAN)
-    row = 40 * KIB  # 1.6 rows per page: most rows straddle
     rows = 40
-    store = PageStore(be, layers=1, page_bytes=GRAN, num_pages=-(-rows * row // GRAN))
-    try:
-        f = RowFollower(store, rows=rows, row_bytes=row)
+    with straddling(rows) as f:
+        store, row = f.store, STRADDLING_ROW
         rng = random.Random(7)
         for _ in range(200):
             held = rng.sample(range(1, rows), rng.randint(1, rows // 2))
@@ -129,9 +132,6 @@ def test_slide_moves_every_row_beyond_the_packed_pages_inside_them() -> None:
                 assert compaction.in_use_beyond_packed(f) <= 0
                 assert compaction.slide(f, max_moves=rows) == ([], [])
             f.give_back_all()
-    finally:
-        store.close()
-        be.close()
 
 
 def test_slide_fills_holes_first_and_moves_whole_pages_within_max_moves(

@@ -34,17 +34,9 @@ def scattered(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Any, lis
             Shape(layers=2, swa_pages=64, full_pages=96, requests=48, max_context=512), device
         )
         backend = HostBackend() if device == "cpu" else None  # None: the bridge's CudaBackend
-        bridge = attach(
-            e.pool,
-            Ledger({"model_name": "compaction"}),
-            allocator=e.allocator,
-            env={ENV_ENABLE: "1"},
-            backend=backend,
-            require=True,
-            # no spares: the pages the survivors leave beyond the packed ones are the
-            # excess, whatever the map-ahead did
-            pool_options={"max_spare_pages": 0, "grace_pages": 0},
-        )
+        # no spares: the pages the survivors leave beyond the packed ones are the excess,
+        # whatever the map-ahead did
+        bridge = bridged(e, backend, max_spare_pages=0, grace_pages=0)
         try:
             reqs = [e.prefill(PAGE) for _ in range(40)]
             rng = random.Random(5)
@@ -56,6 +48,19 @@ def scattered(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Any, lis
             bridge.detach()
             if backend is not None:
                 backend.close()
+
+
+def bridged(e: Engine, backend: HostBackend | None, **pool_options: Any) -> Any:
+    """`e`'s pool bridged (required), on `backend` (None: the bridge's CudaBackend)."""
+    return attach(
+        e.pool,
+        Ledger({"model_name": "compaction"}),
+        allocator=e.allocator,
+        env={ENV_ENABLE: "1"},
+        backend=backend,
+        require=True,
+        pool_options=pool_options,
+    )
 
 
 def token_rows(e: Engine, reqs: list[Request]) -> dict[tuple[int, int], int]:
@@ -156,14 +161,7 @@ def test_after_every_compaction_the_mapped_pages_are_within_the_packed_bound(
     with published():
         e = Engine(shape, "cpu")
         with HostBackend(SMALL_GRANULARITY) as backend:
-            bridge: Any = attach(
-                e.pool,
-                Ledger({"model_name": "compaction"}),
-                allocator=e.allocator,
-                env={ENV_ENABLE: "1"},
-                backend=backend,
-                require=True,
-            )  # the bridge's own spare policy
+            bridge = bridged(e, backend)  # the bridge's own spare policy
             try:
                 rows_per_page = backend.granularity / e.pool.swa_kv_pool.kv_buffer[0].shape[1]
                 spares = bridge.store.max_spare_pages

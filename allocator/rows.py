@@ -199,16 +199,20 @@ class RowFollower:
         ahead_spares: int | None = None,
         min_rows: int = 0,
     ) -> tuple[int, list[int], list[int], int]:
-        """For `rows` an engine hands out next, in order: how many can be handed out without
-        a map (the longest prefix whose pages are all mapped, touching at most `max_spares`
-        pages not in use), the pages of that prefix, the pages of the first
-        max(`ahead`, that many) rows, each in order of first use (under the store's lock);
-        past the prefix, the ahead pages stop where they would hold more than `ahead_spares`
-        pages not in use (None: no cap), so what is mapped ahead and never handed out stays
-        within that, except that the first `min_rows` rows are always covered (the most the
-        engine takes in one call); and how many rows come before the first that touches a page not in use
-        (handing that one out is when the next page should be mapped ahead). A loop that
-        stops at the first row it cannot take: a few dozen rows in practice."""
+        """For `rows` an engine hands out next, in order (under the store's lock):
+
+        - `safe`: how many can be handed out without a map (the longest prefix whose pages
+          are all mapped, touching at most `max_spares` pages not in use);
+        - the pages of that prefix (to pin);
+        - the pages of the first max(`ahead`, `safe`) rows in order of first use (to map
+          ahead), stopping past the prefix where they would hold more than `ahead_spares`
+          pages not in use (None: no cap), so that what is mapped ahead and never handed
+          out stays within that, except that the first `min_rows` rows are always covered
+          (twice the most the engine takes in one call);
+        - `warm`: how many rows come before the first that touches a page not in use
+          (handing that one out is when the page after it should be mapped ahead).
+
+        A loop that stops at the first row it cannot take: a few dozen rows in practice."""
         p0, p1, count, state = self._p0, self._p1, self._count_a, self.store.state
         pages: dict[int, None] = {}
         spares = 0

@@ -36,7 +36,6 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import Account, Ledger
 from allocator.backend import Backend
 from allocator.errors import IncompatibleError
@@ -47,7 +46,6 @@ from allocator.store import PageStore
 from kvledger.sglang_bridge import registry
 from kvledger.sglang_bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation
 from kvledger.sglang_bridge.compat import (
-    V4_TOKEN_BYTES,
     SwaFacts,
     incompatibilities,
     pool_reasons,
@@ -56,10 +54,10 @@ from kvledger.sglang_bridge.compat import (
 from kvledger.sglang_bridge.follow import TokenObserver
 from kvledger.sglang_bridge.hooks import AHEAD_PAGES, AHEAD_ROWS, AllocatorHooks
 from kvledger.sglang_bridge.readback import reader_for
+from kvledger.sglang_bridge.swa_buffers import FAMILY, native_copy, swa_specs
 
 log = logging.getLogger(__name__)
 
-FAMILY = "swa_kv"
 # pool -> its bridge. Kept here, not as an attribute of SGLang's pool, so nothing of the
 # bridge is reachable from the pool object (the inventory walks it for stray tensors).
 _BRIDGES: weakref.WeakKeyDictionary[Any, Bridge] = weakref.WeakKeyDictionary()
@@ -194,7 +192,7 @@ class Bridge:
         pool = self.pool
         try:
             if pool is not None:  # else the pool and its views of the VMM range are gone
-                native = _native_copy(self.tensors, self.follower, self.facts)
+                native = native_copy(self.tensors, self.follower, self.facts)
                 bufs = pool.swa_kv_pool.kv_buffer
                 for i, t in enumerate(native):
                     bufs[i] = t
@@ -361,7 +359,7 @@ def _activate(
         for acc in runtime:
             undo.callback(ledger.remove_account, acc)
         account = ledger.add_account(
-            swa_specs(pool, facts, pool_name=bridge.pool_name, vmm_layout=layout),
+            swa_specs(pool, facts, pool_name=bridge.pool_name, layout=layout),
             page_bytes=layout.page_bytes,
             capacity_slots=facts.rows * facts.page_tokens,
         )
@@ -418,43 +416,3 @@ def _register_native(bridge: Bridge) -> None:
     bridge.runtime_accounts = registry.register_runtime(
         bridge.pool, bridge.ledger, pool_name=bridge.pool_name, exclude=()
     )
-
-
-def swa_specs(
-    pool: Any, facts: SwaFacts, *, pool_name: str, vmm_layout: SlotLayout | None
-) -> list[BufferSpec]:
-    """The swa_kv family's buffers: VMM-owned over `vmm_layout`, or runtime-owned (None)."""
-    start = int(getattr(pool, "_stage_start", 0) or 0)
-    tensor_bytes = facts.rows * facts.row_bytes
-    owner = Owner.VMM if vmm_layout is not None else Owner.RUNTIME
-    reserved = vmm_layout.reserved_bytes if vmm_layout is not None else tensor_bytes
-    return [
-        BufferSpec(
-            name=f"{FAMILY}.L{start + i}",
-            family=FAMILY,
-            pool=pool_name,
-            owner=owner,
-            layer=start + i,
-            dtype="uint8",
-            shape=(facts.rows, facts.row_bytes),
-            slot_bytes=V4_TOKEN_BYTES,
-            capacity_slots=facts.rows * facts.page_tokens,
-            tensor_bytes=tensor_bytes,
-            reserved_bytes=reserved,
-        )
-        for i in range(facts.layers)
-    ]
-
-
-def _native_copy(vmm: list[Any], follower: RowFollower, facts: SwaFacts) -> list[Any]:
-    import torch
-
-    rows = [0, *follower.held().tolist()]
-    out = []
-    for i in range(facts.layers):
-        src = vmm[i]
-        dst = torch.zeros((facts.rows, facts.row_bytes), dtype=torch.uint8, device=facts.devices[i])
-        for row in rows:
-            dst[row].copy_(src[row])
-        out.append(dst)
-    return out

@@ -12,47 +12,26 @@ from allocator.host import HostBackend
 from allocator.layout import SlotLayout
 from allocator.rows import RowFollower
 from allocator.store import PageStore
-from kvledger.sglang_bridge.compat import V4_TOKEN_BYTES, SwaFacts, expected_row_bytes
+from kvledger.sglang_bridge.compat import V4_TOKEN_BYTES
 from kvledger.sglang_bridge.swa_buffers import FAMILY, native_copy, swa_specs
+from tests.kvledger.sglang_bridge.test_sglang_compat import GOOD  # 3 layers of SGLang's shape
 
-PAGE_TOKENS = 256
-ROW = expected_row_bytes(PAGE_TOKENS)
-ROWS = 6
+PAGE_TOKENS = GOOD.page_tokens
+ROW = GOOD.row_bytes
+ROWS = GOOD.rows
 GRAN = 48 * 4096
-
-
-def facts(layers: int = 2) -> SwaFacts:
-    return SwaFacts(
-        pool_class="DeepSeekV4TokenToKVPool",
-        is_dsv4_pool=True,
-        has_swa_pool=True,
-        swa_storage="paged",
-        kv_layout="v4",
-        uniform_fp8=True,
-        token_bytes=V4_TOKEN_BYTES,
-        page_tokens=PAGE_TOKENS,
-        allocator_page_tokens=PAGE_TOKENS,
-        allocator_pages=ROWS - 1,
-        allocator_class="PagedTokenToKVPoolAllocator",
-        allocator_missing=(),
-        layers=layers,
-        shapes=((ROWS, ROW),) * layers,
-        dtypes=("torch.uint8",) * layers,
-        contiguous=(True,) * layers,
-        devices=("cpu",) * layers,
-    )
 
 
 def test_specs_name_each_layer_from_the_pool_stage_and_own_the_vmm_layout() -> None:
     layout = SlotLayout(capacity_slots=ROWS, slot_bytes=ROW, page_bytes=GRAN, slots_per_row=1)
-    specs = swa_specs(SimpleNamespace(_stage_start=3), facts(), pool_name="p", layout=layout)
-    assert [s.name for s in specs] == [f"{FAMILY}.L3", f"{FAMILY}.L4"]
+    specs = swa_specs(SimpleNamespace(_stage_start=3), GOOD, pool_name="p", layout=layout)
+    assert [s.name for s in specs] == [f"{FAMILY}.L3", f"{FAMILY}.L4", f"{FAMILY}.L5"]
     for s in specs:
         assert s.owner is Owner.VMM and s.family == FAMILY and s.pool == "p"
         assert s.shape == (ROWS, ROW) and s.tensor_bytes == ROWS * ROW
         assert s.reserved_bytes == layout.reserved_bytes >= s.tensor_bytes
         assert s.capacity_slots == ROWS * PAGE_TOKENS and s.slot_bytes == V4_TOKEN_BYTES
-    assert swa_specs(object(), facts(1), pool_name="p", layout=layout)[0].layer == 0
+    assert swa_specs(object(), GOOD, pool_name="p", layout=layout)[0].layer == 0
 
 
 def test_the_native_copy_holds_the_padding_row_and_the_held_rows_only() -> None:
@@ -61,8 +40,8 @@ def test_the_native_copy_holds_the_padding_row_and_the_held_rows_only() -> None:
         with PageStore(be, layers=1, page_bytes=GRAN, num_pages=pages) as store:
             f = RowFollower(store, rows=ROWS, row_bytes=ROW)
             f.take([2, 4])
-            vmm = [torch.full((ROWS, ROW), 7 + i, dtype=torch.uint8) for i in range(2)]
-            out = native_copy(vmm, f, facts())
+            vmm = [torch.full((ROWS, ROW), 7 + i, dtype=torch.uint8) for i in range(GOOD.layers)]
+            out = native_copy(vmm, f, GOOD)
     for i, t in enumerate(out):
         assert t.shape == (ROWS, ROW) and t.dtype == torch.uint8
         assert t is not vmm[i]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from allocator.checks import check_count
 from allocator.packing import packed_pages
 from allocator.rows import RowFollower
 from allocator.store import MAPPED
@@ -40,18 +41,13 @@ def in_use_beyond_packed(f: RowFollower) -> int:
     return f.store.in_use.count(1) - packed_pages(f)
 
 
-def _check_moves(max_moves: object) -> None:
-    if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 1:
-        raise ValueError(f"max_moves={max_moves!r}, expected an int >= 1")
-
-
 def slide(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
     """(sources, destinations) for at most `max_moves` moves: the held rows of the highest
     pages whose rows lie beyond the first `packed_pages(f)` pages, whole pages first, onto
     the free rows inside those pages, the holes of pages in use first, then the others in
     address order (taking them maps the pages not mapped). Empty when every held row
     lies inside already. Call under the store's lock, with the follower up to date."""
-    _check_moves(max_moves)
+    check_count("max_moves", max_moves, 1)
     end = packed_pages(f) * f.store.page_bytes // f.row_bytes  # rows below lie inside
     held = np.frombuffer(f.held_flags, np.uint8).astype(bool)
     above = np.flatnonzero(held[end:]) + end
@@ -80,7 +76,7 @@ def plan(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
     """(sources, destinations) for at most `max_moves` moves; empty when no page can be
     emptied into the other pages in use. Call under the store's lock, with the follower up
     to date."""
-    _check_moves(max_moves)
+    check_count("max_moves", max_moves, 1)
     store = f.store
     first, last = f.row_pages[:, 0], f.row_pages[:, 1]
     held = np.frombuffer(f.held_flags, np.uint8).astype(bool)

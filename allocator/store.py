@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from accounting.events import PoolEvent, PoolObserver
 from allocator.backend import Backend
+from allocator.checks import check_count
 from allocator.errors import CapacityError, ClosedError
 from allocator.faillog import FailureLog
 from allocator.pages import LayerSet
@@ -89,8 +90,7 @@ class PageStore(Reporter, SparePolicy, TpPages):
                 f"min_spare_pages={min_spare_pages}, max_spare_pages={max_spare_pages}: "
                 "expected 0 <= min_spare_pages <= max_spare_pages"
             )
-        if isinstance(grace_pages, bool) or not isinstance(grace_pages, int) or grace_pages < 0:
-            raise ValueError(f"grace_pages={grace_pages!r}, expected an int >= 0")
+        check_count("grace_pages", grace_pages, 0)
         if not (isinstance(unmap_grace_s, (int, float)) and math.isfinite(unmap_grace_s)) or (
             unmap_grace_s < 0
         ):
@@ -292,6 +292,10 @@ class PageStore(Reporter, SparePolicy, TpPages):
             del self.unmapped[i]
         if not self.in_use[p]:
             self.spares[p] = None
+            if len(self.spares) > self.max_spare_pages and self._over_since is None:
+                # over the watermark by a map (one the mapper began while under it): the
+                # grace starts now, as it would at a release, so the spare does not stay
+                self._over_since = time.monotonic()
 
     def _changed(self, pages: Iterable[int]) -> None:
         if self.user is not None:

@@ -72,6 +72,7 @@ import threading
 from typing import Any
 
 from accounting.tp_status import TpStatus
+from allocator.checks import check_count
 from allocator.errors import CapacityError
 from allocator.pool import SwaPool
 from allocator.tp_exchange import (
@@ -123,8 +124,7 @@ class TpCoordinator:
     ) -> None:
         import torch.distributed as dist
 
-        if not isinstance(ahead_pages, int) or isinstance(ahead_pages, bool) or ahead_pages < 0:
-            raise ValueError(f"ahead_pages={ahead_pages!r}, expected an int >= 0")
+        check_count("ahead_pages", ahead_pages, 0)
 
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s={timeout_s!r}, expected a positive number of seconds")

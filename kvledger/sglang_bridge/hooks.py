@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from allocator import packing
+from allocator.checks import check_count
 from allocator.rows import RowFollower
 from kvledger.sglang_bridge.compat import WRAPPED_METHODS
 from kvledger.sglang_bridge.journal import MERGE, RELEASE, TAKE, Journal
@@ -102,10 +103,8 @@ class AllocatorHooks:
                 f"{type(allocator).__name__} instance already overrides {', '.join(shadowed)}; "
                 "expected an allocator no one else has wrapped"
             )
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch={batch!r}, expected an int >= 1")
-        if isinstance(ahead_pages, bool) or not isinstance(ahead_pages, int) or ahead_pages < 0:
-            raise ValueError(f"ahead_pages={ahead_pages!r}, expected an int >= 0")
+        check_count("batch", batch, 1)
+        check_count("ahead_pages", ahead_pages, 0)
         self.allocator = allocator
         self.follower = follower
         self.reader = reader or HostReader()

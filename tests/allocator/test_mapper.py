@@ -241,3 +241,24 @@ def test_threads_allocating_and_freeing_beside_the_mapper_keep_the_books(
         assert snap.violations == ()
         assert snap.total("mapped_bytes") == stats["mapped_pages"] * 2 * PAGE
         assert snap.total("occupied_slots") == 0
+
+
+def test_a_spare_a_map_puts_over_the_watermark_goes_after_the_grace_with_no_release() -> None:
+    """A map the mapper began under the watermark can end over it (releases came meanwhile):
+    the grace starts then, as at a release, and the mapper trims once it is over; before,
+    the spare stayed mapped until the next release."""
+    from allocator.store import PageStore
+
+    with HostBackend(PAGE) as be:
+        store = PageStore(
+            be, layers=1, page_bytes=PAGE, num_pages=8, max_spare_pages=1, unmap_grace_s=0.05
+        )
+        with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:
+            with store.lock:
+                store.map_locked([1, 2])  # two spares: one over, within grace_pages (1)
+                assert len(store.spares) == 2
+            deadline = time.monotonic() + 5
+            while len(store.spares) > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(store.spares) == 1
+            assert mapper.errors == 0

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
 def _ms(s: dict[str, float]) -> str:
     return (
         f"median {s['median'] * 1e3:8.3f} ms  min {s['min'] * 1e3:8.3f}  "
-        f"max {s['max'] * 1e3:8.3f}  n={s['n']}"
+        f"max {s['max'] * 1e3:8.3f}  mean {s['mean'] * 1e3:8.3f}  n={s['n']}"
     )
 
 
@@ -191,9 +191,10 @@ def report(r: dict[str, Any]) -> list[str]:
         extra = ""
         if "bridged_maps" in case:
             extra = f"  (bridged maps {case['bridged_maps']}, unmaps {case['bridged_unmaps']})"
+        means = case["bridged"]["mean"] / case["native"]["mean"]
         out.append(
             f"    ratio    {ratio:.3f}x bridged/native, {floor:.3f}x control/native (the "
-            f"resolution){extra}"
+            f"resolution){extra}; of the means {means:.3f}x"
         )
         pr = case.get("paired")
         if pr is not None:  # the target is judged on the ratio paired by round

@@ -32,10 +32,13 @@ class HostRead:
     __slots__ = ("_lists",)
 
     def __init__(self, items: list[tuple[Any, int | None]]) -> None:
-        self._lists = [
-            t.numpy().reshape(-1)[:n].tolist() if n is not None else t.reshape(-1).tolist()
-            for t, n in items
-        ]
+        out = []
+        for t, n in items:
+            a = t.numpy()
+            if a.ndim != 1:
+                a = a.reshape(-1)
+            out.append((a[:n] if n is not None else a).tolist())
+        self._lists = out
 
     def ready(self) -> bool:
         return True
@@ -143,7 +146,11 @@ class CudaReader:
         the device, one pinned non-blocking copy and one event, whatever the number of
         tensors."""
         torch = self._torch
-        flat = [t.reshape(-1)[:n] if n is not None else t.reshape(-1) for t, n in items]
+        flat = []
+        for t, n in items:
+            if t.dim() != 1:
+                t = t.reshape(-1)
+            flat.append(t[:n] if n is not None else t)
         sizes = [int(f.shape[0]) for f in flat]
         one = flat[0] if len(flat) == 1 else torch.cat(flat)
         host = torch.empty(one.shape, dtype=one.dtype, pin_memory=True)

@@ -71,6 +71,7 @@ def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
         for variant in ("native", "control", "bridged"):
             s = r[key][variant]
             assert 0 < s["min"] <= s["median"] <= s["max"]
+            assert s["min"] <= s["mean"] <= s["max"]
     assert r["config"]["backend"] == "HostBackend"
     assert r["config"]["row_bytes"] == 149760
     cycles = r["fill_drain"]["cycles"]

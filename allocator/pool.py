@@ -13,12 +13,11 @@ observer nothing. See docs/allocator.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from accounting.events import PoolObserver
 from allocator.backend import Backend
-from allocator.errors import CapacityError
+from allocator.gather import SlotGather
 from allocator.layout import SlotLayout
 from allocator.slot_ids import as_id_list, validate
 from allocator.store import BUSY, MAPPED, PageStore
@@ -26,7 +25,7 @@ from allocator.store import BUSY, MAPPED, PageStore
 __all__ = ["SwaPool", "as_id_list"]
 
 
-class SwaPool:
+class SwaPool(SlotGather):
     def __init__(
         self,
         backend: Backend,
@@ -216,86 +215,6 @@ class SwaPool:
         self._commit(taken)
         return taken
 
-    def _gather(self, n: int, taken: list[int]) -> None:
-        """Take up to `n` free slots off mapped pages, partly occupied pages first, then
-        spares. A partly occupied page leaves its tier when it has no usable slot left (the
-        commit or the undo re-tiers it); spares leave theirs at the commit."""
-        drop: list[int] = []
-        for p in self._partial:
-            if len(taken) >= n:
-                break
-            self._take_from_page(p, n - len(taken), taken)
-            if not self._has_usable(p):
-                drop.append(p)
-        for p in drop:
-            del self._partial[p]
-        for p in self.store.spares:
-            if len(taken) >= n:
-                break
-            self._take_from_page(p, n - len(taken), taken)
-
-    def _take_from_page(self, p: int, k: int, taken: list[int]) -> None:
-        s = self._free_inner[p]
-        if k >= len(s):
-            taken.extend(s)
-            k -= len(s)
-            s.clear()
-        else:
-            for _ in range(k):
-                taken.append(s.pop())
-            k = 0
-        if k and self._tail_usable(p):
-            taken.append(self._tail[p])
-            self._tail_free[p] = 0
-
-    def _tail_usable(self, p: int) -> bool:
-        return bool(self._tail_free[p]) and self.store.is_mapped(p + 1)
-
-    def _has_usable(self, p: int) -> bool:
-        return bool(self._free_inner[p]) or self._tail_usable(p)
-
-    def _return_gathered(self, taken: list[int]) -> None:
-        touched = set()
-        for i in taken:
-            self._return_slot(i)
-            touched.add(self._home_of[i])
-        for p in touched:
-            self._retier(p)
-
-    def plan_pages(self, need: int, candidates: Iterable[int] | None = None) -> list[int] | None:
-        """Unmapped pages whose mapping frees `need` usable slots; None if the mapper must finish
-        first. Raises CapacityError (nothing changed) when the pool or the budget cannot.
-        `candidates` (TP: reserved pages first) replaces the unmapped pages in their order."""
-        store = self.store
-        state = store.state
-        plan: list[int] = []
-        planned: set[int] = set()
-        gained = 0
-        for p in store.unmapped if candidates is None else candidates:
-            if gained >= need:
-                break
-            plan.append(p)
-            planned.add(p)
-            gained += len(self._free_inner[p])
-            # The tail of p needs p + 1; the tail of p - 1 needs p (and p - 1 itself).
-            if self._tail_free[p] and (p + 1 in planned or store.is_mapped(p + 1)):
-                gained += 1
-            q = p - 1
-            if q >= 0 and self._tail_free[q] and (q in planned or state[q] == MAPPED):
-                gained += 1
-        if gained < need:
-            if store.busy:
-                return None
-            raise CapacityError(
-                f"{self.name}: cannot allocate {need} more slots: {gained} obtainable from the "
-                f"{len(store.unmapped)} unmapped pages (capacity {self.capacity_slots} slots, "
-                f"{store.occupied} occupied)"
-            )
-        store.check_budget(
-            store.sets_needed(plan), f"allocate {need} slots ({len(plan)} new page ids)"
-        )
-        return plan
-
     def _commit(self, taken: list[int]) -> None:
         touched = set()
         occupied, refcount, home_of, tail = (
@@ -397,31 +316,6 @@ class SwaPool:
         for p in touched:
             self._retier(p)
         self.store.add_occupied(-len(slots))
-
-    def _return_slot(self, i: int) -> None:
-        a = self._home_of[i]
-        if i == self._tail[a]:
-            self._tail_free[a] = 1
-        else:
-            self._free_inner[a].add(i)
-
-    # -- tiers ------------------------------------------------------------------------------------
-    def pages_changed(self, pages: Iterable[int]) -> None:
-        """The store mapped, unmapped or took pages busy: re-tier them and their left
-        neighbours (whose tails straddle into them)."""
-        for p in pages:
-            self._retier(p)
-            if p > 0:
-                self._retier(p - 1)
-
-    def _retier(self, p: int) -> None:
-        store = self.store
-        used = self._refcount[p] > 0
-        store.set_use(p, used)
-        if used and store.state[p] == MAPPED and self._has_usable(p):
-            self._partial[p] = None
-        else:
-            self._partial.pop(p, None)
 
     # -- tensor parallelism (driven by allocator.tp; its docstring has the protocol) -----------
     def _tp_run(self, op: str, n: int, body: Any) -> list[int]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from allocator.front import Front, plan
 from allocator.store import BUSY, MAPPED, Fence, PageStore
 
 log = logging.getLogger(__name__)
@@ -198,53 +199,20 @@ class RowFollower:
         ahead: int,
         ahead_spares: int | None = None,
         min_rows: int = 0,
-    ) -> tuple[int, list[int], list[int], int]:
-        """For `rows` an engine hands out next, in order (under the store's lock):
-
-        - `safe`: how many can be handed out without a map (the longest prefix whose pages
-          are all mapped, touching at most `max_spares` pages not in use);
-        - the pages of that prefix (to pin);
-        - the pages of the first max(`ahead`, `safe`) rows in order of first use (to map
-          ahead), stopping past the prefix where they would hold more than `ahead_spares`
-          pages not in use (None: no cap), so that what is mapped ahead and never handed
-          out stays within that, except that the first `min_rows` rows are always covered
-          (twice the most the engine takes in one call);
-        - `warm`: how many rows come before the first that touches a page not in use
-          (handing that one out is when the page after it should be mapped ahead).
-
-        A loop that stops at the first row it cannot take: a few dozen rows in practice."""
-        p0, p1, count, state = self._p0, self._p1, self._count_a, self.store.state
-        pages: dict[int, None] = {}
-        spares = 0
-        safe = warm = len(rows)
-        for i, row in enumerate(rows):
-            for q in (p0[row], p1[row]):  # the row's first and last page
-                if q in pages:
-                    continue
-                if state[q] != MAPPED or (not count[q] and spares == max_spares):
-                    break  # unmapped, or one spare too many
-                if not count[q] and not spares:
-                    warm = i
-                spares += not count[q]
-                pages[q] = None
-            else:
-                continue
-            safe = i
-            break
-        warm = min(warm, safe)
-        pinned = list(pages)
-        if safe >= ahead:
-            return safe, pinned, pinned, warm
-        cap = len(rows) if ahead_spares is None else max(ahead_spares, spares)
-        for i in range(safe, min(ahead, len(rows))):
-            row = rows[i]
-            new = [q for q in dict.fromkeys((p0[row], p1[row])) if q not in pages]
-            unused = sum(1 for q in new if not count[q])
-            if spares + unused > cap and i >= min_rows:
-                break
-            spares += unused
-            pages.update(dict.fromkeys(new))
-        return safe, pinned, list(pages), warm
+    ) -> Front:
+        """`allocator.front.plan` for `rows` an engine hands out next, in order, against this
+        follower's pages and counts (under the store's lock): (safe, pinned, ahead, warm)."""
+        return plan(
+            self._p0,
+            self._p1,
+            self._count_a,
+            self.store.state,
+            rows,
+            max_spares,
+            ahead,
+            ahead_spares,
+            min_rows,
+        )
 
     def cover(self, rows: list[int]) -> list[int]:
         """Map (now, if the mapper has not) the pages of `rows` an engine may have handed out

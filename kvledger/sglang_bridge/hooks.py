@@ -19,20 +19,15 @@ every `batch` recorded calls, when an allocation went past the rows known to be
 mapped, when the background mapper finds the journal idle for `IDLE_FLUSH_S`, and
 whenever a reader asks (`Bridge.stats`, `Bridge.flush`).
 
-Why handing out rows before the follower knows is safe: after each replay the
-first rows of SGLang's free list whose pages are mapped (with at most
-`max_spare_pages` pages not in use among them) are *pinned* (`PageStore.pin`:
-never unmapped), and their count is a budget. SGLang's list is a stack for these
-calls (releases go in front, allocations take from the front), so the journal's
-`net` (rows taken minus rows released to the front) bounds how deep into the
-front last read any allocation reached; released rows, taken first, are still
-held for the follower, so mapped. An allocation that goes past the budget makes
-the next rows of that front mapped and pinned before SGLang's method returns
-(`RowFollower.cover`, counted as `waited_allocs` when it had to map), reading
-nothing from the device; only past all of the front read, or after a merge (which
-re-sorts the list), does the replay wait to read what was taken (`forced`). On
-CUDA, spares not pinned are fenced at each re-pin. docs/allocator.md has the
-argument in full.
+Why handing out rows before the follower knows is safe (docs/allocator.md#the-journal has
+the argument in full): after each replay the first rows of SGLang's free list whose pages
+are mapped (at most `max_spare_pages` of them not in use) are *pinned* (`PageStore.pin`),
+and their count is a budget. SGLang's list is a stack for these calls, so the journal's
+`net` bounds how deep into the front last read an allocation reached. One that goes past
+the budget has the next rows of that front mapped and pinned before SGLang's method returns
+(`RowFollower.cover`, counted as `waited_allocs` when it had to map), reading nothing from
+the device; only past all of the front read, or after a merge, does the replay wait to read
+what was taken (`forced`). On CUDA, spares not pinned are fenced at each re-pin.
 
 The rows at the front (`ahead_rows` of them, as far as their pages hold at most
 `ahead_pages` pages not in use) are also handed to the background mapper after each
@@ -64,6 +59,7 @@ from allocator.rows import RowFollower
 from kvledger.sglang_bridge.compat import WRAPPED_METHODS
 from kvledger.sglang_bridge.journal import MERGE, RELEASE, TAKE, Journal
 from kvledger.sglang_bridge.readback import HostReader, host_ids
+from kvledger.sglang_bridge.reorder import reorder
 
 log = logging.getLogger(__name__)
 
@@ -437,15 +433,3 @@ class AllocatorHooks:
         if held - mine:
             f.take(sorted(held - mine))
         self._pin(host_ids(self.allocator.free_pages[: self.front_rows]).tolist())
-
-
-def reorder(free: Any, keys: np.ndarray) -> Any:
-    """`free` (page ids) sorted by `keys[id]`, on `free`'s device, without a
-    synchronisation (a CUDA pool: the keys go up with a pinned non-blocking copy)."""
-    import torch
-
-    k = torch.from_numpy(keys)
-    if free.device.type != "cpu":
-        k = k.pin_memory().to(free.device, non_blocking=True)
-    order = torch.argsort(k[free.long()], stable=True)
-    return free[order]

@@ -41,8 +41,13 @@ def plan(
 
     - `safe`: how many can be handed out without a map (the longest prefix whose pages are
       all mapped, touching at most `max_spares` pages not in use);
-    - `pinned`: the pages of that prefix;
-    - `ahead`: the pages of the first max(`ahead`, `safe`) rows in order of first use,
+    - `pinned`: the pages of that prefix, and the first page of the row that ends it when
+      that page passes the same test (the row straddles into a page that does not). That
+      page is the next allocation's, and pinned it stays mapped. With it left out (commit
+      67f0109) the H200's fill/drain cycles waited on the driver 6 times where the runs
+      before had none (likely: trimmed as a spare not pinned, then needed);
+    - `ahead`: the pinned pages, then those of the first max(`ahead`, `safe`) rows in
+      order of first use,
       stopping past the prefix where they would hold more than `ahead_spares` pages not in
       use (None: no cap), so that what is mapped ahead and never handed out stays within
       that, except that the first `min_rows` rows are always covered (twice the most the
@@ -55,21 +60,18 @@ def plan(
     spares = 0
     safe = warm = len(rows)
     for i, row in enumerate(rows):
-        a, b = first[row], last[row]
-        new = [q for q in ((a,) if a == b else (a, b)) if q not in pages]
-        unused = 0
-        for q in new:
-            if state[q] != MAPPED:
-                break
-            unused += not count[q]
-        else:
-            if spares + unused <= max_spares:
-                if unused and not spares:
-                    warm = i
-                spares += unused
-                pages.update(dict.fromkeys(new))
+        for q in (first[row], last[row]):
+            if q in pages:
                 continue
-        safe = i  # unmapped, or one spare too many
+            if state[q] != MAPPED or (not count[q] and spares == max_spares):
+                break  # unmapped, or one spare too many
+            if not count[q] and not spares:
+                warm = i
+            spares += not count[q]
+            pages[q] = None  # the stopping row's first page too, when it passes
+        else:
+            continue
+        safe = i
         break
     warm = min(warm, safe)
     pinned = list(pages)

@@ -30,6 +30,26 @@ def slow_safe(
     return best
 
 
+def slow_pinned(
+    first: list[int],
+    last: list[int],
+    count: list[int],
+    state: list[int],
+    rows: list[int],
+    max_spares: int,
+    safe: int,
+) -> list[int]:
+    """The pages of the prefix, then the first page of the row that ends it if that page is
+    mapped and, when not in use, within the spares."""
+    pinned = in_order(first, last, rows[:safe])
+    if safe < len(rows):
+        q = first[rows[safe]]
+        spares = sum(1 for p in pinned if not count[p])
+        if q not in pinned and state[q] == MAPPED and (count[q] or spares < max_spares):
+            pinned.append(q)
+    return pinned
+
+
 def slow_warm(
     first: list[int], last: list[int], count: list[int], rows: list[int], safe: int
 ) -> int:
@@ -75,10 +95,12 @@ def test_random_fronts_match_the_definitions() -> None:
         ahead = rng.randint(0, n)
         f = plan(first, last, count, state, rows, max_spares, ahead)
         assert f.safe == slow_safe(first, last, count, state, rows, max_spares)
-        assert f.pinned == in_order(first, last, rows[: f.safe])
+        assert f.pinned == slow_pinned(first, last, count, state, rows, max_spares, f.safe)
         assert f.warm == slow_warm(first, last, count, rows, f.safe)
-        # uncapped: the pages of the first max(ahead, safe) rows, in order of first use
-        assert f.ahead == in_order(first, last, rows[: max(ahead, f.safe)])
+        # uncapped: the pinned pages, then those of the first max(ahead, safe) rows, in
+        # order of first use
+        want = list(dict.fromkeys(f.pinned + in_order(first, last, rows[: max(ahead, f.safe)])))
+        assert f.ahead == (f.pinned if f.safe >= ahead else want)
         # capped: a prefix of that order holding the pinned pages, within the cap past them
         cap = rng.randint(0, 3)
         g = plan(first, last, count, state, rows, max_spares, ahead, ahead_spares=cap)

@@ -127,7 +127,8 @@ class AllocatorHooks:
         self._front: list[int] = []  # the first rows of SGLang's list at the last replay
         self._widest = 0  # the most rows one allocation took since the last replay
         self._recent: deque[int] = deque(maxlen=RECENT_REPLAYS)  # `_widest` of recent replays
-        self._reach = 0  # rows kept mapped ahead whatever `ahead_pages`: see `_pin`
+        self._cover_rows = 0  # rows announced ahead whatever `ahead_pages`: see `_pin`
+        self._reach = 0  # the same when more than a page's rows (else 0): see `_pin`
         self._short = False  # the last pin found mapped rows a pack would bring to the front
         orig = {m: getattr(allocator, m) for m in WRAPPED_METHODS}
         self._orig = orig
@@ -361,17 +362,21 @@ class AllocatorHooks:
         store = f.store
         self._front = front
         with store.lock:
-            # Whatever `ahead_pages` allows, twice the widest allocation of the last
-            # RECENT_REPLAYS replays that had one stays mapped ahead (so the next one finds
-            # its rows mapped, and the mapper has time for the one after), when that is
-            # more than the rows of a page (the one page ahead covers narrower ones).
+            # Whatever `ahead_pages` allows, the rows of twice the widest allocation of the
+            # last RECENT_REPLAYS replays that had one are announced (so the next one finds
+            # its rows mapped, and the mapper has time for the one after). In a fill the
+            # one page ahead already covers them; after a churn's packing the front may
+            # interleave the rows of a spare with those of an unmapped page, and the spare
+            # would use up `ahead_pages`. `_reach`, the same when more than a page's rows,
+            # is what the next allocation may need for `_short`.
             if self._widest:
                 self._recent.append(self._widest)
                 self._widest = 0
-                reach = 2 * max(self._recent)
-                self._reach = reach if reach > store.page_bytes // f.row_bytes else 0
+                self._cover_rows = 2 * max(self._recent)
+                rows_per_page = store.page_bytes // f.row_bytes
+                self._reach = self._cover_rows if self._cover_rows > rows_per_page else 0
             safe, pinned, ahead, warm = f.front(
-                front, store.max_spare_pages, self.ahead_rows, self.ahead_pages, self._reach
+                front, store.max_spare_pages, self.ahead_rows, self.ahead_pages, self._cover_rows
             )
             # Fewer rows mapped at the front than the next allocation may take, while more
             # free rows are mapped further down: packing would bring them to the front.

@@ -45,7 +45,8 @@ def plan(
       that page passes the same test (the row straddles into a page that does not). That
       page is the next allocation's, and pinned it stays mapped. With it left out (commit
       67f0109) the H200's fill/drain cycles waited on the driver 6 times where the runs
-      before had none (likely: trimmed as a spare not pinned, then needed);
+      before had none (likely: trimmed as a spare not pinned, then needed; with it back,
+      commit b958f75, 0 and 2 times in two runs);
     - `ahead`: the pinned pages, then those of the first max(`ahead`, `safe`) rows in
       order of first use,
       stopping past the prefix where they would hold more than `ahead_spares` pages not in

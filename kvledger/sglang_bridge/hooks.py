@@ -30,8 +30,9 @@ the device; only past all of the front read, or after a merge, does the replay w
 what was taken (`forced`). On CUDA, spares not pinned are fenced at each re-pin.
 
 The rows at the front (`ahead_rows` of them, as far as their pages hold at most
-`ahead_pages` pages not in use) are also handed to the background mapper after each
-replay, so their pages are mapped before they are needed.
+`ahead_pages` pages not in use, and whatever that cap twice the widest recent allocation)
+are also handed to the background mapper after each replay, so their pages are mapped
+before they are needed.
 Every `PACK_EVERY` releases the replay looks at whether the free list needs
 packing (`_maybe_pack`).
 
@@ -128,7 +129,6 @@ class AllocatorHooks:
         self._widest = 0  # the most rows one allocation took since the last replay
         self._recent: deque[int] = deque(maxlen=RECENT_REPLAYS)  # `_widest` of recent replays
         self._cover_rows = 0  # rows announced ahead whatever `ahead_pages`: see `_pin`
-        self._reach = 0  # the same when more than a page's rows (else 0): see `_pin`
         self._short = False  # the last pin found mapped rows a pack would bring to the front
         orig = {m: getattr(allocator, m) for m in WRAPPED_METHODS}
         self._orig = orig
@@ -367,20 +367,20 @@ class AllocatorHooks:
             # its rows mapped, and the mapper has time for the one after). In a fill the
             # one page ahead already covers them; after a churn's packing the front may
             # interleave the rows of a spare with those of an unmapped page, and the spare
-            # would use up `ahead_pages`. `_reach`, the same when more than a page's rows,
-            # is what the next allocation may need for `_short`.
+            # would use up `ahead_pages`.
             if self._widest:
                 self._recent.append(self._widest)
                 self._widest = 0
                 self._cover_rows = 2 * max(self._recent)
-                rows_per_page = store.page_bytes // f.row_bytes
-                self._reach = self._cover_rows if self._cover_rows > rows_per_page else 0
+            # What the next allocation may need (for `_short`): those rows when more than a
+            # page's (the one page ahead covers narrower ones).
+            reach = self._cover_rows if self._cover_rows > store.page_bytes // f.row_bytes else 0
             safe, pinned, ahead, warm = f.front(
                 front, store.max_spare_pages, self.ahead_rows, self.ahead_pages, self._cover_rows
             )
             # Fewer rows mapped at the front than the next allocation may take, while more
             # free rows are mapped further down: packing would bring them to the front.
-            self._short = safe < min(self._reach, len(front)) and packing.mapped_free_rows(f) > safe
+            self._short = safe < min(reach, len(front)) and packing.mapped_free_rows(f) > safe
             store.pin(pinned)
             if self.ahead_rows:
                 store.set_ahead(ahead)

@@ -162,3 +162,20 @@ def unique_storages(root: Any) -> dict[tuple[str, int], int]:
         elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("sglang", "accounting")):
             stack.extend(vars(obj).values())
     return out
+
+
+def bridged(e: Any, backend: Any, *, name: str = "bridged", **pool_options: Any) -> Any:
+    """The pool of `e` (a `kvledger.bench.sglang_engine.Engine`) bridged, required, on
+    `backend` (None: the bridge's CudaBackend), with a ledger of its own."""
+    from accounting.ledger import Ledger
+    from kvledger.sglang_bridge import ENV_ENABLE, attach
+
+    return attach(
+        e.pool,
+        Ledger({"model_name": name}),
+        allocator=e.allocator,
+        env={ENV_ENABLE: "1"},
+        backend=backend,
+        require=True,
+        pool_options=pool_options,
+    )

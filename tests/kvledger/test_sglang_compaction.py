@@ -11,11 +11,10 @@ from typing import Any
 
 import pytest
 
-from accounting.ledger import Ledger
 from allocator import packing
 from allocator.host import HostBackend
 from kvledger.bench.sglang_engine import PAGE, Engine, Request, Shape, published
-from kvledger.sglang_bridge import ENV_ENABLE, attach
+from tests.kvledger.sglang_rig import bridged
 
 pytestmark = pytest.mark.sglang
 
@@ -36,7 +35,7 @@ def scattered(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Any, lis
         backend = HostBackend() if device == "cpu" else None  # None: the bridge's CudaBackend
         # no spares: the pages the survivors leave beyond the packed ones are the excess,
         # whatever the map-ahead did
-        bridge = bridged(e, backend, max_spare_pages=0, grace_pages=0)
+        bridge = bridged(e, backend, name="compaction", max_spare_pages=0, grace_pages=0)
         try:
             reqs = [e.prefill(PAGE) for _ in range(40)]
             rng = random.Random(5)
@@ -48,19 +47,6 @@ def scattered(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, Any, lis
             bridge.detach()
             if backend is not None:
                 backend.close()
-
-
-def bridged(e: Engine, backend: HostBackend | None, **pool_options: Any) -> Any:
-    """`e`'s pool bridged (required), on `backend` (None: the bridge's CudaBackend)."""
-    return attach(
-        e.pool,
-        Ledger({"model_name": "compaction"}),
-        allocator=e.allocator,
-        env={ENV_ENABLE: "1"},
-        backend=backend,
-        require=True,
-        pool_options=pool_options,
-    )
 
 
 def token_rows(e: Engine, reqs: list[Request]) -> dict[tuple[int, int], int]:
@@ -161,7 +147,7 @@ def test_after_every_compaction_the_mapped_pages_are_within_the_packed_bound(
     with published():
         e = Engine(shape, "cpu")
         with HostBackend(SMALL_GRANULARITY) as backend:
-            bridge = bridged(e, backend)  # the bridge's own spare policy
+            bridge = bridged(e, backend, name="compaction")  # the bridge's own spare policy
             try:
                 rows_per_page = backend.granularity / e.pool.swa_kv_pool.kv_buffer[0].shape[1]
                 spares = bridge.store.max_spare_pages

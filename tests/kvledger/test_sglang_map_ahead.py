@@ -10,13 +10,12 @@ from typing import Any
 
 import pytest
 
-from accounting.ledger import Ledger
 from allocator.host import HostBackend
 from allocator.store import MAPPED
 from kvledger.bench.sglang_cases import Churn
 from kvledger.bench.sglang_engine import Engine, Shape, published
-from kvledger.sglang_bridge import ENV_ENABLE, attach
 from kvledger.sglang_bridge.hooks import AllocatorHooks
+from tests.kvledger.sglang_rig import bridged
 
 pytestmark = pytest.mark.sglang
 
@@ -55,14 +54,7 @@ def test_the_next_rows_pages_are_mapped_or_announced_in_a_fill_after_a_churn(
     with published():
         e = Engine(shape, "cpu")
         with HostBackend() as backend:
-            bridge = attach(
-                e.pool,
-                Ledger({"model_name": "map-ahead"}),
-                allocator=e.allocator,
-                env={ENV_ENABLE: "1"},
-                backend=backend,
-                require=True,
-            )
+            bridge = bridged(e, backend, name="map-ahead")
             try:
                 churn = Churn(13, shape.swa_pages)
                 for _ in range(300):

@@ -9,58 +9,50 @@ from allocator.front import Front, plan
 from allocator.store import MAPPED, UNMAPPED
 
 
-def slow_safe(
-    first: list[int],
-    last: list[int],
-    count: list[int],
-    state: list[int],
-    rows: list[int],
-    max_spares: int,
-) -> int:
-    """The longest prefix of `rows` whose pages are all mapped, with at most `max_spares`
-    distinct pages not in use."""
-    best = 0
-    for n in range(len(rows) + 1):
-        pages = {q for r in rows[:n] for q in (first[r], last[r])}
-        if any(state[q] != MAPPED for q in pages):
-            break
-        if sum(1 for q in pages if not count[q]) > max_spares:
-            break
-        best = n
-    return best
+class Slow:
+    """The definitions of `plan`'s docstring over the same four arrays, the slow way."""
 
+    def __init__(
+        self, first: list[int], last: list[int], count: list[int], state: list[int]
+    ) -> None:
+        self.first, self.last, self.count, self.state = first, last, count, state
 
-def slow_pinned(
-    first: list[int],
-    last: list[int],
-    count: list[int],
-    state: list[int],
-    rows: list[int],
-    max_spares: int,
-    safe: int,
-) -> list[int]:
-    """The pages of the prefix, then the first page of the row that ends it if that page is
-    mapped and, when not in use, within the spares."""
-    pinned = in_order(first, last, rows[:safe])
-    if safe < len(rows):
-        q = first[rows[safe]]
-        spares = sum(1 for p in pinned if not count[p])
-        if q not in pinned and state[q] == MAPPED and (count[q] or spares < max_spares):
-            pinned.append(q)
-    return pinned
+    def in_order(self, rows: list[int]) -> list[int]:
+        return list(dict.fromkeys(q for r in rows for q in (self.first[r], self.last[r])))
 
+    def safe(self, rows: list[int], max_spares: int) -> int:
+        """The longest prefix of `rows` whose pages are all mapped, with at most `max_spares`
+        distinct pages not in use."""
+        best = 0
+        for n in range(len(rows) + 1):
+            pages = set(self.in_order(rows[:n]))
+            if any(self.state[q] != MAPPED for q in pages):
+                break
+            if sum(1 for q in pages if not self.count[q]) > max_spares:
+                break
+            best = n
+        return best
 
-def slow_warm(
-    first: list[int], last: list[int], count: list[int], rows: list[int], safe: int
-) -> int:
-    for i, r in enumerate(rows):
-        if not count[first[r]] or not count[last[r]]:
-            return min(i, safe)
-    return min(len(rows), safe)
+    def pinned(self, rows: list[int], max_spares: int, safe: int) -> list[int]:
+        """The pages of the prefix, then the first page of the row that ends it if that page
+        is mapped and, when not in use, within the spares."""
+        pinned = self.in_order(rows[:safe])
+        if safe < len(rows):
+            q = self.first[rows[safe]]
+            spares = sum(1 for p in pinned if not self.count[p])
+            if (
+                q not in pinned
+                and self.state[q] == MAPPED
+                and (self.count[q] or spares < max_spares)
+            ):
+                pinned.append(q)
+        return pinned
 
-
-def in_order(first: list[int], last: list[int], rows: list[int]) -> list[int]:
-    return list(dict.fromkeys(q for r in rows for q in (first[r], last[r])))
+    def warm(self, rows: list[int], safe: int) -> int:
+        for i, r in enumerate(rows):
+            if not self.count[self.first[r]] or not self.count[self.last[r]]:
+                return min(i, safe)
+        return min(len(rows), safe)
 
 
 def test_a_hand_built_front() -> None:
@@ -94,12 +86,13 @@ def test_random_fronts_match_the_definitions() -> None:
         max_spares = rng.randint(0, 3)
         ahead = rng.randint(0, n)
         f = plan(first, last, count, state, rows, max_spares, ahead)
-        assert f.safe == slow_safe(first, last, count, state, rows, max_spares)
-        assert f.pinned == slow_pinned(first, last, count, state, rows, max_spares, f.safe)
-        assert f.warm == slow_warm(first, last, count, rows, f.safe)
+        slow = Slow(first, last, count, state)
+        assert f.safe == slow.safe(rows, max_spares)
+        assert f.pinned == slow.pinned(rows, max_spares, f.safe)
+        assert f.warm == slow.warm(rows, f.safe)
         # uncapped: the pinned pages, then those of the first max(ahead, safe) rows, in
         # order of first use
-        want = list(dict.fromkeys(f.pinned + in_order(first, last, rows[: max(ahead, f.safe)])))
+        want = list(dict.fromkeys(f.pinned + slow.in_order(rows[: max(ahead, f.safe)])))
         assert f.ahead == (f.pinned if f.safe >= ahead else want)
         # capped: a prefix of that order holding the pinned pages, within the cap past them
         cap = rng.randint(0, 3)

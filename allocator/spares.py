@@ -9,8 +9,11 @@
   ahead goes last; a spare whose fence has not signalled (the GPU work that last used it, on CUDA) is not unmapped at all until it
   has.
 - Map ahead: pages a follower hands out next (`set_ahead`) while spares are fewer than
-  `max_spare_pages` (so mapping ahead and trimming never undo each other), then enough to
-  keep `min_spare_pages` spares, within the physical budget.
+  `max_spare_pages`, or at `max_spare_pages` while one of them is stale (neither pinned nor
+  wanted ahead): the wanted page takes the stale one's place, which is trimmed behind it
+  (the grace, then first in line), so one spare at most goes beyond the watermark, and
+  mapping ahead and trimming never undo each other (each maps or unmaps what the other
+  does not want). Then enough to keep `min_spare_pages` spares, within the physical budget.
 - A failed unmap leaves the page whole and spare; a free retries it no sooner than
   `retry_after_s` later (the background mapper after its error backoff).
 
@@ -131,6 +134,11 @@ class SparePolicy:
             later = p if later is None else later
         return later
 
+    def _stale_spare(self) -> bool:
+        """A spare neither pinned nor wanted ahead: a page the engine is about to hand out
+        may take its place (mapped now, the stale one trimmed behind it)."""
+        return any(p not in self.pinned and p not in self.ahead for p in self.spares)
+
     def _trim_due(self) -> bool:
         """Spares beyond what the grace may keep, or beyond the watermark past the grace."""
         n = len(self.spares)
@@ -182,7 +190,8 @@ class SparePolicy:
     def _map_target(self) -> int | None:
         if not self.unmapped or (not self.kept and not self.budget_allows(1)):
             return None
-        if len(self.spares) < self.max_spare_pages:  # ahead pages stay within the spares
+        n = len(self.spares)
+        if n < self.max_spare_pages or (n == self.max_spare_pages and self._stale_spare()):
             for p in self.ahead:
                 if self.state[p] == _UNMAPPED and p not in self.tp_reserve:
                     return p

@@ -172,6 +172,28 @@ def test_rows_announced_ahead_are_mapped_before_they_are_taken(host: HostBackend
         assert f.waited == 1
 
 
+@pytest.mark.parametrize("grace", [0.0, 0.05])
+def test_a_page_wanted_ahead_takes_the_place_of_a_stale_spare(host: HostBackend, grace: float) -> None:
+    """Spares at the watermark that the engine will not hand out next (its free list was
+    sorted or packed away from them) do not keep the page it will hand out unmapped: the
+    mapper maps that one and trims a stale one behind it, never the wanted one."""
+    store, f = make(host, max_spare_pages=2, unmap_grace_s=grace)
+    with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:
+        f.take(list(range(8, 16)), count_waits=False)  # pages 3, 4, 5
+        f.give_back(list(range(8, 16)))
+        assert mapper.wait_idle()
+        stale = set(store.spares)
+        assert len(stale) == 2 and stale <= {3, 4, 5}
+        wanted = pages_of_rows([40])  # page 15
+        assert not wanted & mapped(store)
+        f.ahead([40])
+        assert mapper.wait_idle()
+        assert wanted <= mapped(store)
+        assert len(store.spares) == 2 and len(set(store.spares) & stale) == 1
+        f.take([40])
+        assert f.waited == 0
+
+
 def test_give_back_all_and_held(host: HostBackend) -> None:
     store, f = make(host)
     with store:

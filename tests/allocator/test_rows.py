@@ -173,7 +173,9 @@ def test_rows_announced_ahead_are_mapped_before_they_are_taken(host: HostBackend
 
 
 @pytest.mark.parametrize("grace", [0.0, 0.05])
-def test_a_page_wanted_ahead_takes_the_place_of_a_stale_spare(host: HostBackend, grace: float) -> None:
+def test_a_page_wanted_ahead_takes_the_place_of_a_stale_spare(
+    host: HostBackend, grace: float
+) -> None:
     """Spares at the watermark that the engine will not hand out next (its free list was
     sorted or packed away from them) do not keep the page it will hand out unmapped: the
     mapper maps that one and trims a stale one behind it, never the wanted one."""

@@ -173,9 +173,7 @@ class PageStore(Reporter, SparePolicy, TpPages):
     def set_ahead(self, pages: Iterable[int]) -> None:
         """The pages a follower will hand out next; the mapper keeps them mapped."""
         self.ahead = dict.fromkeys(pages)
-        if len(self.spares) < self.max_spare_pages and any(
-            self.state[p] == UNMAPPED for p in self.ahead
-        ):
+        if self.ahead_room() and any(self.state[p] == UNMAPPED for p in self.ahead):
             self.cond.notify_all()  # the mapper has work (waking it costs this thread the GIL)
 
     def pin(self, pages: Iterable[int]) -> None:

@@ -196,6 +196,33 @@ def test_a_page_wanted_ahead_takes_the_place_of_a_stale_spare(
         assert f.waited == 0
 
 
+def test_a_wanted_page_is_not_trimmed_while_the_stale_spares_wait_for_their_fence(
+    host: HostBackend,
+) -> None:
+    """On CUDA the stale spares are fenced (GPU work may still use them). While their fence
+    has not signalled, the page mapped in a stale one's place must stay: trimming it instead
+    (the only spare not fenced) has the mapper map and unmap it in a loop until the fence
+    signals."""
+    store, f = make(host, max_spare_pages=2, unmap_grace_s=0.0)
+    with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:
+        f.take(list(range(8, 13)), count_waits=False)  # pages 3 and 4
+        fence = FakeFence()
+        f.give_back(list(range(8, 13)), fence)
+        assert mapper.wait_idle()
+        assert set(store.spares) == {3, 4}
+        maps = store.stats()["pages_mapped_total"]
+        f.ahead([40])  # page 15
+        time.sleep(0.2)
+        assert store.is_mapped(15)
+        assert store.stats()["pages_mapped_total"] == maps + 1  # mapped once, not in a loop
+        assert store.stats()["pages_unmapped_total"] == 0
+        fence.signal()
+        assert mapper.wait_idle()
+        assert store.is_mapped(15) and len(store.spares) == 2 and 15 in store.spares
+        f.take([40])
+        assert f.waited == 0
+
+
 def test_give_back_all_and_held(host: HostBackend) -> None:
     store, f = make(host)
     with store:

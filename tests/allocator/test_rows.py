@@ -212,7 +212,10 @@ def test_a_wanted_page_is_not_trimmed_while_the_stale_spares_wait_for_their_fenc
         assert set(store.spares) == {3, 4}
         maps = store.stats()["pages_mapped_total"]
         f.ahead([40])  # page 15
-        time.sleep(0.2)
+        deadline = time.monotonic() + 5
+        while not store.is_mapped(15) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # long enough for the loop to run thousands of times
         assert store.is_mapped(15)
         assert store.stats()["pages_mapped_total"] == maps + 1  # mapped once, not in a loop
         assert store.stats()["pages_unmapped_total"] == 0

@@ -128,27 +128,31 @@ class SparePolicy:
         tests/allocator/test_rows.py)."""
         later = None
         stale_fenced = False
-        pinned, ahead = self.pinned, self.ahead
         for p in reversed(self.spares):
-            if p in pinned:
+            if p in self.pinned:
                 continue
             f = self.fences.get(p)
             if f is not None and not f.done():
-                stale_fenced = stale_fenced or p not in ahead
+                stale_fenced = stale_fenced or self.stale(p)
                 continue
-            if p not in ahead:
+            if self.stale(p):
                 return p
             later = p if later is None else later
         return None if stale_fenced else later
 
+    def stale(self, p: int) -> bool:
+        """A spare neither pinned nor wanted ahead: the first to trim, and one whose place a
+        page wanted ahead may take."""
+        return p not in self.pinned and p not in self.ahead
+
     def ahead_room(self) -> bool:
         """Whether a page wanted ahead may be mapped now: spares below the watermark, or at
-        it with one of them stale (neither pinned nor wanted ahead), whose place the wanted
-        page takes (mapped now, the stale one trimmed behind it)."""
+        it with one of them stale, whose place the wanted page takes (mapped now, the stale
+        one trimmed behind it)."""
         n = len(self.spares)
         if n != self.max_spare_pages:
             return n < self.max_spare_pages
-        return any(p not in self.pinned and p not in self.ahead for p in self.spares)
+        return any(self.stale(p) for p in self.spares)
 
     def _trim_due(self) -> bool:
         """Spares beyond what the grace may keep, or beyond the watermark past the grace."""

@@ -178,7 +178,7 @@ class PageStore(Reporter, SparePolicy, TpPages):
 
     def pin(self, pages: Iterable[int]) -> None:
         """Pages that must stay mapped whether in use or not (under the lock): a follower that
-        learns of allocations late (kvledger.sglang_bridge.journal) pins the pages of the rows
+        learns of allocations late (kvledger.sglang.bridge.journal) pins the pages of the rows
         the engine may hand out meanwhile. Replaces the previous pins."""
         self.pinned = dict.fromkeys(pages)
 

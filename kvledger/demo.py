@@ -2,7 +2,7 @@
 
 `DemoSource` builds, in one process:
 - a VMM backend (the host memfd backend by default, CUDA with `backend="cuda"`);
-- the DeepSeek-V4 buffer map for a byte budget (`accounting.dsv4.plan`, SGLang 0.5.23's
+- the DeepSeek-V4 buffer map for a byte budget (`kvledger.sglang.dsv4.plan`, SGLang 0.5.23's
   sizing), its seven families registered in a `Ledger`;
 - the SWA family on an `allocator.SwaPool` with a `BackgroundMapper`, its ledger
   `Account` as the pool's observer; the six other families as runtime-owned
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
-from accounting.dsv4 import Knobs, load_config, plan
-from accounting.dsv4.buffermap import BufferMap
 from accounting.ledger import Account, Ledger
 from accounting.publisher import Publisher
 from accounting.reconcile import host_memfd_truth
 from allocator import BackgroundMapper, HostBackend, SlotLayout, SwaPool
+from kvledger.sglang.dsv4 import Knobs, load_config, plan
+from kvledger.sglang.dsv4.buffermap import BufferMap
 from kvledger.workload import Workload, WorkloadConfig
 
 CONFIG_RESOURCE = "deepseek-v4-flash-shape.config.json"

@@ -18,9 +18,9 @@ import sys
 from typing import Any
 
 from accounting import FIGURES, Ledger
-from accounting.dsv4 import FAMILIES, BufferMap, ConfigError, Knobs, load_config, plan
 from accounting.units import format_size, parse_size
 from kvledger.cli import UsageError
+from kvledger.sglang.dsv4 import FAMILIES, BufferMap, ConfigError, Knobs, load_config, plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,11 +27,11 @@ import tempfile
 import time
 from typing import Any
 
-from accounting.dsv4 import Knobs, load_config, plan
 from accounting.ledger import Ledger
 from accounting.publisher import Publisher
 from allocator import HostBackend, SlotLayout, SwaPool
 from allocator.specs import vmm_layer_specs
+from kvledger.sglang.dsv4 import Knobs, load_config, plan
 
 POOLS = ("bare", "control", "accounted")
 

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import Any
 
 from accounting.buffers import Owner
-from accounting.dsv4 import Knobs, load_config, plan
 from accounting.events import PoolEvent
 from accounting.ledger import Ledger
 from accounting.publisher import MAX_INTERVAL_S, MIN_INTERVAL_S, Publisher
@@ -42,6 +41,7 @@ from accounting.snapdir import SnapshotDir
 from kvledger.argtypes import number, one_line_errors, size
 from kvledger.bench.overhead import bench_overhead, report
 from kvledger.serve_process import ServeProcess
+from kvledger.sglang.dsv4 import Knobs, load_config, plan
 
 GIB = 1 << 30
 

@@ -5,7 +5,7 @@ request pool and SWA allocator, driven with the calls its scheduler makes) in on
 process, on one device: `native` as SGLang ships it; `control`, a second native
 engine measured exactly like the first (how far apart two identical engines read
 on this machine: the resolution of every ratio); and `bridged`, attached with
-`kvledger.sglang_bridge.attach` (host VMM backend on CPU, CUDA VMM backend on
+`kvledger.sglang.bridge.attach` (host VMM backend on CPU, CUDA VMM backend on
 CUDA) with a ledger and a `Publisher` snapshotting it every second. All run the
 same workload; timed cases take turns round by round, the order rotating. The decode
 step's, the round trip's and the fill/drain cycle's targets are judged on the ratio
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="passed to the bridge (default: the bridge's own, "
-        "kvledger.sglang_bridge.bridge.DEFAULT_POOL_OPTIONS)",
+        "kvledger.sglang.bridge.bridge.DEFAULT_POOL_OPTIONS)",
     )
     p.add_argument("--seed", type=int, default=13)
     p.add_argument(

@@ -111,7 +111,7 @@ def shape_for(args: Any) -> Shape:
 def variants(args: Any) -> Iterator[Variants]:
     """`native` and `control` (two identical native engines: how far apart the same thing
     reads on this machine, the resolution of the ratios) and `bridged`."""
-    from kvledger.sglang_bridge import ENV_ENABLE, attach
+    from kvledger.sglang.bridge import ENV_ENABLE, attach
 
     shape = shape_for(args)
     device = "cuda:0" if args.device == "cuda" else "cpu"
@@ -383,7 +383,7 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
 
     import torch
 
-    from kvledger.sglang_bridge.bridge import DEFAULT_POOL_OPTIONS
+    from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
 
     if args.max_spare_pages is None:  # the bridge's own policy
         args.max_spare_pages = int(DEFAULT_POOL_OPTIONS["max_spare_pages"])

@@ -1,28 +1,27 @@
-"""Opt-in SGLang 0.5.23 DeepSeek-V4 bridge: the SWA KV buffers on kvledger's VMM pool.
+"""Old import path of `kvledger.sglang.bridge`, kept for one release.
 
-    KVLEDGER_SGLANG_DSV4_BRIDGE=1 and
-    bridge = attach(pool, ledger, allocator=token_to_kv_pool_allocator)
-    ...
-    bridge.detach()
-
-Only `bridge.attach` imports sglang, and only when the bridge is switched on;
-importing this package needs neither sglang nor a GPU. See docs/sglang-bridge.md.
+Code outside this repository that calls `kvledger.sglang_bridge.attach(...)` keeps working;
+new code imports `kvledger.sglang.bridge`.
 """
 
-from allocator.rows import RowFollower
-from kvledger.sglang_bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation
-from kvledger.sglang_bridge.bridge import Bridge, attach, bridge_of, detach
-from kvledger.sglang_bridge.compat import SwaFacts, incompatibilities
-from kvledger.sglang_bridge.follow import TokenObserver
+from kvledger.sglang.bridge import (
+    ENV_ENABLE,
+    ENV_REQUIRE,
+    Bridge,
+    BridgeActivation,
+    SwaFacts,
+    attach,
+    bridge_of,
+    detach,
+    incompatibilities,
+)
 
 __all__ = [
     "ENV_ENABLE",
     "ENV_REQUIRE",
     "Bridge",
     "BridgeActivation",
-    "RowFollower",
     "SwaFacts",
-    "TokenObserver",
     "attach",
     "bridge_of",
     "detach",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvledger.bench import sglang as bench
-from kvledger.sglang_bridge.bridge import DEFAULT_POOL_OPTIONS
+from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [

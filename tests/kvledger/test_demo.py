@@ -4,8 +4,8 @@ import os
 import time
 
 from accounting.buffers import Owner
-from accounting.dsv4 import FAMILIES
 from kvledger.demo import DemoOptions, DemoSource, default_config_path
+from kvledger.sglang.dsv4 import FAMILIES
 from kvledger.workload import WorkloadConfig
 
 

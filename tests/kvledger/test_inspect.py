@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from accounting import FIGURES
-from accounting.dsv4 import FAMILIES, Knobs, load_config, plan
+from kvledger.sglang.dsv4 import FAMILIES, Knobs, load_config, plan
 
 ROOT = Path(__file__).resolve().parents[2]
-FLASH = ROOT / "tests" / "accounting" / "data" / "deepseek-v4-flash-shape.config.json"
+FLASH = ROOT / "kvledger" / "data" / "deepseek-v4-flash-shape.config.json"
 
 
 def kvledger(*args: str) -> subprocess.CompletedProcess[str]:

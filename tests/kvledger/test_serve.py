@@ -13,10 +13,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from accounting.dsv4 import FAMILIES
 from accounting.publisher import Publisher
 from exporter import metrics as m
 from kvledger.demo import DEFAULT_HOST_GRANULARITY
+from kvledger.sglang.dsv4 import FAMILIES
 from tests.ledgers import small_ledger
 from tests.servers import repo_env, stop, wait_until
 

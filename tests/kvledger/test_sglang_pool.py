@@ -44,7 +44,7 @@ def test_sizes_refuse_a_bad_field_naming_it() -> None:
 def test_builds_sglang_pool_request_pool_and_allocator_of_those_sizes() -> None:
     import torch
 
-    from tests.accounting.sglang_reference import published
+    from tests.kvledger.sglang.sglang_reference import published
 
     sizes = Sizes.from_pages(requests=3, swa_pages=6, full_pages=12, page=256)
     with published(page_size=256, swa_full_tokens_ratio=0.1):

@@ -1,0 +1,174 @@
+"""kvledger's hooks on SGLang 0.5.23, registered through SGLang's `HookRegistry` only.
+
+| target (dotted path) | type | what kvledger does |
+|---|---|---|
+| `ModelRunner._init_post_memory_pool_components` | BEFORE | registers the pools the runner has just built (`RankLedger.add_runner`), attaching the DeepSeek-V4 bridge when asked; the first pool starts the publisher |
+| `ModelRunner.init_cuda_graphs` | AFTER | re-baselines NVML truth (after each runner's capture): modules and graphs loaded so far are named, not unattributed |
+| `Scheduler.release_host_resources` | AFTER | graceful scheduler exit: the publisher stops and its file goes |
+
+Why BEFORE `_init_post_memory_pool_components` rather than AFTER `alloc_memory_pool`:
+`alloc_memory_pool` sets `token_to_kv_pool` and `token_to_kv_pool_allocator` and then
+calls `_init_post_memory_pool_components`, whose first step builds the KV index
+translator from the pool, then the canary, the HiSparse coordinator and the capturers,
+some of which keep the pool's buffers. Attention backends (`init_attention_backends`)
+and CUDA graph capture (`init_cuda_graphs`) come after all of it. Hooking there is the
+first moment the pool and its allocator exist and the last before anything reads a
+buffer or its address; it also covers forks that build bespoke pools and then call
+`_init_post_memory_pool_components` themselves.
+
+Every hook catches its own failure, logs one line and lets SGLang carry on, unless
+`KVLEDGER_SGLANG_REQUIRE=1` (any failure re-raised) or the bridge's own require switch
+raised (`IncompatibleError`). An `atexit` handler closes the publisher too (SGLang
+starts schedulers with multiprocessing's spawn method, whose children exit through
+`sys.exit`, so atexit handlers run); SIGTERM's default action and SIGKILL (what
+`Engine.shutdown` sends the schedulers) run neither: the file stays, and `kvledger
+serve` reports the source stale because its pid is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from typing import Any
+
+from kvledger.sglang.plugin import ENV_INTERVAL, ENV_REQUIRE, switch
+
+log = logging.getLogger(__name__)
+
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+POOLS_BUILT = f"{MODEL_RUNNER}._init_post_memory_pool_components"
+GRAPHS_CAPTURED = f"{MODEL_RUNNER}.init_cuda_graphs"
+SCHEDULER_EXIT = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
+TARGETS = (POOLS_BUILT, GRAPHS_CAPTURED, SCHEDULER_EXIT)
+
+_lock = threading.Lock()
+_rank: Any = None  # this process's RankLedger, built by the first runner that builds pools
+_disabled = ""  # why kvledger stopped in this process after a failure
+_installed = False
+
+
+def install() -> None:
+    """Register kvledger's hooks with SGLang's HookRegistry (once per process)."""
+    global _installed
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    with _lock:
+        if _installed:
+            return
+        HookRegistry.register(POOLS_BUILT, on_pools_built, HookType.BEFORE)
+        HookRegistry.register(GRAPHS_CAPTURED, on_graphs_captured, HookType.AFTER)
+        HookRegistry.register(SCHEDULER_EXIT, on_scheduler_exit, HookType.AFTER)
+        _installed = True
+
+
+def current() -> Any:
+    """This process's RankLedger, or None before any pool (or after a failure)."""
+    return _rank
+
+
+def on_pools_built(runner: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ModelRunner._init_post_memory_pool_components(self): register its pools."""
+    _guard("registering the KV pools", _add_runner, runner)
+
+
+def on_graphs_captured(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ModelRunner.init_cuda_graphs(self, ...): re-baseline device truth. Each runner's
+    capture (target, then drafts) re-baselines; the figure is cumulative from the baseline."""
+    _guard("re-baselining device truth", _rebaseline, "after ModelRunner.init_cuda_graphs")
+
+
+def on_scheduler_exit(result: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER Scheduler.release_host_resources(self): stop publishing, remove the file."""
+    _guard("closing at scheduler exit", shutdown)
+
+
+def shutdown() -> None:
+    """Close this process's RankLedger (publisher stopped, file removed). Idempotent."""
+    global _rank
+    with _lock:
+        rank, _rank = _rank, None
+    if rank is not None:
+        rank.close(release_pools=False)
+
+
+def reset() -> None:
+    """Close everything and forget the failure state (tests; a process re-initialising)."""
+    global _rank, _disabled
+    with _lock:
+        rank, _rank, _disabled = _rank, None, ""
+    if rank is not None:
+        rank.close()
+
+
+# -- internals ----------------------------------------------------------------------------------
+def _add_runner(runner: Any) -> None:
+    global _rank
+    if _disabled:
+        return
+    with _lock:
+        rank = _rank
+        created = rank is None
+        if created:
+            rank = _new_rank()
+            _rank = rank
+    try:
+        record = rank.add_runner(runner)
+    except BaseException:
+        if created:
+            with _lock:
+                _rank = None
+            rank.close()
+        raise
+    log.info(
+        "kvledger: pool %s (%s on %s%s) published to %s",
+        record.name,
+        record.pool_class,
+        record.device,
+        ", SWA on kvledger's VMM pool" if record.bridged else "",
+        rank.publisher.path if rank.publisher is not None else "?",
+    )
+
+
+def _new_rank() -> Any:
+    from kvledger.sglang.plugin.labels import scheduler_metric_labels
+    from kvledger.sglang.plugin.rank import RankLedger
+    from kvledger.sglang.plugin.snapdir import snapshot_dir
+
+    raw = os.environ.get(ENV_INTERVAL, "") or "1"
+    try:
+        interval = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_INTERVAL}={raw!r}, expected a positive number of seconds") from None
+    rank = RankLedger(scheduler_metric_labels(), directory=snapshot_dir(), interval=interval)
+    atexit.register(shutdown)
+    return rank
+
+
+def _rebaseline(point: str) -> None:
+    rank = _rank
+    if rank is not None:
+        got = rank.rebaseline(point)
+        if got is not None:
+            log.info("kvledger: %d bytes outside torch named %s", got, point)
+
+
+def _guard(what: str, fn: Any, *args: Any) -> None:
+    global _disabled
+    try:
+        fn(*args)
+    except Exception as e:
+        from allocator.errors import IncompatibleError
+
+        if isinstance(e, IncompatibleError) or _require():
+            raise
+        _disabled = f"{what} failed: {type(e).__name__}: {e}"
+        log.warning("kvledger: %s; kvledger is off in this process (SGLang carries on)", _disabled)
+
+
+def _require() -> bool:
+    try:
+        return switch(ENV_REQUIRE)
+    except ValueError:
+        return True  # a malformed require switch is not a "no"

@@ -1,0 +1,111 @@
+"""The bridge's compatibility rules over plain facts (no sglang)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from kvledger.sglang.bridge.compat import (
+    V4_TOKEN_BYTES,
+    WRAPPED_METHODS,
+    SwaFacts,
+    expected_row_bytes,
+    incompatibilities,
+    pool_reasons,
+)
+
+GRAN = 2 << 20
+ROWS = 9
+ROW = 149760
+
+# What SGLang 0.5.23 builds for DeepSeek-V4 (V4 layout, page 256) with 8 SWA pages, 3 layers.
+GOOD = SwaFacts(
+    pool_class="DeepSeekV4TokenToKVPool",
+    is_dsv4_pool=True,
+    has_swa_pool=True,
+    swa_storage="paged",
+    kv_layout="v4",
+    uniform_fp8=False,
+    token_bytes=V4_TOKEN_BYTES,
+    page_tokens=256,
+    allocator_page_tokens=256,
+    allocator_pages=ROWS - 1,
+    allocator_class="PagedTokenToKVPoolAllocator",
+    allocator_missing=(),
+    layers=3,
+    shapes=((ROWS, ROW),) * 3,
+    dtypes=("uint8",) * 3,
+    contiguous=(True,) * 3,
+    devices=("cpu",) * 3,
+)
+
+
+def reasons(**changes: Any) -> list[str]:
+    return incompatibilities(
+        dataclasses.replace(GOOD, **changes), granularity=GRAN, backend_device="cpu"
+    )
+
+
+def test_row_bytes_is_256_tokens_padded_to_576() -> None:
+    assert expected_row_bytes(256) == 149760 == 260 * 576
+    assert expected_row_bytes(64) == 65 * 576  # 37,376 bytes of tokens round up
+    assert expected_row_bytes(2) == 3 * 576
+
+
+def test_sglangs_v4_pool_is_compatible() -> None:
+    assert reasons() == []
+    assert (GOOD.rows, GOOD.row_bytes) == (ROWS, ROW)
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"is_dsv4_pool": False, "pool_class": "MHATokenToKVPool"}, "MHATokenToKVPool"),
+        ({"has_swa_pool": False, "swa_storage": "unified"}, "'unified'"),
+        ({"has_swa_pool": False, "swa_storage": "request_window"}, "'request_window'"),
+        ({"kv_layout": "v41"}, "layout 'v41'"),
+        ({"uniform_fp8": True}, "uniform-FP8"),
+        ({"token_bytes": 512}, "token bytes 512"),
+        ({"page_tokens": 64}, "page of 64 tokens"),
+        ({"allocator_missing": ("_release_page_ids",)}, "lacks _release_page_ids"),
+        ({"layers": 4}, "3 SWA buffers for 4 layers"),
+        ({"shapes": ((ROWS, ROW), (ROWS, ROW), (ROWS + 1, ROW))}, "expected one 2-D shape"),
+        ({"shapes": ((ROWS * ROW,),) * 3}, "expected one 2-D shape"),
+        ({"dtypes": ("uint8", "float8_e4m3fn", "uint8")}, "expected uint8"),
+        ({"contiguous": (True, False, True)}, "not contiguous"),
+        ({"devices": ("cuda:0",) * 3}, "expected cpu"),
+        ({"shapes": ((ROWS, ROW + 64),) * 3}, f"expected {ROW}"),
+        ({"allocator_pages": ROWS}, "a row for each page"),
+    ],
+)
+def test_each_mismatch_names_its_reason(changes: dict[str, object], why: str) -> None:
+    got = reasons(**changes)
+    assert got and any(why in r for r in got), got
+
+
+def test_a_row_larger_than_the_vmm_page_is_refused() -> None:
+    got = incompatibilities(GOOD, granularity=64 << 10, backend_device="cpu")
+    assert got == [
+        f"SWA row of {ROW} bytes exceeds the VMM page of {64 << 10} bytes, expected one row "
+        "to touch at most two pages"
+    ]
+
+
+def test_pool_reasons_come_alone() -> None:
+    facts = dataclasses.replace(GOOD, has_swa_pool=False, swa_storage="ring", kv_layout="v41")
+    assert pool_reasons(facts) == incompatibilities(facts, granularity=GRAN, backend_device="cpu")
+    assert len(pool_reasons(facts)) == 1
+    assert pool_reasons(GOOD) == []
+
+
+def test_wrapped_methods_are_the_page_free_list_entry_points() -> None:
+    assert WRAPPED_METHODS == (
+        "alloc",
+        "alloc_extend",
+        "alloc_decode",
+        "merge_and_sort_free",
+        "_release_page_ids",
+        "clear",
+    )

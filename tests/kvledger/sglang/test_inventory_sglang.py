@@ -1,0 +1,190 @@
+"""Inventory of real SGLang 0.5.23 pools built on the CPU (marker `sglang`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from accounting import Ledger
+from kvledger.bench.sglang_pool import Sizes, build_pool
+from kvledger.sglang.dsv4 import Knobs, plan
+from kvledger.sglang.inventory import register_pool
+from tests.kvledger.sglang.dsv4.fixtures import flash
+from tests.kvledger.sglang.rig import unique_storages
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture
+def dsv4_pool() -> Iterator[tuple[Any, Any]]:
+    from tests.kvledger.sglang.sglang_reference import published
+
+    shape = flash()
+    bm = plan(shape, Knobs(max_running_requests=8), full_tokens=16_384)
+    s = bm.sizes
+    sizes = Sizes(
+        requests=s.max_running_requests,
+        slots=s.num_req_slots,
+        swa_tokens=s.swa_tokens,
+        c4_tokens=s.c4_tokens,
+        c128_tokens=s.c128_tokens,
+        c4_state_size=s.c4_state_size,
+        c128_state_size=s.c128_state_size,
+        full_tokens=None,  # full_size not passed: SGLang's default
+    )
+    with published(page_size=256):
+        pool = build_pool(
+            sizes,
+            ratios=list(shape.compress_ratios),
+            layers=shape.num_hidden_layers,
+            page=256,
+            window=shape.sliding_window,
+            device="cpu",
+            qk_nope_head_dim=shape.qk_nope_head_dim,
+            qk_rope_head_dim=shape.qk_rope_head_dim,
+            indexer_head_dim=shape.index_head_dim,
+        )
+        yield pool, bm
+
+
+def test_dsv4_pool_inventory_counts_each_storage_once(dsv4_pool: tuple[Any, Any]) -> None:
+    pool, bm = dsv4_pool
+    ledger = Ledger(labels={"model_name": "dsv4-flash-shape", "tp_rank": "0"})
+    inv = register_pool(ledger, pool, name="dsv4")
+    assert inv.kind == "dsv4"
+    snap = ledger.snapshot()
+    assert not snap.violations
+    storages = unique_storages(pool)
+    physical = snap.total("physical_bytes")
+    assert physical > 0
+    assert physical == sum(storages.values())
+    assert physical == snap.total("tensor_bytes")
+    assert len(inv.specs) == len(storages)
+    # Aliased sub-pools (c4_kv_pool is kv_pools[4]) were not counted twice.
+    assert pool.c4_kv_pool is pool.kv_pools[4]
+    # Classified into the seven families, equal to kvledger's own buffer map.
+    fams = snap.rollup("family")
+    assert set(k[0] for k in fams) == set(bm.families)
+    for fam, fp in bm.families.items():
+        assert fams[(fam,)]["tensor_bytes"] == fp.allocated_bytes, fam
+    by_name = {s.name: s for s in inv.specs}
+    for b in bm.buffers:
+        spec = by_name[b.name]
+        assert (spec.family, spec.layer, spec.shape, spec.dtype) == (
+            b.family,
+            b.layer,
+            b.shape,
+            b.dtype,
+        )
+    # The headline gauge's value is non-zero here, while SGLang's own figure reads 0.
+    assert physical / 2**30 > 0
+    assert pool.mem_usage == 0
+
+
+def test_mha_and_swa_pools() -> None:
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    from tests.kvledger.sglang.sglang_reference import published
+
+    with published(page_size=16):
+        mha = MHATokenToKVPool(
+            size=1024,
+            page_size=16,
+            dtype=torch.bfloat16,
+            head_num=4,
+            head_dim=64,
+            layer_num=3,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        ledger = Ledger()
+        inv = register_pool(ledger, mha, name="mha")
+        assert inv.kind == "mha"
+        snap = ledger.snapshot()
+        storages = unique_storages(mha)
+        assert snap.total("physical_bytes") == sum(storages.values()) > 0
+        fams = snap.rollup("family")
+        # SGLang 0.5.23 allocates a layer's K and V as halves of one storage.
+        assert fams[("kv",)]["tensor_bytes"] == 2 * 3 * (1024 + 16) * 4 * 64 * 2
+        assert {s.layer for s in inv.specs if s.family == "kv"} == {0, 1, 2}
+
+        swa = SWAKVPool(
+            size=2048,
+            size_swa=512,
+            page_size=16,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=64,
+            swa_attention_layer_ids=[0, 2],
+            full_attention_layer_ids=[1],
+            device="cpu",
+        )
+        ledger = Ledger()
+        inv = register_pool(ledger, swa, name="swa")
+        assert inv.kind == "swa"
+        snap = ledger.snapshot()
+        storages = unique_storages(swa)
+        assert snap.total("physical_bytes") == sum(storages.values()) > 0
+        fams = snap.rollup("family")
+        assert fams[("swa_kv",)]["tensor_bytes"] == 2 * 2 * (512 + 16) * 2 * 64 * 2
+        assert fams[("kv",)]["tensor_bytes"] == 2 * 1 * (2048 + 16) * 2 * 64 * 2
+        assert {s.layer for s in inv.specs if s.family == "swa_kv"} == {0, 2}
+        assert {s.layer for s in inv.specs if s.family == "kv"} == {1}
+
+
+def test_hybrid_linear_pool_with_mamba_state() -> None:
+    import torch
+    from sglang.srt.configs.mamba_utils import (
+        Mamba2CacheParams,
+        Mamba2StateDType,
+        Mamba2StateShape,
+    )
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+    from tests.kvledger.sglang.sglang_reference import published
+
+    with published(page_size=16):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1,
+            intermediate_size=256,
+            n_groups=1,
+            num_heads=4,
+            head_dim=64,
+            state_size=16,
+            conv_kernel=4,
+        )
+        dtypes = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+        params = Mamba2CacheParams(shape=shape, dtype=dtypes, layers=[0, 2])
+        mamba = MambaPool(
+            size=4, spec_state_size=0, cache_params=params, mamba_layer_ids=[0, 2], device="cpu"
+        )
+        pool = HybridLinearKVPool(
+            size=256,
+            dtype=torch.bfloat16,
+            page_size=16,
+            head_num=2,
+            head_dim=64,
+            full_attention_layer_ids=[1],
+            device="cpu",
+            mamba_pool=mamba,
+        )
+        ledger = Ledger()
+        inv = register_pool(ledger, pool, name="hybrid")
+        assert inv.kind == "hybrid_linear"
+        snap = ledger.snapshot()
+        assert not snap.violations
+        assert snap.total("physical_bytes") == sum(unique_storages(pool).values()) > 0
+        fams = snap.rollup("family")
+        cache = mamba.mamba_cache
+        conv = sum(t.untyped_storage().nbytes() for t in cache.conv)
+        assert fams[("mamba_conv",)]["physical_bytes"] == conv
+        assert (
+            fams[("mamba_temporal",)]["physical_bytes"] == cache.temporal.untyped_storage().nbytes()
+        )
+        assert fams[("mamba_temporal",)]["capacity_slots"] == cache.temporal.shape[1]
+        # The full-attention layer keeps its global id (1), not its index in the sub-pool (0).
+        assert {s.layer for s in inv.specs if s.family == "kv"} == {1}

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from allocator import compaction, packing
 from allocator.errors import CapacityError, DriverError
+from allocator.rows import compaction, packing
 
 MAX_MOVES = 512  # rows moved by one call at most
 

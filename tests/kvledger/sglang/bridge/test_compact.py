@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from allocator import packing
 from allocator.host import HostBackend
+from allocator.rows import packing
 from kvledger.bench.sglang_engine import PAGE, Engine, Request, Shape, published
 from tests.kvledger.sglang.rig import bridged
 
@@ -130,7 +130,7 @@ def test_after_every_compaction_the_mapped_pages_are_within_the_packed_bound(
     the others) is among the plans that got there."""
     import math
 
-    from allocator import compaction
+    from allocator.rows import compaction
     from kvledger.bench.sglang_cases import Churn
 
     slides: list[int] = []

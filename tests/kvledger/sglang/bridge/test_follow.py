@@ -11,8 +11,8 @@ from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import Ledger
 from accounting.reconcile import host_memfd_truth
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
 from allocator.rows import RowFollower
+from allocator.slots.layout import SlotLayout
 from allocator.store import PageStore
 from kvledger.sglang.bridge.compat import V4_TOKEN_BYTES, expected_row_bytes
 from kvledger.sglang.bridge.follow import TokenObserver

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from allocator.host import HostBackend
-from allocator.store import MAPPED
+from allocator.states import PageState
 from kvledger.bench.sglang_cases import Churn
 from kvledger.bench.sglang_engine import Engine, Shape, published
 from kvledger.sglang.bridge.allocator_hooks import AllocatorHooks
@@ -48,7 +48,9 @@ def test_the_next_rows_pages_are_mapped_or_announced_in_a_fill_after_a_churn(
         store, f = self.follower.store, self.follower
         rows = front[: 2 * widest]
         pages = {int(q) for row in rows for q in f.row_pages[row]}
-        missing = sorted(q for q in pages if store.state[q] != MAPPED and q not in store.ahead)
+        missing = sorted(
+            q for q in pages if store.state[q] != PageState.MAPPED and q not in store.policy.ahead
+        )
         if missing:
             misses.append((checked_pins, missing))  # (which pin of the fills, pages)
 

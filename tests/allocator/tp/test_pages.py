@@ -1,4 +1,5 @@
-"""The TP section of allocator.pool: what allocator.tp reads and drives, on one pool."""
+"""The page store's TP side (allocator.tp.pages) and the TP section of allocator.slots.pool: what
+allocator.tp reads and drives, on one pool."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from allocator import CapacityError, HostBackend, SlotLayout, SwaPool
+from allocator.tp import TpPages
 
 GRAN = 4096
 LAYOUT = SlotLayout(capacity_slots=256, slot_bytes=584, page_bytes=GRAN)
@@ -27,15 +29,16 @@ def test_trim_plan_names_the_pages_the_pool_unmaps(backend: HostBackend) -> None
         blocks = [pool.alloc(7) for _ in range(8)]
         for b in blocks[1:6]:
             pool.free(b)  # leaves spares beyond max_spare_pages: trimmed one free at a time
-        pool.store.max_spare_pages = 10  # keep the next frees' spares to read a plan first
+        tp = TpPages(pool.store)
+        pool.store.policy.max_spare_pages = 10  # keep the next frees' spares to read a plan first
         for b in blocks[6:]:
             pool.free(b)
         excess = pool.stats()["spare_pages"] - 1
         assert excess > 0
-        plan = pool.store.tp_trim_plan(excess)
-        assert [pool.store.tp_page_state(p) for p in plan] == ["spare"] * excess
+        plan = tp.trim_plan(excess)
+        assert [tp.page_state(p) for p in plan] == ["spare"] * excess
         before = mapped(pool)
-        pool.store.max_spare_pages = 1
+        pool.store.policy.max_spare_pages = 1
         with pool.store.lock:
             pool.store.trim_locked()
         assert before - mapped(pool) == set(plan)
@@ -44,9 +47,10 @@ def test_trim_plan_names_the_pages_the_pool_unmaps(backend: HostBackend) -> None
 
 def test_tp_state_and_page_states(backend: HostBackend) -> None:
     with SwaPool(backend, layers=2, layout=LAYOUT, max_spare_pages=4) as pool:
+        tp = TpPages(pool.store)
         ids = pool.alloc(20)
         with pool.store.lock:
-            st = pool.store.tp_state()
+            st = tp.state()
         stats = pool.stats()
         assert st == {
             "occupied_slots": 20,
@@ -55,10 +59,10 @@ def test_tp_state_and_page_states(backend: HostBackend) -> None:
             "live_handle_sets": stats["live_handle_sets"],
             "reserved_pages": 0,
         }
-        assert pool.store.tp_page_state(0) == "used"
-        assert pool.store.tp_page_state(LAYOUT.num_pages - 1) == "unmapped"
+        assert tp.page_state(0) == "used"
+        assert tp.page_state(LAYOUT.num_pages - 1) == "unmapped"
         pool.free(ids)
-        assert "spare" in {pool.store.tp_page_state(p) for p in mapped(pool)}
+        assert "spare" in {tp.page_state(p) for p in mapped(pool)}
 
 
 def test_tp_config_differs_when_a_choice_could(backend: HostBackend) -> None:

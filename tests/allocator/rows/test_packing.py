@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from allocator import packing
 from allocator.host import HostBackend
-from tests.allocator.rows_rig import GRAN, ROWS, make, mapped, pages_of_rows
+from allocator.rows import packing
+from tests.allocator.rows.rig import GRAN, ROWS, make, mapped, pages_of_rows
 
 
 @pytest.fixture

@@ -7,9 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from allocator import compaction, packing
 from allocator.host import HostBackend
-from allocator.rows import RowFollower
+from allocator.rows import RowFollower, compaction, packing
 from allocator.store import PageStore
 from tests.allocator.rigs import KIB
 

@@ -691,6 +691,7 @@ class PageStore:
     # -- lifetime ----------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """Whether `close()` has begun: every later call refuses (`check_open`)."""
         return self._closed
 
     def check_open(self, op: str) -> None:

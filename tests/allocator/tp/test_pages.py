@@ -94,3 +94,55 @@ def test_a_refused_alloc_keeps_the_slots_it_gathered_free(backend: HostBackend) 
         assert pool.stats()["mapped_pages"] == 2
         assert before["occupied_slots"] + free_in_mapped == pool.stats()["occupied_slots"]
         assert free_in_mapped >= 2 * (GRAN // LAYOUT.slot_bytes) - 1 - len(first) - 1
+
+
+def test_pages_reserved_ahead_are_mapped_off_the_lock_published_and_given_back(
+    backend: HostBackend,
+) -> None:
+    """TpPages on its own (no group): a reserve is all or nothing, a failed map ahead is
+    counted and leaves the page reserved, publishing maps it here, and giving the reserve
+    back returns everything, the driver failing or not."""
+    from allocator.errors import DriverError
+    from tests.allocator.rigs import FailingBackend
+
+    fb = FailingBackend(backend)
+    with SwaPool(fb, layers=2, layout=LAYOUT, max_spare_pages=1, handle_pool_pages=0) as pool:
+        store, tp = pool.store, TpPages(pool.store)
+        before = store.debug_state()
+        with store.lock, pytest.raises(RuntimeError, match="page 0 to map is MAPPED"):
+            tp.reserve_locked([5, 0])  # page 0 holds the null slot
+        assert store.debug_state() == before and tp.reserved == {}
+        with store.lock:
+            tp.reserve_locked([5, 6, 7])
+            assert [tp.page_state(p) for p in (5, 6, 7)] == ["reserved"] * 3
+            job = tp.next_job_locked()
+        assert job is not None and job.page == 5 and store.busy == 1
+        fb.arm("map", 1)
+        with pytest.raises(DriverError, match="INJECTED"):
+            tp.map_ahead(job)  # the coordinator's thread: off the lock
+        assert store.stats()["driver_failures"] == 1 and store.busy == 0
+        assert not tp.idle() and tp.page_state(5) == "reserved"
+        fb.arm(None, None)
+        with store.lock:
+            job = tp.next_job_locked()
+        assert job is not None and job.page == 5
+        tp.map_ahead(job)
+        with store.lock:
+            tp.publish_locked([5, 6])  # 5 mapped ahead, 6 mapped here
+        assert pool.is_page_mapped(5) and pool.is_page_mapped(6)
+        assert sorted(tp.reserved) == [7] and tp.state()["reserved_pages"] == 1
+        with store.lock:
+            job = tp.next_job_locked()
+        assert job is not None
+        tp.map_ahead(job)
+        fb.arm("unmap", 0)
+        with store.lock:
+            tp.drop_locked()  # the unmap fails: counted, the page given back regardless
+        assert tp.reserved == {} and store.stats()["driver_failures"] == 2
+        assert tp.page_state(7) == "unmapped" and store.busy == 0
+        fb.arm(None, None)
+        assert store.stats()["live_handle_sets"] == 3  # the null slot's page, 5 and 6
+    # What the failed unmap left, one layer's mapping, its handle and the reservation around
+    # it, is the backend's to free at its own close (docs/allocator.md#behaviour-at-the-limits).
+    held = backend.stats()
+    assert (held["mappings"], held["handles"], held["reservations"]) == (1, 1, 1)

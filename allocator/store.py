@@ -120,7 +120,7 @@ class StoreState:
     user's occupants touch it; `handles`: per page id the handle set it is mapped with, or
     None; `spares`: the spare page ids, in the order they emptied; `unmapped`: the UNMAPPED
     page ids, ascending (BUSY ones are in neither); `kept`: the handle sets kept for the next
-    maps, in the order they are taken back (last first); `live_sets`: handle sets alive
+    maps (the last one is taken first); `live_sets`: handle sets alive
     (mapped, kept, or being made or released); `busy`: driver calls under way off the lock;
     `pinned`, `ahead`, `fenced`: the spare policy's pins, pages wanted ahead and fenced spares;
     `occupied`: the user's occupant count."""

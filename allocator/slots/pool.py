@@ -301,7 +301,7 @@ class SwaPool:
         self.gather.release(slots)
         self.store.reporter.add_occupied(-len(slots))
 
-    # -- tensor parallelism (driven by allocator.tp; its docstring has the protocol) -----------
+    # -- tensor parallelism (driven by allocator.tp; the coordinator's docstring has the protocol)
     def _tp_run(self, op: str, n: int, body: Any) -> list[int]:
         tp = self.store.tp
         tp.op_started(op, n)

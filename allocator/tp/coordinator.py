@@ -77,29 +77,16 @@ from allocator.errors import CapacityError
 from allocator.slots.pool import SwaPool
 from allocator.tp.exchange import (
     HELLO,
-    MAGIC,
     MAP,
-    PLAN_WORDS,
     UNMAP,
     VERIFY,
-    VIEW_WORDS,
-    TpDivergenceError,
     TpError,
     TpExchange,
-    TpPeerError,
     config_digest,
 )
 from allocator.tp.pages import TpPages
 
-__all__ = [
-    "MAGIC",
-    "PLAN_WORDS",
-    "VIEW_WORDS",
-    "TpCoordinator",
-    "TpDivergenceError",
-    "TpError",
-    "TpPeerError",
-]
+__all__ = ["TpCoordinator"]
 
 log = logging.getLogger(__name__)
 

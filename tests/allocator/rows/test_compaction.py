@@ -1,4 +1,4 @@
-"""allocator.compaction: plans that empty whole pages, sparsest first, into pages in use."""
+"""allocator.rows.compaction: plans that empty whole pages, sparsest first, into pages in use."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""allocator.front.plan on arrays built by hand and at random, against the definitions in
+"""allocator.rows.front.plan on arrays built by hand and at random, against the definitions in
 its docstring written out the slow way."""
 
 from __future__ import annotations

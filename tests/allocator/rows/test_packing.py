@@ -1,4 +1,4 @@
-"""allocator.packing: the order an engine should hand out a follower's free rows in, and
+"""allocator.rows.packing: the order an engine should hand out a follower's free rows in, and
 whether the held rows sit on more pages than they need."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Compaction of a bridged SGLang pool (kvledger.sglang.bridge.compact, allocator.compaction)
+"""Compaction of a bridged SGLang pool (kvledger.sglang.bridge.compact, allocator.rows.compaction)
 against SGLang 0.5.23's own DeepSeek-V4 pool and allocator: on CPU with the host VMM backend
 at 2 MiB (14 SWA rows per VMM page), and on cuda:0 with the CUDA backend and SGLang's Triton
 allocator kernels (marker gpu)."""

@@ -143,7 +143,7 @@ def test_a_row_taken_twice_in_one_call_is_caught(
 ) -> None:
     """SGLang never hands out a page twice in one call; if it did, a call of a few rows (the
     scalar path) applies it once and counts the divergence at once (a longer call is
-    caught by the count check: tests/allocator/test_rows.py), so the page still unmaps when
+    caught by the count check: tests/allocator/rows/test_follower.py), so the page still unmaps when
     the row goes back."""
     rig.follower.take([5, 5])
     assert rig.follower.divergences == 1

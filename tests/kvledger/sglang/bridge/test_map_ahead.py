@@ -1,4 +1,4 @@
-"""Map-ahead after a churn (kvledger.sglang.bridge.allocator_hooks, allocator.front) against SGLang
+"""Map-ahead after a churn (kvledger.sglang.bridge.allocator_hooks, allocator.rows.front) against SGLang
 0.5.23's own DeepSeek-V4 pool and allocator on CPU, with the host VMM backend at 2 MiB (14
 SWA rows per VMM page): the rows SGLang hands out next have their pages mapped or announced
 to the background mapper, even where the free list interleaves a spare's rows with an

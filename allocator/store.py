@@ -523,16 +523,9 @@ class PageStore:
             if not job.mapped:
                 raise RuntimeError(f"{self.name}: page {job.page} to end its map is not mapped")
         landed = self._land(jobs)
-        unreported = [j for j in jobs if not j.reported]
-        created = sum(1 for j in unreported if j.fresh)
-        if created:
-            self.reporter.emit(PoolEvent.HANDLES_CREATED, created)
         for job in jobs:
             self._set_mapped(job.page, job.handles)
-        if unreported:
-            self.reporter.emit(PoolEvent.PAGES_MAPPED, len(unreported), seconds)
-            for job in unreported:
-                job.reported = True
+        self._report_mapped(jobs, seconds)
         self._changed([j.page for j in jobs])
         if landed:
             self.cond.notify_all()

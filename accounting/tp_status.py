@@ -13,6 +13,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+# The counters of a TpStatus, named once: the exporter's series are `kvledger_tp_<counter>`.
+TP_COUNTERS: tuple[str, ...] = (
+    "exchanges_total",
+    "page_ops_total",
+    "divergences_total",
+    "peer_failures_total",
+)
+
 
 @dataclass(frozen=True)
 class TpStatus:
@@ -25,8 +33,7 @@ class TpStatus:
     last_error: str = ""  # the message of the last divergence or peer failure, "" if none
 
     def __post_init__(self) -> None:
-        counts = ("exchanges_total", "page_ops_total", "divergences_total", "peer_failures_total")
-        for name in ("rank", "size", *counts):
+        for name in ("rank", "size", *TP_COUNTERS):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"TpStatus: {name}={value!r}, expected a non-negative int")

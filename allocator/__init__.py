@@ -1,4 +1,11 @@
-"""VMM allocator for the sliding-window KV pool, over CUDA or a host backend of the same semantics."""
+"""VMM allocator for the sliding-window KV pool, over CUDA or a host backend of the same semantics.
+
+At the root: the backends (`backend`, `host`, `cuda`), one page id across the layers
+(`pages`), the page store (`store`) with its spare policy (`spares`), its reporting
+(`reporting`) and its background mapper (`mapper`), and errors and checks. On the store:
+kvledger's token slots (`allocator.slots`), an engine's rows (`allocator.rows`) and tensor
+parallelism (`allocator.tp`). docs/allocator.md.
+"""
 
 from allocator.errors import (
     CapacityError,
@@ -9,9 +16,10 @@ from allocator.errors import (
     SlotError,
 )
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
 from allocator.mapper import BackgroundMapper
-from allocator.pool import SwaPool
+from allocator.slots import SlotLayout, SwaPool
+from allocator.states import PageState
+from allocator.store import PageStore
 
 __all__ = [
     "BackgroundMapper",
@@ -21,6 +29,8 @@ __all__ = [
     "HostBackend",
     "IncompatibleError",
     "KvAllocatorError",
+    "PageState",
+    "PageStore",
     "SlotError",
     "SlotLayout",
     "SwaPool",

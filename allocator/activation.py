@@ -18,8 +18,8 @@ from typing import Any
 
 from allocator.backend import Backend
 from allocator.errors import IncompatibleError, KvAllocatorError
-from allocator.layout import SlotLayout
-from allocator.pool import SwaPool
+from allocator.slots.layout import SlotLayout
+from allocator.slots.pool import SwaPool
 
 log = logging.getLogger(__name__)
 

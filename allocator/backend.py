@@ -15,6 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+# The CUDA VMM granularity measured on an H200 (docs/background.md#cuda-driver-facts): the
+# host backend's default page, and the planners' when no device is at hand.
+DEFAULT_GRANULARITY = 2 << 20
+
 
 class Backend(Protocol):
     name: str

@@ -26,6 +26,8 @@ usable by torch.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cuda.bindings import driver as drv
@@ -61,6 +63,33 @@ def _check(result: Any, op: str, address: int | None = None, detail: str = "") -
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+@dataclass(frozen=True)
+class DriverCalls:
+    """The bare driver of one backend's device, for measuring what the driver alone costs
+    (kvledger.bench): `driver` is cuda.bindings.driver, `prop` the allocation properties and
+    `access` the access descriptors this backend passes to cuMemCreate and cuMemSetAccess,
+    `check(result, op)` unpacks a call's result and raises DriverError on failure. Nothing
+    made through it is in the backend's books: the caller undoes all of it."""
+
+    driver: Any
+    prop: Any
+    access: list[Any]
+    granularity: int
+    check: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class CudaBackendState:
+    """What a CUDA backend holds at one instant (`CudaBackend.debug_state`), for tests:
+    `reservations` (address -> size), `mappings` (address -> (size, handle)), `handles`
+    (handle -> size), `closed`."""
+
+    reservations: dict[int, int]
+    mappings: dict[int, tuple[int, int]]
+    handles: dict[int, int]
+    closed: bool
 
 
 class _DeviceView:
@@ -265,6 +294,22 @@ class CudaBackend:
             sizes = [size for _, size in self._handles.values()]
             return backend_stats(self._reservations, sizes, len(self._mappings))
 
+    def debug_state(self) -> CudaBackendState:
+        """A copy of the backend's books (`CudaBackendState`), for tests."""
+        with self._lock:
+            return CudaBackendState(
+                reservations=dict(self._reservations),
+                mappings=dict(self._mappings),
+                handles={hid: size for hid, (_, size) in self._handles.items()},
+                closed=self._closed,
+            )
+
+    def driver_calls(self) -> DriverCalls:
+        """The bare driver of this backend's device (`DriverCalls`), its context made current
+        on the calling thread."""
+        self._enter("driver_calls")
+        return DriverCalls(drv, self._prop, self._access, self.granularity, _check)
+
     # -- lifetime -----------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -310,60 +355,3 @@ class CudaBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def driver_floor_seconds(
-    backend: CudaBackend, *, layers: int, page_bytes: int, repeats: int, naive: bool
-) -> list[float]:
-    """The bare driver's cost of mapping one page id across `layers` buffers, timed per page id.
-
-    Raw cuda.bindings calls with no kvledger code in between: cuMemMap + cuMemSetAccess
-    on handles created beforehand (pooled), or cuMemCreate + cuMemMap + cuMemSetAccess
-    (naive). Each timed map is undone (unmap, and release when naive) untimed.
-    """
-    import time
-
-    backend._enter("driver_floor")
-    size = page_bytes * repeats
-    bases = [
-        int(_check(drv.cuMemAddressReserve(size, backend.granularity, 0, 0), "cuMemAddressReserve"))
-        for _ in range(layers)
-    ]
-    pooled = (
-        []
-        if naive
-        else [
-            _check(drv.cuMemCreate(page_bytes, backend._prop, 0), "cuMemCreate")
-            for _ in range(layers)
-        ]
-    )
-    out: list[float] = []
-    try:
-        for r in range(repeats):
-            t0 = time.perf_counter()
-            handles = (
-                [
-                    _check(drv.cuMemCreate(page_bytes, backend._prop, 0), "cuMemCreate")
-                    for _ in range(layers)
-                ]
-                if naive
-                else pooled
-            )
-            for layer in range(layers):
-                addr = bases[layer] + r * page_bytes
-                _check(drv.cuMemMap(addr, page_bytes, 0, handles[layer], 0), "cuMemMap", addr)
-                _check(
-                    drv.cuMemSetAccess(addr, page_bytes, backend._access, 1), "cuMemSetAccess", addr
-                )
-            out.append(time.perf_counter() - t0)
-            for layer in range(layers):
-                _check(drv.cuMemUnmap(bases[layer] + r * page_bytes, page_bytes), "cuMemUnmap")
-            if naive:
-                for h in handles:
-                    _check(drv.cuMemRelease(h), "cuMemRelease")
-    finally:
-        for h in pooled:
-            drv.cuMemRelease(h)
-        for b in bases:
-            drv.cuMemAddressFree(b, size)
-    return out

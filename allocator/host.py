@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from allocator.backend import backend_stats, check_aligned
+from allocator.backend import DEFAULT_GRANULARITY, backend_stats, check_aligned
 from allocator.errors import ClosedError, DriverError
 
 _PROT_NONE = 0
@@ -37,9 +37,11 @@ _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
+# The C library's mmap, munmap, mprotect and fallocate, called by name through this module
+# global (tests replace it to make one call fail).
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [
     ctypes.c_void_p,
     ctypes.c_size_t,
     ctypes.c_int,
@@ -47,11 +49,10 @@ _libc.mmap.argtypes = [
     ctypes.c_int,
     ctypes.c_long,
 ]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
-DEFAULT_GRANULARITY = 2 << 20  # the CUDA VMM granularity measured on an H200
 # Memory maps (VMAs) left for the rest of the process: each mapped page costs up to two
 # (itself and the split of the reservation around it), and at vm.max_map_count every mmap
 # in the process fails, Python's own allocator included (MemoryError anywhere). `map`
@@ -78,6 +79,23 @@ def _errno_error(op: str, address: int | None, detail: str = "") -> DriverError:
     return DriverError(
         op, errno.errorcode.get(err, f"errno {err}"), detail or os.strerror(err), address
     )
+
+
+@dataclass(frozen=True)
+class HostBackendState:
+    """What a host backend holds at one instant (`HostBackend.debug_state`), for tests.
+
+    `reservations`: address -> size of each reservation; `mappings`: address -> (size,
+    handle) of each mapping; `handles`: handle -> (arena offset, size, mappings using it,
+    released and waiting for its last unmap); `physical_bytes`: the memfd's allocated
+    blocks (the kernel's figure, 0 once closed); `memfd`: (st_dev, st_ino) of the memfd, to
+    find it in /proc, or None once closed."""
+
+    reservations: dict[int, int]
+    mappings: dict[int, tuple[int, int]]
+    handles: dict[int, tuple[int, int, int, bool]]
+    physical_bytes: int
+    memfd: tuple[int, int] | None
 
 
 @dataclass
@@ -121,15 +139,15 @@ class HostBackend:
             # Over-reserve so the start can be aligned to the granularity, as the driver does.
             span = size + self.granularity
             flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
-            raw = _libc.mmap(None, span, _PROT_NONE, flags, -1, 0)
+            raw = libc.mmap(None, span, _PROT_NONE, flags, -1, 0)
             if raw in (None, _MAP_FAILED):
                 raise _errno_error("reserve", None, f"size={size}")
             start = -(-raw // self.granularity) * self.granularity
             head, tail = start - raw, raw + span - (start + size)
             if head:
-                _libc.munmap(raw, head)
+                libc.munmap(raw, head)
             if tail:
-                _libc.munmap(start + size, tail)
+                libc.munmap(start + size, tail)
             self._reservations[start] = size
             return start
 
@@ -144,7 +162,7 @@ class HostBackend:
                 raise DriverError(
                     "free_reservation", "EBUSY", "the range still has mappings", address
                 )
-            if _libc.munmap(address, size) != 0:
+            if libc.munmap(address, size) != 0:
                 raise _errno_error("free_reservation", address)
             del self._reservations[address]
 
@@ -162,7 +180,7 @@ class HostBackend:
                     code = errno.errorcode.get(e.errno or 0, f"errno {e.errno}")
                     raise DriverError("create", code, f"size={size}: {e.strerror}") from e
                 self._arena_size += size
-            if _libc.fallocate(fd, 0, offset, size) != 0:
+            if libc.fallocate(fd, 0, offset, size) != 0:
                 err = _errno_error("create", None, f"size={size}")
                 self._free_offsets.setdefault(size, []).append(offset)
                 raise err
@@ -184,7 +202,7 @@ class HostBackend:
     def _punch(self, handle: int, h: _Handle) -> None:
         assert self._fd is not None
         mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
-        if _libc.fallocate(self._fd, mode, h.offset, h.size) != 0:
+        if libc.fallocate(self._fd, mode, h.offset, h.size) != 0:
             raise _errno_error("release", None, f"handle {handle}")
         del self._handles[handle]
         self._free_offsets.setdefault(h.size, []).append(h.offset)
@@ -207,7 +225,7 @@ class HostBackend:
             if 2 * (len(self._mappings) + 1) > self._map_room:
                 self._check_map_count(address)
             flags = _MAP_SHARED | _MAP_FIXED
-            if _libc.mmap(address, size, _PROT_NONE, flags, fd, h.offset) in (None, _MAP_FAILED):
+            if libc.mmap(address, size, _PROT_NONE, flags, fd, h.offset) in (None, _MAP_FAILED):
                 raise _errno_error("map", address)
             self._mappings[address] = (size, handle)
             for g in granules:
@@ -235,7 +253,7 @@ class HostBackend:
             granules = range(address, address + size, self.granularity)
             if not all(g in self._granule_owner for g in granules):
                 raise DriverError("set_access", "EINVAL", "range is not fully mapped", address)
-            if _libc.mprotect(address, size, _PROT_RW) != 0:
+            if libc.mprotect(address, size, _PROT_RW) != 0:
                 raise _errno_error("set_access", address)
 
     def unmap(self, address: int, size: int) -> None:
@@ -256,7 +274,7 @@ class HostBackend:
                 "unmap", "EINVAL", f"range of {size} bytes does not cover whole mappings", address
             )
         flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
-        if _libc.mmap(address, size, _PROT_NONE, flags, -1, 0) in (None, _MAP_FAILED):
+        if libc.mmap(address, size, _PROT_NONE, flags, -1, 0) in (None, _MAP_FAILED):
             raise _errno_error("unmap", address)
         for m in starts:
             msize, handle = self._mappings.pop(m)
@@ -296,6 +314,20 @@ class HostBackend:
             sizes = [h.size for h in self._handles.values()]
             return backend_stats(self._reservations, sizes, len(self._mappings))
 
+    def debug_state(self) -> HostBackendState:
+        """A copy of everything the backend holds (`HostBackendState`), for tests."""
+        with self._lock:
+            st = os.fstat(self._fd) if self._fd is not None else None
+            return HostBackendState(
+                reservations=dict(self._reservations),
+                mappings=dict(self._mappings),
+                handles={
+                    h: (v.offset, v.size, v.mapped, v.released) for h, v in self._handles.items()
+                },
+                physical_bytes=st.st_blocks * 512 if st is not None else 0,
+                memfd=(st.st_dev, st.st_ino) if st is not None else None,
+            )
+
     # -- lifetime ---------------------------------------------------------------------------
     def _check_open(self, op: str) -> int:
         if self._fd is None:
@@ -312,7 +344,7 @@ class HostBackend:
             if self._fd is None:
                 return
             for address, size in list(self._reservations.items()):
-                _libc.munmap(address, size)
+                libc.munmap(address, size)
             self._reservations.clear()
             self._mappings.clear()
             self._granule_owner.clear()

@@ -3,17 +3,17 @@
 A page id `p` of a pool is the byte range `[p * page_bytes, (p + 1) * page_bytes)`
 of every layer's reservation. Mapping it takes one handle per layer (a "handle
 set"). Each operation here either completes for every layer or undoes the
-layers it did and re-raises, so a failure half way leaves nothing held.
+layers it did (allocator.transaction) and re-raises, so a failure half way leaves nothing
+held.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 from allocator.backend import Backend, check_aligned
-from allocator.errors import DriverError
+from allocator.transaction import Transaction
 
 
 class LayerSet:
@@ -33,25 +33,28 @@ class LayerSet:
         self.layers = layers
         self.page_bytes = page_bytes
         self.reserved_bytes = reserved_bytes
-        self.bases: list[int] = []
-        try:
+        bases: list[int] = []
+        with Transaction() as t:
             for _ in range(layers):
-                self.bases.append(backend.reserve(reserved_bytes))
-        except BaseException:
-            self.free_reservations()
-            raise
+                base = backend.reserve(reserved_bytes)
+                t.append(backend.free_reservation, base, reserved_bytes)
+                bases.append(base)
+            t.commit()
+        self.bases = bases
 
     def address(self, layer: int, page: int) -> int:
+        """Where page id `page` starts in layer `layer`'s reservation."""
         return self.bases[layer] + page * self.page_bytes
 
     def create_set(self) -> list[int]:
+        """One new handle per layer; all or none."""
         handles: list[int] = []
-        try:
+        with Transaction() as t:
             for _ in range(self.layers):
-                handles.append(self.backend.create(self.page_bytes))
-        except BaseException:
-            self.release_set(handles)
-            raise
+                handle = self.backend.create(self.page_bytes)
+                t.append(self.backend.release, handle)
+                handles.append(handle)
+            t.commit()
         return handles
 
     def release_set(self, handles: Sequence[int]) -> None:
@@ -71,19 +74,13 @@ class LayerSet:
             raise ValueError(
                 f"map_page: {len(handles)} handles, expected one per layer ({self.layers})"
             )
-        done: list[int] = []
-        try:
+        with Transaction() as t:
             for layer, handle in enumerate(handles):
                 addr = self.address(layer, page)
                 self.backend.map(addr, self.page_bytes, handle)
-                done.append(addr)
+                t.append(self.backend.unmap, addr, self.page_bytes)
                 self.backend.set_access(addr, self.page_bytes)
-        except BaseException:
-            for addr in reversed(done):
-                # the original error is the one worth raising
-                with contextlib.suppress(DriverError):
-                    self.backend.unmap(addr, self.page_bytes)
-            raise
+            t.commit()
 
     def unmap_page(self, page: int, handles: Sequence[int] | None = None) -> None:
         """Unmap `page` from every layer.
@@ -102,22 +99,22 @@ class LayerSet:
             if first is not None:
                 raise first
             return
-        done: list[int] = []
-        try:
+        with Transaction() as t:
             for layer in range(self.layers):
-                self.backend.unmap(self.address(layer, page), self.page_bytes)
-                done.append(layer)
-        except BaseException:
-            for layer in reversed(done):
                 addr = self.address(layer, page)
-                with contextlib.suppress(DriverError):  # the original error is worth raising
-                    self.backend.map(addr, self.page_bytes, handles[layer])
-                    self.backend.set_access(addr, self.page_bytes)
-            raise
+                self.backend.unmap(addr, self.page_bytes)
+                t.append(self._map_layer, addr, handles[layer])
+            t.commit()
+
+    def _map_layer(self, address: int, handle: int) -> None:
+        self.backend.map(address, self.page_bytes, handle)
+        self.backend.set_access(address, self.page_bytes)
 
     def byte_tensor(self, layer: int, size: int) -> Any:
+        """A uint8 tensor over the first `size` bytes of layer `layer`'s reservation."""
         return self.backend.byte_tensor(self.bases[layer], size)
 
     def free_reservations(self) -> None:
+        """Free every layer's reservation (its pages unmapped first). Idempotent."""
         while self.bases:
             self.backend.free_reservation(self.bases.pop(), self.reserved_bytes)

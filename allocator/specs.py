@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from accounting.buffers import BufferSpec, Owner
-from allocator.layout import SlotLayout
+from allocator.slots.layout import SlotLayout
 
 
 def vmm_layer_specs(

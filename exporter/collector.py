@@ -26,6 +26,7 @@ from prometheus_client.utils import floatToGoString
 from accounting.buffers import Owner
 from accounting.figures import FIGURES
 from accounting.ledger import MAP_SECONDS_BUCKETS
+from accounting.tp_status import TP_COUNTERS
 from exporter import metrics as m
 from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
 from exporter.sources import Published, Sources, SourceView
@@ -276,12 +277,7 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     fam.add("kvledger_relation_violations", eng, len(d["violations"]))
     tp = d.get("tp")
     if tp:
-        for key in (
-            "exchanges_total",
-            "page_ops_total",
-            "divergences_total",
-            "peer_failures_total",
-        ):
+        for key in TP_COUNTERS:
             fam.add(f"kvledger_tp_{key}", eng, tp[key])
     for r in d["reconciliation"]:
         labels = {**eng, "truth": str(r.get("source", "unknown"))}

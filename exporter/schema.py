@@ -18,7 +18,7 @@ from typing import Any
 from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.snapshot import AccountRow, BufferRow
-from accounting.tp_status import TpStatus
+from accounting.tp_status import TP_COUNTERS, TpStatus
 
 MAX_NAME = 256  # characters in a name, label or dtype
 MAX_TEXT = 4096  # characters in a free-text field (reasons, errors)
@@ -345,17 +345,7 @@ def tp_status(d: Any) -> TpStatus | None:
     if d is None:
         return None
     d = as_dict(d, "tp")
-    ints = {
-        k: int_of(d, k, "tp")
-        for k in (
-            "rank",
-            "size",
-            "exchanges_total",
-            "page_ops_total",
-            "divergences_total",
-            "peer_failures_total",
-        )
-    }
+    ints = {k: int_of(d, k, "tp") for k in ("rank", "size", *TP_COUNTERS)}
     try:
         return TpStatus(last_error=str_of(d, "last_error", "tp", MAX_TEXT), **ints)
     except ValueError as e:

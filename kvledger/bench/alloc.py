@@ -183,9 +183,8 @@ def page_map(backend: Backend, layers: int, repeats: int) -> dict[str, float]:
 def _floor_fn(backend: Backend) -> Callable[[int, int, bool], list[float]]:
     """The bare floor: raw driver calls on CUDA; the backend's own calls on the host."""
     if backend.name == "cuda":
-        from allocator.cuda import CudaBackend, driver_floor_seconds
+        from kvledger.bench.driver_floor import driver_floor_seconds
 
-        assert isinstance(backend, CudaBackend)
         page = backend.granularity
         return lambda layers, repeats, naive: driver_floor_seconds(
             backend, layers=layers, page_bytes=page, repeats=repeats, naive=naive

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from accounting import Ledger, Snapshot
-from accounting.tp_status import TpStatus
+from accounting.tp_status import TP_COUNTERS, TpStatus
 
 
 def status(**kw: object) -> TpStatus:
@@ -61,3 +63,8 @@ def test_snapshot_carries_it_and_round_trips() -> None:
     assert Snapshot.from_dict(d).tp is None
     ledger.set_tp_status(None)
     assert ledger.snapshot().tp is None
+
+
+def test_the_counters_are_named_once_and_are_every_total_field() -> None:
+    totals = tuple(f.name for f in dataclasses.fields(TpStatus) if f.name.endswith("_total"))
+    assert totals == TP_COUNTERS

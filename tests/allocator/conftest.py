@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
+from allocator.slots.layout import SlotLayout
 from tests.allocator.rigs import KIB, SMALL_GRANULARITY, Rig, make_backend
 
 

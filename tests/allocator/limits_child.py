@@ -21,8 +21,8 @@ from typing import Any
 from accounting.ledger import Ledger
 from allocator.errors import CapacityError, DriverError
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
-from allocator.pool import SwaPool
+from allocator.slots.layout import SlotLayout
+from allocator.slots.pool import SwaPool
 from tests.allocator.rigs import pool_account
 
 KIB = 1024
@@ -67,7 +67,7 @@ def run(mode: str) -> dict[str, Any]:
         observer=account,
     )
     # One log line for the whole run, however slow the machine (rate limiting has its own test).
-    pool.store.failures.interval_s = 3600.0
+    pool.store.reporter.failures.interval_s = 3600.0
     held: list[list[int]] = []
     error = ""
     failed_calls = 0

@@ -4,15 +4,14 @@ backend wrapper that fails a chosen call."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import Account, Ledger
 from allocator.errors import DriverError
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
-from allocator.pool import SwaPool
+from allocator.slots.layout import SlotLayout
+from allocator.slots.pool import SwaPool
 
 KIB = 1024
 SMALL_GRANULARITY = 64 * KIB  # many pages per buffer on the host
@@ -81,22 +80,7 @@ class Rig:
         )
 
     def state(self) -> dict[str, Any]:
-        pool = self.pool
-        with pool.store.lock:
-            pages = {
-                "state": bytes(pool.store.state),
-                "handles": [None if h is None else list(h) for h in pool.store.handles],
-                "refcount": list(pool._refcount),
-                "free_inner": [sorted(s) for s in pool._free_inner],
-                "tail_free": bytes(pool._tail_free),
-                "occupied": bytes(pool._occupied),
-                "partial": sorted(pool._partial),
-                "empty": sorted(pool.store.spares),
-                "unmapped": list(pool.store.unmapped),
-                "spare_sets": [list(s) for s in pool.store.kept],
-                "live_sets": pool.store.live_sets,
-                "busy": pool.store.busy,
-            }
+        pages = self.pool.debug_state()
         snap = self.ledger.snapshot().to_dict()
         snap.pop("taken_at")
         snap.pop("epoch")
@@ -106,25 +90,13 @@ class Rig:
         stats.pop("driver_failures")  # a failure is counted: the one change a failed call makes
         out: dict[str, Any] = {"pool": pages, "stats": stats, "ledger": snap}
         if isinstance(self.backend, HostBackend):
-            out["backend"] = backend_truth(self.backend)
+            out["backend"] = self.backend.debug_state()
         elif hasattr(self.backend, "inner"):
-            out["backend"] = backend_truth(self.backend.inner)
+            out["backend"] = self.backend.inner.debug_state()
         return out
 
     def close(self) -> None:
         self.pool.close()
-
-
-def backend_truth(be: HostBackend) -> dict[str, Any]:
-    with be._lock:
-        return {
-            "reservations": dict(be._reservations),
-            "mappings": dict(be._mappings),
-            "handles": {
-                h: (v.offset, v.size, v.mapped, v.released) for h, v in be._handles.items()
-            },
-            "physical": os.fstat(be._fd).st_blocks * 512 if be._fd is not None else 0,
-        }
 
 
 class FailingBackend:

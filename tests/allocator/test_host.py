@@ -191,8 +191,9 @@ def test_close_leaves_no_memfd_no_mapping_and_no_reservation() -> None:
         be.set_access(base + i * g, g)
         be.byte_tensor(base + i * g, g).fill_(i)
     be.create(g)  # an unmapped live handle
-    assert be._fd is not None
-    inode = os.fstat(be._fd).st_ino
+    memfd = be.debug_state().memfd
+    assert memfd is not None
+    inode = memfd[1]
     assert any("kvledger-physical" in name for _, _, name in _maps_lines(inode))
     be.close()
     assert len(_memfd_fds()) == before
@@ -247,7 +248,7 @@ def test_create_out_of_memory_is_a_driver_error_and_holds_nothing(
         host.create(g)
     assert info.value.op == "create" and info.value.error_name == "EFBIG"
     monkeypatch.undo()
-    monkeypatch.setattr(host_module, "_libc", _NoSpaceLibc(host_module._libc))
+    monkeypatch.setattr(host_module, "libc", _NoSpaceLibc(host_module.libc))
     with pytest.raises(DriverError) as info:  # committing the blocks fails
         host.create(g)
     assert info.value.op == "create" and info.value.error_name == "ENOSPC"

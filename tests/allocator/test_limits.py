@@ -18,8 +18,8 @@ import pytest
 from accounting.ledger import Ledger
 from allocator.errors import DriverError
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
-from allocator.pool import SwaPool
+from allocator.slots.layout import SlotLayout
+from allocator.slots.pool import SwaPool
 from tests.allocator.rigs import KIB, SMALL_GRANULARITY, FailingBackend, pool_account
 
 ROOT = Path(__file__).parents[2]

@@ -12,10 +12,10 @@ import pytest
 
 from allocator.errors import CapacityError, SlotError
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
 from allocator.mapper import BackgroundMapper
+from allocator.slots.layout import SlotLayout
 from tests.allocator.rigs import SMALL_GRANULARITY, Rig
-from tests.allocator.test_pool import _mapped_pages, _physical
+from tests.allocator.slots.test_pool import _mapped_pages, _physical
 
 PAGE = SMALL_GRANULARITY
 SLOTS_PER_PAGE = 4
@@ -68,7 +68,7 @@ def test_pool_close_stops_its_background_mapper(rig_factory: MakeRig) -> None:
     mapper = BackgroundMapper(rig.pool, idle_seconds=0.01)
     assert mapper.wait_idle()
     rig.pool.close()
-    assert not mapper._thread.is_alive()
+    assert not mapper.running
     mapper.close()  # still idempotent
 
 
@@ -108,7 +108,7 @@ def test_wait_idle_and_close_are_safe_to_repeat(rig_factory: MakeRig) -> None:
     mapper.close()
     mapper.close()
     assert rig.pool.store.mapper is None
-    assert not mapper._thread.is_alive()
+    assert not mapper.running
 
 
 class _GatedBackend:
@@ -147,17 +147,21 @@ def test_occupy_waiting_on_a_busy_page_rechecks_its_ids(host: HostBackend) -> No
         except BaseException as e:
             errors.append(e)
 
+    t = threading.Thread(target=follow)
+    cond = rig.pool.store.cond
+    real_wait = cond.wait
+    follower_waits = threading.Event()
+
+    def wait(timeout: float | None = None) -> bool:
+        if threading.current_thread() is t:
+            follower_waits.set()  # occupy found page 1 busy and waits for the mapper
+        return real_wait(timeout)
+
+    cond.wait = wait  # type: ignore[method-assign]
     with BackgroundMapper(rig.pool, idle_seconds=0.01):
         assert gated.entered.wait(10)
-        t = threading.Thread(target=follow)
         t.start()
-        deadline = time.monotonic() + 10
-        while not errors and t.is_alive() and time.monotonic() < deadline:
-            with rig.pool.store.lock:
-                waiting = len(rig.pool.store.cond._waiters) > 0  # type: ignore[attr-defined]
-            if waiting:
-                break
-            time.sleep(0.001)
+        assert follower_waits.wait(10) and not errors
         taken = rig.pool.alloc(3).tolist()  # slots 1-3, beside the null slot, no page needed
         assert sorted(taken) == [1, 2, 3]
         gated.release_gate.set()
@@ -175,7 +179,7 @@ def test_wait_idle_waits_for_maps_with_kept_handle_sets_when_the_budget_is_spent
     pool = rig.pool
     pool.free(pool.alloc(3 + 2 * SLOTS_PER_PAGE))  # two page ids unmapped, their sets kept
     assert pool.stats()["kept_handle_sets"] == 2 and pool.stats()["physical_bytes"] == 9 * PAGE
-    pool.store.min_spare_pages = pool.store.max_spare_pages = 2
+    pool.store.policy.min_spare_pages = pool.store.policy.max_spare_pages = 2
     with BackgroundMapper(pool, idle_seconds=0.01) as mapper:
         assert mapper.wait_idle()
         # the budget allows no fresh set, but the kept ones are mapped ahead

@@ -9,7 +9,7 @@ import pytest
 from allocator.errors import DriverError
 from allocator.host import HostBackend
 from allocator.pages import LayerSet
-from tests.allocator.rigs import FailingBackend, backend_truth
+from tests.allocator.rigs import FailingBackend
 
 
 def _layers(be: Any, layers: int = 4, pages: int = 3) -> LayerSet:
@@ -78,11 +78,11 @@ def test_map_page_failing_at_any_layer_undoes_the_layers_it_did(host: HostBacken
         fb = FailingBackend(host)
         ls = _layers(fb, layers=layers)
         handles = ls.create_set()
-        before = backend_truth(host)
+        before = host.debug_state()
         fb.arm(op, k)
         with pytest.raises(DriverError, match="INJECTED"):
             ls.map_page(0, handles)
-        assert backend_truth(host) == before, f"{op} failing at layer {k} left something"
+        assert host.debug_state() == before, f"{op} failing at layer {k} left something"
         fb.arm(None, None)
         ls.map_page(0, handles)  # the same handles still map
         ls.unmap_page(0)

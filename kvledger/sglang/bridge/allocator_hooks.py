@@ -54,9 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from allocator import packing
 from allocator.checks import check_count
-from allocator.rows import RowFollower
+from allocator.rows import RowFollower, packing
 from kvledger.sglang.bridge.compat import WRAPPED_METHODS
 from kvledger.sglang.bridge.journal import MERGE, RELEASE, TAKE, Journal
 from kvledger.sglang.bridge.readback import HostReader, host_ids

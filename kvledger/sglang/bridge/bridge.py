@@ -39,9 +39,9 @@ from typing import Any
 from accounting.ledger import Account, Ledger
 from allocator.backend import Backend
 from allocator.errors import IncompatibleError
-from allocator.layout import SlotLayout
 from allocator.mapper import BackgroundMapper
 from allocator.rows import RowFollower
+from allocator.slots import SlotLayout
 from allocator.store import PageStore
 from kvledger.sglang.bridge import registry
 from kvledger.sglang.bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation

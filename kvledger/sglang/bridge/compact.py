@@ -5,9 +5,9 @@ SGLang 0.5.23 reaches a token's SWA slot only through the allocator's
 reader translates them when it builds a batch), so a held SWA page (one row of every
 layer buffer) can be moved: copy the row's bytes in every layer to a free row, rewrite
 the mapping's entries that point into it, and swap the two page ids in the free list (the
-old row becomes free, the new one is taken). `allocator.compaction.plan` picks the moves
+old row becomes free, the new one is taken). `allocator.rows.compaction.plan` picks the moves
 so that the sparsest VMM pages empty into the other pages in use (or, when none can,
-`allocator.compaction.slide` moves the highest pages' rows down to where the held rows
+`allocator.rows.compaction.slide` moves the highest pages' rows down to where the held rows
 would lie packed, mapping the gaps it fills when it takes them); the emptied pages are
 unmapped before the call returns (on CUDA after an event recorded behind the copies has
 completed: the fence rule, with a stream's event enough because no batch is in flight).
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from allocator import compaction, packing
 from allocator.errors import CapacityError, DriverError
+from allocator.rows import compaction, packing
 
 MAX_MOVES = 512  # rows moved by one call at most
 

@@ -1,6 +1,6 @@
 """Reordering SGLang's free list in place of its own order, on its device, without a sync.
 
-Packing (allocator.packing) says in which order the free rows should be handed out; SGLang's
+Packing (allocator.rows.packing) says in which order the free rows should be handed out; SGLang's
 paged allocator takes from the front of `free_pages` and accepts any permutation of the same
 ids (it sorts on a merge). `reorder` computes that permutation where the list lives: a key
 per row goes up (a pinned, non-blocking copy for a CUDA list), the list is sorted by it on

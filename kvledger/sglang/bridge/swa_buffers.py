@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
-from allocator.layout import SlotLayout
 from allocator.rows import RowFollower
+from allocator.slots import SlotLayout
 from kvledger.sglang.bridge.compat import V4_TOKEN_BYTES, SwaFacts
 
 FAMILY = "swa_kv"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
+from allocator.backend import DEFAULT_GRANULARITY
 from kvledger.sglang.dsv4 import geometry as g
 from kvledger.sglang.dsv4 import planner
 from kvledger.sglang.dsv4.knobs import Knobs
@@ -41,10 +42,6 @@ SLOT_MEANING: dict[str, str] = {
     "c4_indexer_state": "ring row",
     "c128_state": "ring row",
 }
-
-DEFAULT_GRANULARITY = (
-    2 << 20
-)  # CUDA VMM granularity on the H200 (docs/background.md#cuda-driver-facts)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Compaction of a bridged SGLang pool (kvledger.sglang.bridge.compact, allocator.compaction)
+"""Compaction of a bridged SGLang pool (kvledger.sglang.bridge.compact, allocator.rows.compaction)
 against SGLang 0.5.23's own DeepSeek-V4 pool and allocator: on CPU with the host VMM backend
 at 2 MiB (14 SWA rows per VMM page), and on cuda:0 with the CUDA backend and SGLang's Triton
 allocator kernels (marker gpu)."""
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from allocator import packing
 from allocator.host import HostBackend
+from allocator.rows import packing
 from kvledger.bench.sglang_engine import PAGE, Engine, Request, Shape, published
 from tests.kvledger.sglang.rig import bridged
 
@@ -130,7 +130,7 @@ def test_after_every_compaction_the_mapped_pages_are_within_the_packed_bound(
     the others) is among the plans that got there."""
     import math
 
-    from allocator import compaction
+    from allocator.rows import compaction
     from kvledger.bench.sglang_cases import Churn
 
     slides: list[int] = []

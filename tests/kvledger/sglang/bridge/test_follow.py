@@ -11,8 +11,8 @@ from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import Ledger
 from accounting.reconcile import host_memfd_truth
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
 from allocator.rows import RowFollower
+from allocator.slots.layout import SlotLayout
 from allocator.store import PageStore
 from kvledger.sglang.bridge.compat import V4_TOKEN_BYTES, expected_row_bytes
 from kvledger.sglang.bridge.follow import TokenObserver
@@ -143,7 +143,7 @@ def test_a_row_taken_twice_in_one_call_is_caught(
 ) -> None:
     """SGLang never hands out a page twice in one call; if it did, a call of a few rows (the
     scalar path) applies it once and counts the divergence at once (a longer call is
-    caught by the count check: tests/allocator/test_rows.py), so the page still unmaps when
+    caught by the count check: tests/allocator/rows/test_follower.py), so the page still unmaps when
     the row goes back."""
     rig.follower.take([5, 5])
     assert rig.follower.divergences == 1

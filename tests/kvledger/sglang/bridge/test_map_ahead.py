@@ -1,4 +1,4 @@
-"""Map-ahead after a churn (kvledger.sglang.bridge.allocator_hooks, allocator.front) against SGLang
+"""Map-ahead after a churn (kvledger.sglang.bridge.allocator_hooks, allocator.rows.front) against SGLang
 0.5.23's own DeepSeek-V4 pool and allocator on CPU, with the host VMM backend at 2 MiB (14
 SWA rows per VMM page): the rows SGLang hands out next have their pages mapped or announced
 to the background mapper, even where the free list interleaves a spare's rows with an
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from allocator.host import HostBackend
-from allocator.store import MAPPED
+from allocator.states import PageState
 from kvledger.bench.sglang_cases import Churn
 from kvledger.bench.sglang_engine import Engine, Shape, published
 from kvledger.sglang.bridge.allocator_hooks import AllocatorHooks
@@ -48,7 +48,9 @@ def test_the_next_rows_pages_are_mapped_or_announced_in_a_fill_after_a_churn(
         store, f = self.follower.store, self.follower
         rows = front[: 2 * widest]
         pages = {int(q) for row in rows for q in f.row_pages[row]}
-        missing = sorted(q for q in pages if store.state[q] != MAPPED and q not in store.ahead)
+        missing = sorted(
+            q for q in pages if store.state[q] != PageState.MAPPED and q not in store.policy.ahead
+        )
         if missing:
             misses.append((checked_pins, missing))  # (which pin of the fills, pages)
 

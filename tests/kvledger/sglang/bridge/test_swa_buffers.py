@@ -9,8 +9,8 @@ import torch
 
 from accounting.buffers import Owner
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
 from allocator.rows import RowFollower
+from allocator.slots.layout import SlotLayout
 from allocator.store import PageStore
 from kvledger.sglang.bridge.compat import V4_TOKEN_BYTES
 from kvledger.sglang.bridge.swa_buffers import FAMILY, native_copy, swa_specs

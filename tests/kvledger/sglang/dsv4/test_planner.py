@@ -6,7 +6,7 @@ import pytest
 
 from accounting import Ledger
 from accounting.buffers import Owner
-from allocator.layout import SlotLayout
+from allocator.slots.layout import SlotLayout
 from kvledger.sglang.dsv4 import FAMILIES, Knobs, plan
 from kvledger.sglang.dsv4 import geometry as g
 from tests.kvledger.sglang.dsv4.fixtures import flash

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from allocator.host import DEFAULT_GRANULARITY
+from allocator.backend import DEFAULT_GRANULARITY
 from kvledger.serve_process import ServeProcess
 from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
 from tests.kvledger.sglang import rig

@@ -31,9 +31,9 @@ from __future__ import annotations
 import numpy as np
 
 from allocator.checks import check_count
-from allocator.packing import packed_pages
-from allocator.rows import RowFollower
-from allocator.store import MAPPED
+from allocator.rows.follower import RowFollower
+from allocator.rows.packing import packed_pages
+from allocator.states import PageState
 
 
 def in_use_beyond_packed(f: RowFollower) -> int:
@@ -91,8 +91,8 @@ def plan(f: RowFollower, *, max_moves: int) -> tuple[list[int], list[int]]:
     usable = (
         (occupancy[first[free]] > 0)
         & (occupancy[last[free]] > 0)
-        & (state[first[free]] == MAPPED)
-        & (state[last[free]] == MAPPED)
+        & (state[first[free]] == PageState.MAPPED)
+        & (state[last[free]] == PageState.MAPPED)
     )
     dest = free[usable]
     dest_fill = np.minimum(occupancy[first[dest]], occupancy[last[dest]])

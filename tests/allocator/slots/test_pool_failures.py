@@ -8,8 +8,8 @@ import pytest
 
 from allocator.errors import DriverError
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
 from allocator.mapper import BackgroundMapper
+from allocator.slots.layout import SlotLayout
 from tests.allocator.rigs import KIB, SMALL_GRANULARITY, FailingBackend, Rig
 
 LAYERS = 4
@@ -130,7 +130,7 @@ def test_an_unmap_failing_at_any_layer_keeps_the_page_whole(
             assert not pool.is_page_mapped(1)
             assert _every_layer_mapped(host, rig, 1) == [False] * LAYERS
         else:
-            pool.store.retry_after_s = 0.0  # the next free retries at once
+            pool.store.policy.retry_after_s = 0.0  # the next free retries at once
             pool.free(ids)  # the unmap failure is counted, never raised out of free
             assert pool.stats()["driver_failures"] == 1
             assert rig.account.driver_failures_total == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from allocator.errors import IncompatibleError
-from allocator.layout import SlotLayout
+from allocator.slots.layout import SlotLayout
 from tests.allocator.rigs import DSV4_ROW_BYTES, DSV4_SLOT_BYTES, DSV4_SLOTS_PER_ROW, KIB
 
 

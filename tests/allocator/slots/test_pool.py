@@ -10,8 +10,8 @@ import torch
 
 from allocator.errors import CapacityError, ClosedError, SlotError
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
-from allocator.pool import SwaPool
+from allocator.slots.layout import SlotLayout
+from allocator.slots.pool import SwaPool
 from tests.allocator.rigs import (
     DSV4_ROW_BYTES,
     DSV4_SLOT_BYTES,
@@ -188,7 +188,7 @@ def test_handle_sets_are_kept_and_reused(rig_factory: MakeRig) -> None:
     rig = rig_factory(max_spare_pages=0, handle_pool_pages=2)
     pool = rig.pool
     ids = pool.alloc(3 + 3 * SLOTS_PER_PAGE)
-    sets_before = [pool.store.handles[p] for p in (1, 2, 3)]
+    sets_before = [pool.store.debug_state().handles[p] for p in (1, 2, 3)]
     pool.free(ids)
     assert _mapped_pages(pool) == [0]
     stats = pool.stats()
@@ -200,8 +200,8 @@ def test_handle_sets_are_kept_and_reused(rig_factory: MakeRig) -> None:
     handles_before = rig.backend.stats()["handles"]
     pool.alloc(3 + 2 * SLOTS_PER_PAGE)
     assert rig.backend.stats()["handles"] == handles_before  # nothing created
-    reused = {tuple(pool.store.handles[p] or ()) for p in (1, 2)}
-    assert reused <= {tuple(s or ()) for s in sets_before}
+    reused = {pool.store.debug_state().handles[p] or () for p in (1, 2)}
+    assert reused <= {s or () for s in sets_before}
     assert pool.stats()["kept_handle_sets"] == 0
 
 

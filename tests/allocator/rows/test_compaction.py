@@ -1,4 +1,4 @@
-"""allocator.compaction: plans that empty whole pages, sparsest first, into pages in use."""
+"""allocator.rows.compaction: plans that empty whole pages, sparsest first, into pages in use."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from allocator import compaction, packing
 from allocator.host import HostBackend
-from allocator.rows import RowFollower
+from allocator.rows import RowFollower, compaction, packing
 from allocator.store import PageStore
 from tests.allocator.rigs import KIB
 

@@ -1,4 +1,4 @@
-"""The geometry of the RowFollower tests (test_rows, test_packing): 24 KiB rows on 64 KiB
+"""The geometry of the RowFollower tests (test_follower, test_packing): 24 KiB rows on 64 KiB
 pages, so that rows straddle pages."""
 
 from __future__ import annotations

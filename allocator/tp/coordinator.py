@@ -59,9 +59,9 @@ A rank that dies or hangs
 Modules
     This one: the protocol above and `TpCoordinator`, a rank's side of it (attach and the
     configuration handshake, the pool's hooks, rank 0's plans and a peer's following,
-    mapping ahead, close). allocator.tp_exchange: the wire side (the view's layout and
+    mapping ahead, close). allocator.tp.exchange: the wire side (the view's layout and
     digests, the all_gather, the comparison of views and the check of rank 0's lists, the
-    errors). allocator.tp_pages: the page store's side.
+    errors). allocator.tp.pages: the page store's side (`TpPages`, given the store).
 """
 
 from __future__ import annotations
@@ -74,31 +74,19 @@ from typing import Any
 from accounting.tp_status import TpStatus
 from allocator.checks import check_count
 from allocator.errors import CapacityError
-from allocator.pool import SwaPool
-from allocator.tp_exchange import (
+from allocator.slots.pool import SwaPool
+from allocator.tp.exchange import (
     HELLO,
-    MAGIC,
     MAP,
-    PLAN_WORDS,
     UNMAP,
     VERIFY,
-    VIEW_WORDS,
-    TpDivergenceError,
     TpError,
     TpExchange,
-    TpPeerError,
     config_digest,
 )
+from allocator.tp.pages import TpPages
 
-__all__ = [
-    "MAGIC",
-    "PLAN_WORDS",
-    "VIEW_WORDS",
-    "TpCoordinator",
-    "TpDivergenceError",
-    "TpError",
-    "TpPeerError",
-]
+__all__ = ["TpCoordinator"]
 
 log = logging.getLogger(__name__)
 
@@ -130,20 +118,39 @@ class TpCoordinator:
             raise ValueError(f"timeout_s={timeout_s!r}, expected a positive number of seconds")
         if pool.closed:
             raise ValueError(f"pool {pool.name!r} is closed, expected an open pool")
-        if pool.store.mapper is not None:
-            raise ValueError(
-                f"pool {pool.name!r} has a background mapper, expected none: under TP its "
-                "timing would decide rank 0's slot ids (see allocator.tp)"
+        store = pool.store
+        self.pool = pool
+        self.pages = TpPages(store)
+        self.timeout_s = float(timeout_s)
+        self.ahead_pages = ahead_pages
+        self._closed = False
+        self._pending_reserve: list[int] = []
+        self._ahead_errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        with store.lock:
+            store.attach_tp(self)  # refused with a background mapper or another coordinator
+        try:
+            self._connect(dist, group, ledger, ahead_pages)
+        except BaseException:
+            with store.lock:
+                store.detach_tp(self)
+            raise
+        if ahead_pages:
+            self._thread = threading.Thread(
+                target=self._ahead_loop, name=f"kvledger-tp-ahead-{pool.name}", daemon=True
             )
-        if pool.store.tp is not None:
-            raise ValueError(f"pool {pool.name!r} already follows a TP group")
+            self._thread.start()
+
+    def _connect(self, dist: Any, group: Any, ledger: Any, ahead_pages: int) -> None:
+        """The group, the wire, the ledger's label and the handshake (HELLO: the pages first
+        reserved ahead); on a failure the wire is released."""
+        pool = self.pool
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialized: call init_process_group first "
                 "(or pass group=)"
             )
-        self.pool = pool
-        self.timeout_s = float(timeout_s)
         own_group = group is None
         if group is None:
             group = dist.new_group(
@@ -154,6 +161,7 @@ class TpCoordinator:
             raise ValueError(f"group backend={backend!r}, expected 'gloo' (CPU control tensors)")
         self._wire = TpExchange(
             pool,
+            self.pages,
             dist,
             group,
             own_group=own_group,
@@ -162,12 +170,6 @@ class TpCoordinator:
         )
         self.rank = self._wire.rank
         self.size = self._wire.size
-        self._closed = False
-        self.ahead_pages = ahead_pages
-        self._pending_reserve: list[int] = []
-        self._ahead_errors = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         if ledger is not None:
             have = ledger.labels.get("tp_rank")
             if have is not None and have != str(self.rank):
@@ -178,23 +180,16 @@ class TpCoordinator:
             ledger.labels["tp_rank"] = str(self.rank)
             ledger.set_tp_status(self.status)
         with pool.store.lock:
-            pool.store.tp = self
             try:
                 mine = self._choose_reserve(0, []) if self.rank == 0 else []
                 _, _, reserve, _ = self._wire.exchange(HELLO, 0, reserve=mine)
                 self._wire.check_pages(reserve, "unmapped", "reserve", HELLO, 0)
-                pool.store.tp_reserve_locked(reserve)
+                self.pages.reserve_locked(reserve)
             except BaseException:
-                pool.store.tp = None
                 self._wire.release()
                 raise
-        if ahead_pages:
-            self._thread = threading.Thread(
-                target=self._ahead_loop, name=f"kvledger-tp-ahead-{pool.name}", daemon=True
-            )
-            self._thread.start()
 
-    # -- called by the pool, under its lock -----------------------------------------------
+    # -- called by the pool and its store, under the store's lock -------------------------
     def op_started(self, op: str, n: int) -> None:
         self._wire.op_started(op, n)
 
@@ -202,17 +197,17 @@ class TpCoordinator:
         self._wire.op_done(ids)
         if self._pending_reserve:  # announced at this op's exchange: marked at its end
             pages, self._pending_reserve = self._pending_reserve, []
-            self.pool.store.tp_reserve_locked(pages)
+            self.pages.reserve_locked(pages)
 
     def plan_map(self, need: int) -> list[int]:
         """Page ids to map so that `need` more slots can be handed out; reserved pages the
         plan takes are published here first (mapped ahead, or now)."""
         pool = self.pool
         if self.rank == 0:
-            reserved = sorted(pool.store.tp_reserve)
+            reserved = sorted(self.pages.reserved)
             try:
                 while True:
-                    plan = pool.plan_pages(
+                    plan = pool.gather.plan_pages(
                         need, reserved + pool.store.unmapped if reserved else None
                     )
                     if plan is not None:
@@ -236,19 +231,26 @@ class TpCoordinator:
             self._wire.check_pages(publish, "reserved", "publish", MAP, need)
             self._wire.check_pages(plan, "unmapped", "map", MAP, need)
             self._wire.check_pages(reserve, "unmapped", "reserve", MAP, need, exclude=plan)
-        pool.store.tp_publish_locked(publish)
+        self.pages.publish_locked(publish)
         self._pending_reserve = reserve
         return plan
 
     def plan_unmap(self, excess: int) -> list[int]:
         """Spare page ids to unmap, `excess` of them."""
         if self.rank == 0:
-            plan = self.pool.store.tp_trim_plan(excess)
+            plan = self.pages.trim_plan(excess)
             self._wire.exchange(UNMAP, excess, plan=plan)
             return plan
         _, plan, _, _ = self._wire.exchange(UNMAP, excess)
         self._wire.check_pages(plan, "spare", "unmap", UNMAP, excess)
         return plan
+
+    def trim_locked(self) -> None:
+        """Unmap the spares over `max_spare_pages`, as rank 0 names them (the store's spare
+        policy calls it after a free instead of its own timed trim)."""
+        store = self.pool.store
+        for p in self.plan_unmap(len(store.spares) - store.max_spare_pages):
+            store.unmap_spare_locked(p)
 
     # -- public ---------------------------------------------------------------------------
     def verify(self) -> None:
@@ -270,9 +272,7 @@ class TpCoordinator:
         """Block until every page reserved ahead is mapped (tests, benchmarks)."""
         pool = self.pool
         with pool.store.cond:
-            return pool.store.cond.wait_for(
-                lambda: pool.closed or pool.store.tp_ahead_idle(), timeout
-            )
+            return pool.store.cond.wait_for(lambda: pool.closed or self.pages.idle(), timeout)
 
     def close(self) -> None:
         """Stop mapping ahead, give the reserved pages back, detach from the pool (it works
@@ -287,9 +287,8 @@ class TpCoordinator:
             self._thread.join()
         try:
             with self.pool.store.lock:
-                if self.pool.store.tp is self:
-                    self.pool.store.tp = None
-                    self.pool.store.tp_drop_reserve_locked()
+                if self.pool.store.detach_tp(self):
+                    self.pages.drop_locked()
         finally:
             self._wire.release()
 
@@ -301,7 +300,7 @@ class TpCoordinator:
         want = self.ahead_pages - kept
         if want <= 0:
             return []
-        spare = len(pool.store.kept)
+        spare = pool.store.kept_sets
         live = pool.store.live_sets + max(0, len(plan) - spare)
         spare = max(0, spare - len(plan))
         budget = pool.physical_budget
@@ -325,15 +324,15 @@ class TpCoordinator:
         pool = self.pool
         while not self._stop.is_set():
             with pool.store.cond:
-                job = None if pool.closed else pool.store.tp_ahead_job()
+                job = None if pool.closed else self.pages.next_job_locked()
                 if job is None:
                     pool.store.cond.wait(timeout=0.05)
                     continue
             try:
-                pool.store.tp_ahead_map(*job)
+                self.pages.map_ahead(job)
             except Exception:
                 self._ahead_errors += 1
-                log.exception("TP pool %r: mapping page %d ahead failed", pool.name, job[0])
+                log.exception("TP pool %r: mapping page %d ahead failed", pool.name, job.page)
                 self._stop.wait(1.0)  # the exchange that publishes it maps it, or raises
 
     def __enter__(self) -> TpCoordinator:

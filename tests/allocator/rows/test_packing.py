@@ -1,4 +1,4 @@
-"""allocator.packing: the order an engine should hand out a follower's free rows in, and
+"""allocator.rows.packing: the order an engine should hand out a follower's free rows in, and
 whether the held rows sit on more pages than they need."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from allocator import packing
 from allocator.host import HostBackend
-from tests.allocator.rows_rig import GRAN, ROWS, make, mapped, pages_of_rows
+from allocator.rows import packing
+from tests.allocator.rows.rig import GRAN, ROWS, make, mapped, pages_of_rows
 
 
 @pytest.fixture

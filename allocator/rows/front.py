@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from allocator.store import MAPPED
+from allocator.states import PageState
 
 
 class Front(NamedTuple):
@@ -43,10 +43,8 @@ def plan(
       all mapped, touching at most `max_spares` pages not in use);
     - `pinned`: the pages of that prefix, and the first page of the row that ends it when
       that page passes the same test (the row straddles into a page that does not). That
-      page is the next allocation's, and pinned it stays mapped. With it left out (commit
-      67f0109) the H200's fill/drain cycles waited on the driver 6 times where the runs
-      before had none (likely: trimmed as a spare not pinned, then needed; with it back,
-      commit b958f75, 0 and 2 times in two runs);
+      page is the next allocation's, and pinned it stays mapped rather than trimmed as a
+      spare just before it is wanted (docs/allocator.md#map-ahead has the runs);
     - `ahead`: the pinned pages, then those of the first max(`ahead`, `safe`) rows in
       order of first use,
       stopping past the prefix where they would hold more than `ahead_spares` pages not in
@@ -57,6 +55,7 @@ def plan(
       that one out is when the page after it should be mapped ahead).
 
     A loop that stops at the first row it cannot take: a few dozen rows in practice."""
+    mapped = PageState.MAPPED
     pages: dict[int, None] = {}
     spares = 0
     safe = warm = len(rows)
@@ -64,7 +63,7 @@ def plan(
         for q in (first[row], last[row]):
             if q in pages:
                 continue
-            if state[q] != MAPPED or (not count[q] and spares == max_spares):
+            if state[q] != mapped or (not count[q] and spares == max_spares):
                 break  # unmapped, or one spare too many
             if not count[q] and not spares:
                 warm = i

@@ -1,9 +1,10 @@
 """kvledger's token-slot allocator on a page store: slots handed out, pages mapped to match.
 
-`SwaPool` lays slots out in rows over every layer buffer (allocator.layout) and keeps,
-per page id, the slots whose bytes lie in it (a slot may straddle into the next page: it is
-that page's *tail*). A page is in use while any occupied slot touches it; the page store
-(allocator.store) maps, unmaps and keeps spares by that.
+`SwaPool` lays slots out in rows over every layer buffer (allocator.slots.layout) and keeps
+which slots are occupied; its `gather` (allocator.slots.gather, given the store) keeps, per
+page id, the slots whose bytes lie in it (a slot may straddle into the next page: it is that
+page's *tail*) and the tiers an allocation draws from. A page is in use while any occupied
+slot touches it; the page store (allocator.store) maps, unmaps and keeps spares by that.
 
 Allocation takes slots from partly occupied pages first, then from spare pages, and only
 then maps new pages. Nothing changes unless the whole request can be met. The occupied-slot
@@ -13,19 +14,39 @@ observer nothing. See docs/allocator.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from accounting.events import PoolObserver
 from allocator.backend import Backend
-from allocator.gather import SlotGather
-from allocator.layout import SlotLayout
-from allocator.slot_ids import as_id_list, validate
-from allocator.store import BUSY, MAPPED, PageStore
+from allocator.slots.gather import SlotGather
+from allocator.slots.layout import SlotLayout
+from allocator.slots.slot_ids import as_id_list, validate
+from allocator.states import PageState
+from allocator.store import PageStore, StoreState
 
-__all__ = ["SwaPool", "as_id_list"]
+__all__ = ["PoolState", "SwaPool", "as_id_list"]
 
 
-class SwaPool(SlotGather):
+@dataclass(frozen=True)
+class PoolState:
+    """A pool's books at one instant (`SwaPool.debug_state`), for tests.
+
+    `store`: its page store's (`StoreState`); `occupied`: one byte per slot, 1 while handed
+    out (the null slot included); `refcount`: per page id the occupied slots touching it;
+    `free_inner`: per page id its free slots other than its tail, ascending; `tail_free`: per
+    page id 1 while its tail slot (straddling into the next page) is free; `partial`: the page
+    ids of the partial tier, ascending."""
+
+    store: StoreState
+    occupied: bytes
+    refcount: tuple[int, ...]
+    free_inner: tuple[tuple[int, ...], ...]
+    tail_free: bytes
+    partial: tuple[int, ...]
+
+
+class SwaPool:
     def __init__(
         self,
         backend: Backend,
@@ -45,19 +66,13 @@ class SwaPool(SlotGather):
         self.layout = layout
         self.layers = layers
         self.page_bytes = layout.page_bytes
-        n_pages = layout.num_pages
-        self._refcount = [0] * n_pages
-        # home_of[i]: the page holding slot i's first byte; a slot that straddles into
-        # home + 1 is that page's tail. free_inner[p]: the free slots of p other than its tail.
-        self._home_of, self._tail, self._free_inner = layout.page_index()
-        self._tail_free = bytearray(1 if t >= 0 else 0 for t in self._tail)
         self._occupied = bytearray(layout.capacity_slots)
-        self._partial: dict[int, None] = {}  # mapped, in use, maybe usable free slots
+        self.null_slot = 0 if null_slot else None
         self.store = store = PageStore(
             backend,
             layers=layers,
             page_bytes=layout.page_bytes,
-            num_pages=n_pages,
+            num_pages=layout.num_pages,
             physical_budget=physical_budget,
             min_spare_pages=min_spare_pages,
             max_spare_pages=max_spare_pages,
@@ -66,13 +81,14 @@ class SwaPool(SlotGather):
             observer=observer,
             name=name,
         )
-        store.user = self
+        self.gather = SlotGather(store, layout, capacity_slots=self.capacity_slots, name=name)
+        with store.lock:
+            store.attach_user(self.gather)
         try:
             self.tensors = [store.byte_tensor(i, layout.buffer_bytes) for i in range(layers)]
         except BaseException:
             store.close()
             raise
-        self.null_slot = 0 if null_slot else None
         if null_slot:
             try:
                 with store.lock:
@@ -120,7 +136,7 @@ class SwaPool(SlotGather):
                 taken = self._alloc_locked(n)
             else:
                 taken = self._tp_run("alloc", n, lambda: self._alloc_locked(n))
-            due = store.tick()
+            due = store.reporter.tick()
         if due:
             store.safe_point()
         return torch.tensor(taken, dtype=torch.int64)
@@ -136,10 +152,10 @@ class SwaPool(SlotGather):
             self._validate(slots, "free", want_occupied=True)
             if store.tp is None:
                 self._free_locked(slots)
-                store.after_release_locked()
+                store.policy.after_release_locked()
             else:
                 self._tp_run("free", len(slots), lambda: self._tp_free_locked(slots))
-            due = store.tick()
+            due = store.reporter.tick()
         if due:
             store.safe_point()
 
@@ -156,7 +172,7 @@ class SwaPool(SlotGather):
                     "(allocator.tp); use alloc/free on every rank"
                 )
             self._occupy_locked(slots, count=True)
-            due = store.tick()
+            due = store.reporter.tick()
         if due:
             store.safe_point()
 
@@ -181,66 +197,66 @@ class SwaPool(SlotGather):
         with self.store.lock:
             return [i for i, o in enumerate(self._occupied) if o and i != self.null_slot]
 
+    def debug_state(self) -> PoolState:
+        """A copy of the pool's books and its store's (`PoolState`), for tests. Takes the
+        store's lock."""
+        g = self.gather
+        with self.store.lock:
+            return PoolState(
+                store=self.store.debug_state(),
+                occupied=bytes(self._occupied),
+                refcount=tuple(g.refcount),
+                free_inner=tuple(tuple(sorted(s)) for s in g.free_inner),
+                tail_free=bytes(g.tail_free),
+                partial=tuple(sorted(g.partial)),
+            )
+
     # -- allocation ------------------------------------------------------------------------
     def _alloc_locked(self, n: int) -> list[int]:
-        store = self.store
+        store, gather = self.store, self.gather
         while True:
             taken: list[int] = []
-            self._gather(n, taken)
+            gather.gather(n, taken)
             if len(taken) == n:
                 break
             need = n - len(taken)
             try:
-                plan = self.plan_pages(need) if store.tp is None else store.tp.plan_map(need)
+                plan = gather.plan_pages(need) if store.tp is None else store.tp.plan_map(need)
             except BaseException:  # CapacityError: give back what was gathered
-                self._return_gathered(taken)
+                gather.return_gathered(taken)
                 raise
             if plan is None:  # the mapper holds pages we would need: wait for it, then retry
-                self._return_gathered(taken)
+                gather.return_gathered(taken)
                 store.cond.wait(timeout=1.0)
                 store.check_open("alloc")
                 continue
             try:
-                store.map_locked(plan)
+                store.map_locked(plan, f"allocate {need} slots ({len(plan)} new page ids)")
             except BaseException:
-                self._return_gathered(taken)
+                gather.return_gathered(taken)
                 raise
-            self._gather(n, taken)
+            gather.gather(n, taken)
             if len(taken) != n:  # pragma: no cover - the plan guarantees enough slots
-                self._return_gathered(taken)
-                raise AssertionError(
-                    f"alloc: planned pages {plan} yielded {len(taken)} of {n} slots"
-                )
+                gather.return_gathered(taken)
+                raise RuntimeError(f"alloc: planned pages {plan} yielded {len(taken)} of {n} slots")
             break
         self._commit(taken)
         return taken
 
     def _commit(self, taken: list[int]) -> None:
-        touched = set()
-        occupied, refcount, home_of, tail = (
-            self._occupied,
-            self._refcount,
-            self._home_of,
-            self._tail,
-        )
+        occupied = self._occupied
         for i in taken:
             occupied[i] = 1
-            a = home_of[i]
-            refcount[a] += 1
-            touched.add(a)
-            if tail[a] == i:
-                refcount[a + 1] += 1
-                touched.add(a + 1)
-        for p in touched:
-            self._retier(p)
+        self.gather.hold(taken)
         store = self.store
-        store.add_occupied(len(taken))
-        if len(store.spares) < store.min_spare_pages:
+        store.reporter.add_occupied(len(taken))
+        if len(store.spares) < store.policy.min_spare_pages:
             store.cond.notify_all()
 
     # -- follow mode ------------------------------------------------------------------------
     def _occupy_locked(self, slots: list[int], *, count: bool) -> None:
         store = self.store
+        mapped, busy = PageState.MAPPED, PageState.BUSY
         while True:
             # (re)checked after every wait: another thread may have taken an id meanwhile
             self._validate(slots, "occupy", want_occupied=False)
@@ -249,38 +265,23 @@ class SwaPool(SlotGather):
                     p
                     for i in slots
                     for p in set(self.layout.slot_pages(i))
-                    if store.state[p] != MAPPED
+                    if store.state[p] != mapped
                 }
             )
-            if any(store.state[p] == BUSY for p in missing):
+            if any(store.state[p] == busy for p in missing):
                 store.cond.wait(timeout=1.0)
                 store.check_open("occupy")
                 continue
             break
         if missing:
-            store.check_budget(
-                store.sets_needed(missing),
-                f"occupy {len(slots)} slots ({len(missing)} new page ids)",
-            )
-            store.map_locked(missing)
-        touched = set()
-        for i in slots:
-            a = self._home_of[i]
-            if i == self._tail[a]:
-                self._tail_free[a] = 0
-            else:
-                self._free_inner[a].discard(i)
-            touched.add(a)
-        for p in touched:
-            self._retier(p)
+            store.map_locked(missing, f"occupy {len(slots)} slots ({len(missing)} new page ids)")
+        self.gather.claim(slots)
         if count:
             self._commit(slots)
         else:  # the null slot: held, never counted as a live request's
             for i in slots:
                 self._occupied[i] = 1
-                for p in set(self.layout.slot_pages(i)):
-                    self._refcount[p] += 1
-                    self._retier(p)
+            self.gather.hold(slots)
 
     # -- free ---------------------------------------------------------------------------------
     def _validate(self, slots: list[int], op: str, *, want_occupied: bool) -> None:
@@ -294,30 +295,13 @@ class SwaPool(SlotGather):
         )
 
     def _free_locked(self, slots: list[int]) -> None:
-        touched = set()
-        occupied, refcount, home_of, tail = (
-            self._occupied,
-            self._refcount,
-            self._home_of,
-            self._tail,
-        )
-        free_inner, tail_free = self._free_inner, self._tail_free
+        occupied = self._occupied
         for i in slots:
             occupied[i] = 0
-            a = home_of[i]
-            refcount[a] -= 1
-            touched.add(a)
-            if tail[a] == i:
-                refcount[a + 1] -= 1
-                touched.add(a + 1)
-                tail_free[a] = 1
-            else:
-                free_inner[a].add(i)
-        for p in touched:
-            self._retier(p)
-        self.store.add_occupied(-len(slots))
+        self.gather.release(slots)
+        self.store.reporter.add_occupied(-len(slots))
 
-    # -- tensor parallelism (driven by allocator.tp; its docstring has the protocol) -----------
+    # -- tensor parallelism (driven by allocator.tp; the coordinator's docstring has the protocol)
     def _tp_run(self, op: str, n: int, body: Any) -> list[int]:
         tp = self.store.tp
         tp.op_started(op, n)
@@ -331,7 +315,7 @@ class SwaPool(SlotGather):
 
     def _tp_free_locked(self, slots: list[int]) -> list[int]:
         self._free_locked(slots)
-        self.store.after_release_locked()
+        self.store.policy.after_release_locked()
         return slots
 
     def tp_config(self) -> tuple[int, ...]:

@@ -30,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from allocator.front import Front, plan
-from allocator.store import BUSY, MAPPED, Fence, PageStore
+from allocator.rows.front import Front, plan
+from allocator.spares import Fence
+from allocator.states import PageState
+from allocator.store import PageStore
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +100,7 @@ class RowFollower:
         self.give_backs = 0  # give_back calls that returned at least one row
         self.waited = 0  # takes that mapped a page on the spot: waited on the driver
         with store.lock:
-            if store.user is not None:
-                raise ValueError(f"store {store.name!r} already has a user")
-            store.user = self
+            store.attach_user(self)  # one follower per store
             self._apply_take(np.zeros(1, np.int64), count=False)  # the padding row
 
     # -- public ------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ class RowFollower:
                         return 0
                 self._apply_take(r, count=True, count_waits=count_waits)
             self.takes += 1
-            due = store.tick()
+            due = store.reporter.tick()
         if due:
             self._check_counts()
             store.safe_point()
@@ -134,7 +134,7 @@ class RowFollower:
         """The engine returned rows `ids` to its free list. Pages that empty become spares,
         unmapped by the store's policy once `fence` (the GPU work that used them) is done
         (`trim=False`: not now; the caller applies the policy after, with
-        `store.after_release_locked`). Never raises for driver failures (counted by the
+        `store.policy.after_release_locked`). Never raises for driver failures (counted by the
         store)."""
         r = as_rows(ids)
         if r.size == 0:
@@ -151,7 +151,7 @@ class RowFollower:
                         return 0
                 self._apply_give_back(r, fence, trim)
             self.give_backs += 1
-            due = store.tick()
+            due = store.reporter.tick()
         if due:
             self._check_counts()
             store.safe_point()
@@ -175,7 +175,7 @@ class RowFollower:
         rows = as_rows(ids).tolist()
         pages = dict.fromkeys(q for row in rows for q in (p0[row], p1[row]))  # in front order
         with self.store.lock:
-            self.store.set_ahead(pages)
+            self.store.policy.set_ahead(pages)
 
     @property
     def row_pages(self) -> np.ndarray:
@@ -200,7 +200,7 @@ class RowFollower:
         ahead_spares: int | None = None,
         min_rows: int = 0,
     ) -> Front:
-        """`allocator.front.plan` for `rows` an engine hands out next, in order, against this
+        """`allocator.rows.front.plan` for `rows` an engine hands out next, in order, against this
         follower's pages and counts (under the store's lock): (safe, pinned, ahead, warm)."""
         return plan(
             self._p0,
@@ -298,35 +298,33 @@ class RowFollower:
         self._ensure_mapped(fresh, count=count)
         for p in fresh:
             store.set_use(p, True)
-        if store.mapper is not None and len(store.spares) < store.max_spare_pages:
+        if store.mapper is not None and len(store.spares) < store.policy.max_spare_pages:
             store.cond.notify_all()  # spares were used up: the mapper maps the next ahead
 
     def _took(self, n: int) -> None:
         store = self.store
         self.held_rows += n
-        store.add_occupied(n)
-        if len(store.spares) < store.min_spare_pages:
+        store.reporter.add_occupied(n)
+        if len(store.spares) < store.policy.min_spare_pages:
             store.cond.notify_all()
 
     def _ensure_mapped(self, pages: list[int], *, count: bool) -> None:
         """Map what is not mapped yet; a take that had to (or waited for the mapper to
         finish one) waited on the driver and is counted (the padding row's is not)."""
-        store = self.store
+        store, state = self.store, self._state
+        mapped, busy = PageState.MAPPED, PageState.BUSY
         waited = False
         try:
             while True:
-                missing = [p for p in pages if self._state[p] != MAPPED]
+                missing = [p for p in pages if state[p] != mapped]
                 if not missing:
                     return
                 waited = True
-                if any(self._state[p] == BUSY for p in missing):
+                if any(state[p] == busy for p in missing):
                     store.cond.wait(timeout=1.0)  # the mapper is on it
                     store.check_open("take")
                     continue
-                store.check_budget(
-                    store.sets_needed(missing), f"take rows ({len(missing)} new page ids)"
-                )
-                store.map_locked(missing)
+                store.map_locked(missing, f"take rows ({len(missing)} new page ids)")
                 return
         finally:
             if waited and count:
@@ -348,11 +346,11 @@ class RowFollower:
             for p in emptied:
                 store.set_use(p, False)
             if fence is not None:
-                store.fence(emptied, fence)
+                store.policy.fence(emptied, fence)
         self.held_rows -= n
-        store.add_occupied(-n)
+        store.reporter.add_occupied(-n)
         if trim:
-            store.after_release_locked()
+            store.policy.after_release_locked()
 
     def _sort_out(self, r: np.ndarray, *, want_held: bool, op: str) -> np.ndarray:
         out: list[int] = []
@@ -400,10 +398,10 @@ class RowFollower:
                 self.held_rows,
             )
             self._diverged(abs(self.held_rows - held))
-            store.add_occupied(held - self.held_rows)
+            store.reporter.add_occupied(held - self.held_rows)
             self.held_rows = held
             count = np.bincount(self._pages2[self._held].ravel(), minlength=store.num_pages)
             for p in np.flatnonzero((count == 0) & (self._count != 0)).tolist():
                 store.set_use(p, False)
             self._count[:] = count
-            store.after_release_locked()
+            store.policy.after_release_locked()

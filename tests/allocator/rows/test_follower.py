@@ -13,7 +13,7 @@ import pytest
 from allocator.host import HostBackend
 from allocator.mapper import BackgroundMapper
 from allocator.store import PageStore
-from tests.allocator.rows_rig import GRAN, LAYERS, PAGES, ROW, ROWS, make, mapped, pages_of_rows
+from tests.allocator.rows.rig import GRAN, LAYERS, PAGES, ROW, ROWS, make, mapped, pages_of_rows
 
 
 class FakeFence:
@@ -114,11 +114,12 @@ def test_unmap_hysteresis_keeps_a_refilled_page_mapped(host: HostBackend) -> Non
     store, f = make(host, max_spare_pages=0, handle_pool_pages=0, unmap_grace_s=0.2)
     with store:
         f.take([30])
-        maps = store.pages_mapped_total
+        maps = store.stats()["pages_mapped_total"]
         for _ in range(20):  # a finish and an admission reusing the row, again and again
             f.give_back([30])
             f.take([30])
-        assert store.pages_mapped_total == maps and store.pages_unmapped_total == 0
+        stats = store.stats()
+        assert stats["pages_mapped_total"] == maps and stats["pages_unmapped_total"] == 0
         f.give_back([30])
         page = 30 * ROW // GRAN
         assert store.is_mapped(page)  # within the grace
@@ -257,8 +258,8 @@ def test_the_scalar_and_vectorised_paths_keep_the_same_books(host: HostBackend) 
                 rows = rng.choice(sorted(held), n, replace=False)
                 assert f.give_back(rows) == n
                 held -= set(rows.tolist())
-            want = np.bincount(f._pages2[[0, *sorted(held)]].ravel(), minlength=store.num_pages)
-            assert np.array_equal(f._count, want)
+            want = np.bincount(f.row_pages[[0, *sorted(held)]].ravel(), minlength=store.num_pages)
+            assert np.array_equal(f.page_counts, want)
             used = pages_of_rows([0, *held])
             assert {p for p in range(PAGES) if store.in_use[p]} == used
             assert used <= mapped(store)

@@ -22,9 +22,9 @@ from hypothesis.stateful import (
 from accounting.buffers import runtime_buffer
 from allocator.errors import CapacityError, DriverError, SlotError
 from allocator.host import HostBackend
-from allocator.layout import SlotLayout
 from allocator.mapper import BackgroundMapper
-from allocator.store import MAPPED
+from allocator.slots.layout import SlotLayout
+from allocator.states import PageState
 from tests.allocator.rigs import (
     DSV4_ROW_BYTES,
     DSV4_SLOT_BYTES,
@@ -105,9 +105,9 @@ class PoolMachine(RuleBasedStateMachine):
     ) -> None:
         lay = LAYOUTS[layout]
         self.backend = HostBackend(G)
-        assert self.backend._fd is not None
-        st = os.fstat(self.backend._fd)
-        self.file = (st.st_dev, st.st_ino)
+        memfd = self.backend.debug_state().memfd
+        assert memfd is not None
+        self.file: tuple[int, int] = memfd
         self.faults = FailingBackend(self.backend)  # armed only by FaultyPoolMachine.inject
         budget = None if budget_sets is None else budget_sets * layers * lay.page_bytes
         self.rig = Rig(
@@ -230,21 +230,22 @@ class PoolMachine(RuleBasedStateMachine):
         lay = pool.layout
         with pool.store.cond:
             assert pool.store.cond.wait_for(lambda: pool.store.busy == 0, timeout=10)
-            occupied = {i for i in range(lay.capacity_slots) if pool._occupied[i]}
+            books = pool.debug_state()
+            occupied = {i for i in range(lay.capacity_slots) if books.occupied[i]}
             assert occupied - {pool.null_slot} == self.held
             # refcounts and tiers follow the occupied slots
             refs = [0] * lay.num_pages
             for i in occupied:
                 for p in set(lay.slot_pages(i)):
                     refs[p] += 1
-            assert pool._refcount == refs
-            mapped = [p for p in range(lay.num_pages) if pool.store.state[p] == MAPPED]
+            assert list(books.refcount) == refs
+            mapped = [p for p in range(lay.num_pages) if pool.store.state[p] == PageState.MAPPED]
             assert set(pool.store.spares) == {p for p in mapped if refs[p] == 0}, (
                 "spare tier drifted"
             )
             # every page holding an occupied slot is mapped in every layer
             for p in {p for i in occupied for p in lay.slot_pages(i)}:
-                assert pool.store.state[p] == MAPPED
+                assert pool.store.state[p] == PageState.MAPPED
                 for layer in range(pool.layers):
                     assert be.is_mapped(pool.store.pages.address(layer, p)), (p, layer)
             for p in range(lay.num_pages):
@@ -257,7 +258,7 @@ class PoolMachine(RuleBasedStateMachine):
             physical = be.physical_bytes()
             assert physical == pool.store.live_sets * set_bytes
             assert be.stats()["handles"] == pool.store.live_sets * pool.layers
-            assert pool.store.live_sets == len(mapped) + len(pool.store.kept)
+            assert pool.store.live_sets == len(mapped) + pool.store.kept_sets
             if pool.physical_budget is not None:
                 assert physical <= pool.physical_budget
             assert be.stats()["mappings"] == len(mapped) * pool.layers
@@ -302,7 +303,7 @@ class PoolMachine(RuleBasedStateMachine):
             (b, b + self.pool.store.pages.reserved_bytes) for b in self.pool.store.pages.bases
         ]
         self.rig.close()
-        assert self.mapper is None or not self.mapper._thread.is_alive()
+        assert self.mapper is None or not self.mapper.running
         snap = self.rig.ledger.snapshot()
         vmm = snap.rollup("owner")[("vmm",)]
         assert (vmm["physical_bytes"], vmm["mapped_bytes"], vmm["occupied_slots"]) == (0, 0, 0)

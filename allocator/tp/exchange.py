@@ -1,7 +1,7 @@
 """One TP rank's end of the exchange: its view, the all_gather, and the checks on what came back.
 
 The protocol (when ranks talk, what rank 0 decides, how a divergence is caught) is in
-allocator.tp's docstring; this module is its wire side. A view is `VIEW_WORDS` int64 words:
+allocator.tp.coordinator's docstring; this module is its wire side. A view is `VIEW_WORDS` int64 words:
 one per field of `_FIELDS`, then up to `PLAN_WORDS` page ids of rank 0's lists (publish, map,
 reserve, in that order); longer lists take extra rounds of the same size. `TpExchange` keeps
 the rank's position in the shared operation sequence (operations done, the one in progress,
@@ -24,7 +24,8 @@ from accounting.tp_status import TpStatus
 from allocator.errors import KvAllocatorError
 
 if TYPE_CHECKING:
-    from allocator.pool import SwaPool
+    from allocator.slots.pool import SwaPool
+    from allocator.tp.pages import TpPages
 
 PLAN_WORDS = 48  # page ids carried in one view; more take extra rounds
 MAGIC = 0x6B764C_0001  # protocol tag and version: a rank running other code mismatches here
@@ -93,12 +94,14 @@ def config_digest(pool: SwaPool, ahead_pages: int) -> int:
 
 class TpExchange:
     """This rank's end of the exchange over `group` (a gloo group; dropped by `release()` if
-    `own_group`). `pool` is read for its state and checked against rank 0's lists; `config`
-    is `config_digest(pool, ahead_pages)`. Each exchange waits at most `timeout_s`."""
+    `own_group`). The state of `pool`'s store is read through `pages` (its TP side) and
+    checked against rank 0's lists; `config` is `config_digest(pool, ahead_pages)`. Each
+    exchange waits at most `timeout_s`."""
 
     def __init__(
         self,
         pool: SwaPool,
+        pages: TpPages,
         dist: Any,
         group: Any,
         *,
@@ -108,6 +111,7 @@ class TpExchange:
     ) -> None:
         self._dist = dist
         self.pool = pool
+        self.pages = pages
         self._group = group
         self._own_group = own_group
         self.timeout_s = timeout_s
@@ -161,7 +165,7 @@ class TpExchange:
 
     # -- the exchange ----------------------------------------------------------------------
     def _view(self, kind: int, short: int, lists: list[list[int]], refused: bool) -> list[int]:
-        st = self.pool.store.tp_state()
+        st = self.pages.state()
         code, n = self._op
         op_seq = self._ops_done + (1 if code else 0)
         view = [
@@ -278,9 +282,7 @@ class TpExchange:
         bad = [
             (
                 p,
-                "out of range"
-                if not 0 <= p < pool.layout.num_pages
-                else pool.store.tp_page_state(p),
+                "out of range" if not 0 <= p < pool.layout.num_pages else self.pages.page_state(p),
             )
             for p in pages
         ]

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from allocator.rows import RowFollower, as_rows
-from allocator.store import MAPPED
+from allocator.rows.follower import RowFollower, as_rows
+from allocator.states import PageState
 
 
 def packed_pages(f: RowFollower) -> int:
@@ -27,14 +27,14 @@ def packed_pages(f: RowFollower) -> int:
 def fragmented(f: RowFollower) -> bool:
     """More page ids mapped than the held rows need packed, beyond the spares and one."""
     store = f.store
-    return store.state.count(MAPPED) > packed_pages(f) + store.max_spare_pages + 1
+    return store.state.count(PageState.MAPPED) > packed_pages(f) + store.policy.max_spare_pages + 1
 
 
 def _mapped(f: RowFollower) -> np.ndarray:
     """Per row, whether both its pages are mapped."""
     state = np.frombuffer(f.store.state, np.uint8)
     p = f.row_pages
-    return (state[p[:, 0]] == MAPPED) & (state[p[:, 1]] == MAPPED)
+    return (state[p[:, 0]] == PageState.MAPPED) & (state[p[:, 1]] == PageState.MAPPED)
 
 
 def mapped_free_rows(f: RowFollower) -> int:

@@ -1,12 +1,14 @@
-"""allocator.front.plan on arrays built by hand and at random, against the definitions in
+"""allocator.rows.front.plan on arrays built by hand and at random, against the definitions in
 its docstring written out the slow way."""
 
 from __future__ import annotations
 
 import random
 
-from allocator.front import Front, plan
-from allocator.store import MAPPED, UNMAPPED
+from allocator.rows.front import Front, plan
+from allocator.states import PageState
+
+MAPPED, UNMAPPED = PageState.MAPPED, PageState.UNMAPPED
 
 
 class Slow:
@@ -79,7 +81,7 @@ def test_random_fronts_match_the_definitions() -> None:
         n = rng.randint(1, 12)
         first = sorted(rng.randrange(pages) for _ in range(n))
         last = [min(pages - 1, p + (rng.random() < 0.3)) for p in first]
-        state = [rng.choice((MAPPED, MAPPED, MAPPED, UNMAPPED)) for _ in range(pages)]
+        state: list[int] = [rng.choice((MAPPED, MAPPED, MAPPED, UNMAPPED)) for _ in range(pages)]
         # a page in use is mapped
         count = [rng.choice((0, 0, 1, 2)) if s == MAPPED else 0 for s in state]
         rows = rng.sample(range(n), rng.randint(0, n))

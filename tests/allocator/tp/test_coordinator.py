@@ -24,7 +24,7 @@ import tp_worker
 from allocator.specs import vmm_layer_specs
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-ROOT = WORKER.parents[2]
+ROOT = WORKER.parents[3]
 OPS = 300
 SEED = 7
 
@@ -327,10 +327,10 @@ def test_pages_mapped_ahead_are_published_without_a_map_on_the_allocation_path(
         ledger, account, pool = _ledger_pool(backend, max_spare_pages=4)
         with pool, TpCoordinator(pool, timeout_s=5, ahead_pages=2) as tp:
             assert tp.wait_idle(5.0)
-            reserved = sorted(pool.store.tp_reserve)
+            reserved = sorted(tp.pages.reserved)
             assert (
                 len(reserved) == 2
-                and [pool.store.tp_page_state(p) for p in reserved] == ["reserved"] * 2
+                and [tp.pages.page_state(p) for p in reserved] == ["reserved"] * 2
             )
             assert account.mapped_pages == 1 + 2  # the null slot's page and the two ahead
             calls: list[tuple[str, int]] = []
@@ -343,13 +343,11 @@ def test_pages_mapped_ahead_are_published_without_a_map_on_the_allocation_path(
             pool.store.pages.map_page = map_page  # type: ignore[method-assign]
             ids = pool.alloc(10)  # page 0 holds 6 more: it needs a reserved page
             assert pool.is_page_mapped(reserved[0])
-            assert len(pool.store.tp_reserve) == 2  # topped up at the end of the op
+            assert len(tp.pages.reserved) == 2  # topped up at the end of the op
             assert tp.wait_idle(5.0)
             main = threading.current_thread().name
             assert [p for name, p in calls if name == main] == []  # published, not mapped here
-            assert [p for _, p in calls] == [
-                max(pool.store.tp_reserve)
-            ]  # the top-up, by the thread
+            assert [p for _, p in calls] == [max(tp.pages.reserved)]  # the top-up, by the thread
             pool.free(ids)
             assert pool.stats()["physical_bytes"] == account.handle_pages * pool.set_bytes
         # pool.close() closed the coordinator first: the reserve is given back
@@ -365,7 +363,7 @@ def test_detaching_gives_the_reserved_pages_back_and_the_pool_works_alone(world1
             with TpCoordinator(pool, timeout_s=5, ahead_pages=3) as tp:
                 tp.wait_idle(5.0)
                 assert account.mapped_pages == 4
-            assert pool.store.tp is None and not pool.store.tp_reserve
+            assert pool.store.tp is None and not tp.pages.reserved
             assert account.mapped_pages == 1 and account.handle_pages == 1
             assert pool.stats()["live_handle_sets"] == 1
             assert len(pool.alloc(20)) == 20
@@ -377,7 +375,7 @@ def test_mapping_ahead_stays_within_the_physical_budget(world1: Any) -> None:
     with HostBackend(granularity=tp_worker.GRANULARITY) as backend:
         _, _, pool = _ledger_pool(backend, physical_budget=3 * 2 * layout.page_bytes)
         with pool, TpCoordinator(pool, timeout_s=5, ahead_pages=5) as tp:
-            assert len(pool.store.tp_reserve) == 2  # the null slot's page holds the third set
+            assert len(tp.pages.reserved) == 2  # the null slot's page holds the third set
             tp.wait_idle(5.0)
             assert pool.stats()["physical_bytes"] <= 3 * 2 * layout.page_bytes
 

@@ -1,4 +1,4 @@
-"""One TP rank for tests/allocator/test_tp.py, run as a script: a pool on the host backend, a
+"""One TP rank for tests/allocator/tp/test_coordinator.py, run as a script: a pool on the host backend, a
 ledger, a TpCoordinator over gloo, and a seeded allocation trace; the outcome goes to a JSON file.
 
 Modes: `trace` runs the trace to the end; `config` gives `--fault-rank` another
@@ -17,10 +17,11 @@ import random
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: import the worktree's packages
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from accounting import Ledger
 from allocator import CapacityError, HostBackend, SlotLayout, SwaPool
@@ -113,8 +114,8 @@ def run_trace(
 
 
 def _page_counter(pool: SwaPool) -> int:
-    obs = pool.store.observer
-    return getattr(obs, "pages_mapped_total", 0) + getattr(obs, "pages_unmapped_total", 0)
+    stats = pool.stats()
+    return stats["pages_mapped_total"] + stats["pages_unmapped_total"]
 
 
 def main() -> int:
@@ -189,7 +190,7 @@ def main() -> int:
     result["occupied"] = pool.occupied_ids()
     result["mapped"] = [p for p in range(LAYOUT.num_pages) if pool.is_page_mapped(p)]
     result["stats"] = pool.stats()
-    result["reserved"] = sorted(pool.store.tp_reserve)
+    result["reserved"] = sorted(coordinator.pages.reserved)
     result["host_physical"] = backend.physical_bytes()
     assert coordinator is not None
     coordinator.close()

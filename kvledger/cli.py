@@ -109,20 +109,24 @@ def _command(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(_command(argv))
-    args = parser.parse_args(argv)
-    if args._module is None:
-        print(
-            f"kvledger: command {args.command!r} is not available in this build ({args._missing})",
-            file=sys.stderr,
-        )
-        return 2
+    from kvledger.argtypes import join_negative_values
+
     try:
-        return int(args._module.run(args) or 0)
-    except UsageError as e:
-        print(f"kvledger {args.command}: {e}", file=sys.stderr)
-        return 2
+        argv = join_negative_values(sys.argv[1:] if argv is None else argv)
+        parser = build_parser(_command(argv))
+        args = parser.parse_args(argv)
+        if args._module is None:
+            print(
+                f"kvledger: command {args.command!r} is not available in this build "
+                f"({args._missing})",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            return int(args._module.run(args) or 0)
+        except UsageError as e:
+            print(f"kvledger {args.command}: {e}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         return 130
 

@@ -40,7 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "dashboards": (
         "kvledger.dashboards.command",
-        "write the Grafana dashboard, provisioning, Prometheus scrape configs and rules",
+        "write the Grafana dashboard, provisioning, Prometheus scrape configs and rules, "
+        "and Kubernetes manifests",
     ),
     "bench": ("kvledger.bench", "benchmarks of the allocation path, the scrape path and TP"),
 }
@@ -109,9 +110,9 @@ def _command(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvledger.argtypes import join_negative_values
-
     try:
+        from kvledger.argtypes import join_negative_values
+
         argv = join_negative_values(sys.argv[1:] if argv is None else argv)
         parser = build_parser(_command(argv))
         args = parser.parse_args(argv)

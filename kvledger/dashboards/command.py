@@ -2,8 +2,9 @@
 
 Writes, from the installed package: the KV-cache Grafana dashboard and its
 provisioning (grafana/), Prometheus scrape configs, recording rules, alerts and
-the alerts' promtool unit tests (prometheus/), and a README.md saying how to
-mount them. The dashboard and rules are generated from the exporter's metric
+the alerts' promtool unit tests (prometheus/), Kubernetes manifests for a cluster
+(kubernetes/: a DaemonSet of exporters on the GPU nodes, a Service, a Prometheus
+Operator ServiceMonitor), and a README.md saying how to mount and deploy them. The dashboard and rules are generated from the exporter's metric
 table, so they match the installed kvledger. With --check DIR, writes nothing
 and exits 1 naming each file under DIR that differs. A folder that cannot be
 created or written is refused in one line (exit 2).

@@ -353,6 +353,7 @@ class _Lines:
         import threading
 
         self.lines: list[str] = []
+        self.times: list[float] = []  # time.monotonic() when each line arrived
         self._changed = threading.Condition()
         self._ended = False
         self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
@@ -362,6 +363,7 @@ class _Lines:
         for line in stream:
             with self._changed:
                 self.lines.append(line)
+                self.times.append(time.monotonic())
                 self._changed.notify_all()
         with self._changed:
             self._ended = True
@@ -414,8 +416,14 @@ def test_a_signal_while_the_pool_is_built_stops_at_once(tmp_path, sig):
         stop(proc)
     text = output.text()
     assert proc.returncode == 0, text
-    assert elapsed < 2.5, (elapsed, text)
-    assert f"kvledger serve: stopped by {sig.name} during start-up" in text, text
+    stopped = f"kvledger serve: stopped by {sig.name} during start-up"
+    assert stopped in text, text
+    # Stopped, cleaned up and said so within a second or two (0.35 s measured); the
+    # interpreter's own exit with torch loaded comes on top (2.1 s more at a load of 8 on
+    # 2 cores), hence the looser bound on the exit.
+    [said] = [t for ln, t in zip(output.lines, output.times, strict=True) if stopped in ln]
+    assert said - sent < 2.0, (said - sent, text)
+    assert elapsed < 5.0, (elapsed, text)
     assert "Traceback" not in text and "kvledger serve: http://" not in text, text
     assert list(tmp_path.iterdir()) == []
 
@@ -433,6 +441,6 @@ def test_sigint_at_any_moment_of_start_up_stops_without_a_traceback(tmp_path, de
         stop(proc)
     # 0: stopped by the start-up handler or by the server; 130: still parsing arguments
     assert proc.returncode in (0, 130), err
-    assert elapsed < 2.5, (elapsed, err)
+    assert elapsed < 5.0, (elapsed, err)  # the interpreter's exit included (see above)
     assert "Traceback" not in err, err
     assert list(tmp_path.glob("*.json")) == []

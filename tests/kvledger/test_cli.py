@@ -126,9 +126,6 @@ BAD_INPUTS = [
     (["bench", "tp", "--timeout", "-1"], "--timeout: '-1'"),
     (["bench", "tp", "--timeout", "nan"], "--timeout: 'nan'"),
     (["bench", "sglang", "--requests", "0"], "--requests: '0'"),
-    (["bench", "sglang", "--seed", "-1"], "--seed: '-1'"),
-    (["bench", "sglang", "--churn-warmup", "-1"], "--churn-warmup: '-1'"),
-    (["bench", "sglang", "--max-spare-pages", "-1"], "--max-spare-pages: '-1'"),
     (["bench", "sglang", "--device", "tpu"], "'tpu'"),
 ]
 

@@ -2,6 +2,9 @@
 
 import sys
 
-from kvledger.cli import main
+try:
+    from kvledger.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the command is still being imported
+    sys.exit(130)
 
 sys.exit(main())

@@ -2,15 +2,18 @@
 
 `number(float, lo=0, lo_open=True)` refuses `nan`, `inf`, and anything out of range
 with a message naming the value and the range expected; `one_line_errors(parser)`
-makes argparse print it as one line and exit 2.
+makes argparse print it as one line and exit 2. `join_negative_values(argv)` lets
+`--budget -5GiB` reach the type as a value (argparse would take `-5GiB` for an option),
+so the value is refused by name instead of "expected one argument".
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn, TypeVar
 
 from accounting.units import parse_size
@@ -51,6 +54,8 @@ def size(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
     """A byte size (`512MiB`, `1.5GB`, `4096`) in [lo, hi]."""
 
     def parse(text: str) -> int:
+        if text.strip().startswith("-"):
+            raise argparse.ArgumentTypeError(f"{text!r}: negative, expected a size >= {lo} bytes")
         try:
             value = parse_size(text)
         except ValueError as e:
@@ -62,6 +67,36 @@ def size(lo: int = 1, hi: int | None = None) -> Callable[[str], int]:
 
     parse.__name__ = "size"
     return parse
+
+
+# What argparse's own test for negative numbers (`-1`, `-.5`) misses: `-5GiB`, `-1e3`.
+_NEGATIVE = re.compile(r"-\.?[0-9]")
+
+
+def join_negative_values(argv: Sequence[str]) -> list[str]:
+    """`argv` with every `--option -5GiB` written `--option=-5GiB`, so that argparse hands the
+    negative-looking value to the option's type (which refuses it by name) instead of taking
+    it for an option and saying "expected one argument". Nothing after `--` is touched."""
+    args = list(argv)
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return out + args[i:]
+        following = args[i + 1] if i + 1 < len(args) else None
+        if (
+            arg.startswith("--")
+            and "=" not in arg
+            and following is not None
+            and _NEGATIVE.match(following)
+        ):
+            out.append(f"{arg}={following}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:

@@ -40,7 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "dashboards": (
         "kvledger.dashboards.command",
-        "write the Grafana dashboard, provisioning, Prometheus scrape configs and rules",
+        "write the Grafana dashboard, provisioning, Prometheus scrape configs and rules, "
+        "and Kubernetes manifests",
     ),
     "bench": ("kvledger.bench", "benchmarks of the allocation path, the scrape path and TP"),
 }
@@ -109,20 +110,24 @@ def _command(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(_command(argv))
-    args = parser.parse_args(argv)
-    if args._module is None:
-        print(
-            f"kvledger: command {args.command!r} is not available in this build ({args._missing})",
-            file=sys.stderr,
-        )
-        return 2
     try:
-        return int(args._module.run(args) or 0)
-    except UsageError as e:
-        print(f"kvledger {args.command}: {e}", file=sys.stderr)
-        return 2
+        from kvledger.argtypes import join_negative_values
+
+        argv = join_negative_values(sys.argv[1:] if argv is None else argv)
+        parser = build_parser(_command(argv))
+        args = parser.parse_args(argv)
+        if args._module is None:
+            print(
+                f"kvledger: command {args.command!r} is not available in this build "
+                f"({args._missing})",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            return int(args._module.run(args) or 0)
+        except UsageError as e:
+            print(f"kvledger {args.command}: {e}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         return 130
 

@@ -13,6 +13,13 @@
 - a `Publisher` writing the ledger to the snapshot directory, and the built-in
   `Workload`.
 
+On the host backend every byte of the pool is this machine's memory: a budget whose
+pool does not fit what the machine (or the process's cgroup) has available is refused
+before anything is allocated (`kvledger.hostmem`). The runtime tensors are zeroed in
+chunks of `ZERO_CHUNK_BYTES`, with a progress line on the `kvledger.demo` logger at
+most once a second, so a large pool shows how far it got and a signal is handled
+between chunks rather than after the whole pool.
+
 `close()` (idempotent, also on a failure half way) releases them in reverse:
 workload (frees every slot and row), publisher (removes its file), mapper, pool
 (unmaps and releases everything), backend.
@@ -22,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.resources
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +39,11 @@ from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import Account, Ledger
 from accounting.publisher import Publisher
 from accounting.reconcile import host_memfd_truth
+from accounting.units import format_size
 from allocator import BackgroundMapper, HostBackend, SlotLayout, SwaPool
-from kvledger.sglang.dsv4 import Knobs, load_config, plan
+from kvledger import hostmem
+from kvledger.configfile import read_shape
+from kvledger.sglang.dsv4 import Knobs, plan
 from kvledger.sglang.dsv4.buffermap import BufferMap
 from kvledger.workload import Workload, WorkloadConfig
 
@@ -42,6 +54,13 @@ DEFAULT_CONTEXT_LENGTH = 8192
 # The host backend's page for the demo: small, so a laptop-sized SWA pool has enough pages
 # for mapping and unmapping to show (CUDA uses the device's granularity, 2 MiB on an H200).
 DEFAULT_HOST_GRANULARITY = 256 << 10
+# The SWA pool's spare pages per layer (SwaPool's min_spare_pages / max_spare_pages).
+MIN_SPARE_PAGES = 1
+MAX_SPARE_PAGES = 2
+ZERO_CHUNK_BYTES = 64 << 20
+PROGRESS_EVERY_S = 1.0
+
+log = logging.getLogger("kvledger.demo")
 
 
 def default_config_path() -> str:
@@ -80,7 +99,7 @@ class DemoSource:
     def _build(self, o: DemoOptions) -> None:
         if o.backend not in ("host", "cuda"):
             raise ValueError(f"backend={o.backend!r}, expected 'host' or 'cuda'")
-        shape = load_config(o.config_path or default_config_path())
+        shape = read_shape(o.config_path or default_config_path())
         knobs = Knobs(max_running_requests=o.max_running_requests, context_length=o.context_length)
         self.buffer_map: BufferMap = plan(shape, knobs, budget_bytes=o.budget_bytes)
         self.ledger = Ledger(o.labels or {})
@@ -89,6 +108,8 @@ class DemoSource:
         specs = self.buffer_map.specs(
             pool="dsv4", owner_of={"swa_kv": Owner.VMM}, granularity=self.backend.granularity
         )
+        if o.backend == "host":
+            _check_fits(o.budget_bytes, host_bytes(specs, self.backend.granularity))
         by_family: dict[str, list[BufferSpec]] = {}
         for s in specs:
             by_family.setdefault(s.family, []).append(s)
@@ -123,16 +144,27 @@ class DemoSource:
         import torch
 
         device = f"cuda:{o.device}" if o.backend == "cuda" else "cpu"
+        total = sum(s.tensor_bytes for specs in by_family.values() for s in specs)
+        progress = _Progress(f"runtime tensors ({device})", total)
         out: dict[str, Any] = {}
         for specs in by_family.values():
             for spec in specs:
-                t = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
+                t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
                 got = t.numel() * t.element_size()
                 if got != spec.tensor_bytes:
                     raise ValueError(
                         f"buffer {spec.name!r}: a {spec.dtype} tensor of {spec.shape} is {got} bytes, the plan says {spec.tensor_bytes}"
                     )
+                # Zeroed chunk by chunk: the pages become the process's memory as the engine's
+                # would, and a signal is handled between chunks.
+                flat = t.view(-1)
+                step = max(ZERO_CHUNK_BYTES // max(t.element_size(), 1), 1)
+                for start in range(0, flat.numel(), step):
+                    chunk = flat[start : start + step]
+                    chunk.zero_()
+                    progress.add(chunk.numel() * t.element_size())
                 out[spec.name] = t
+        progress.done()
         return out
 
     def _open_backend(self, o: DemoOptions) -> Any:
@@ -179,8 +211,8 @@ class DemoSource:
             self.backend,
             layers=len(specs),
             layout=layout,
-            min_spare_pages=1,
-            max_spare_pages=2,
+            min_spare_pages=MIN_SPARE_PAGES,
+            max_spare_pages=MAX_SPARE_PAGES,
             observer=account,
             name="swa",
         )
@@ -203,3 +235,55 @@ class DemoSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def host_bytes(specs: list[BufferSpec], page_bytes: int) -> int:
+    """Memory the demo's pool can hold on the host backend: every runtime tensor's storage,
+    and the VMM family's whole reservation plus its spare pages."""
+    vmm_layers = sum(1 for s in specs if s.owner is Owner.VMM)
+    return sum(s.reserved_bytes for s in specs) + vmm_layers * MAX_SPARE_PAGES * page_bytes
+
+
+def _check_fits(budget: int, need: int) -> None:
+    room = hostmem.available()
+    if room is not None and need > room.bytes:
+        raise ValueError(
+            f"budget {format_size(budget)} does not fit this machine's available memory: the "
+            f"host backend holds its pool, {format_size(need)}, in RAM and "
+            f"{format_size(room.bytes)} is available ({room.source}); expected a budget whose "
+            "pool fits (a smaller --budget)"
+        )
+
+
+class _Progress:
+    """Progress of a long build on the `kvledger.demo` logger: a line at the start, at most
+    one a second, and one at the end."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what = what
+        self.total = total
+        self.done_bytes = 0
+        self.started = time.monotonic()
+        self._next = self.started + PROGRESS_EVERY_S
+        log.info("building the demo pool: %s, %s", what, format_size(total))
+
+    def add(self, n: int) -> None:
+        self.done_bytes += n
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + PROGRESS_EVERY_S
+            log.info(
+                "building the demo pool: %s %s of %s (%.0f%%)",
+                self.what,
+                format_size(self.done_bytes),
+                format_size(self.total),
+                100.0 * self.done_bytes / max(self.total, 1),
+            )
+
+    def done(self) -> None:
+        log.info(
+            "built the demo pool: %s, %s in %.1f s",
+            self.what,
+            format_size(self.done_bytes),
+            time.monotonic() - self.started,
+        )

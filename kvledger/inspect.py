@@ -20,7 +20,8 @@ from typing import Any
 from accounting import FIGURES, Ledger
 from accounting.units import format_size, parse_size
 from kvledger.cli import UsageError
-from kvledger.sglang.dsv4 import FAMILIES, BufferMap, ConfigError, Knobs, load_config, plan
+from kvledger.configfile import read_shape
+from kvledger.sglang.dsv4 import FAMILIES, BufferMap, ConfigError, Knobs, plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,11 +154,13 @@ def build(args: argparse.Namespace) -> BufferMap:
     except ValueError as e:
         raise UsageError(_flag_names(str(e))) from None
     try:
-        shape = load_config(args.config)
+        shape = read_shape(args.config)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     try:
         if args.budget is not None:
+            if args.budget.strip().startswith("-"):
+                raise UsageError(f"--budget {args.budget!r}: negative, expected a positive size")
             try:
                 budget = parse_size(args.budget)
             except ValueError as e:

@@ -6,9 +6,11 @@ all seven families sized to a small budget, a built-in workload) publishing into
 the snapshot directory, which any engine process may publish into too
 (`accounting.publisher.Publisher`). `--no-demo` serves the directory alone.
 
-One log line per `--log-interval`; Ctrl-C or SIGTERM stops the server, the
-workload, the publisher (its file is removed) and the pool (nothing stays mapped),
-and exits 0.
+On the host backend a `--budget` whose pool does not fit the machine's available
+memory is refused before anything is allocated; while the pool is built a progress
+line is logged every second. One log line per `--log-interval`; Ctrl-C or SIGTERM,
+during start-up as well as while serving, stops the server, the workload, the
+publisher (its file is removed) and the pool (nothing stays mapped), and exits 0.
 """
 
 from __future__ import annotations
@@ -215,7 +217,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+class StartupStopped(BaseException):
+    """SIGINT or SIGTERM before the server runs; a BaseException, like KeyboardInterrupt, so
+    that no `except Exception` on the way swallows it and every `finally` runs."""
+
+
 def run(args: argparse.Namespace) -> int:
+    # From here until the server takes over its own handlers, SIGINT and SIGTERM end the
+    # start-up wherever it is (the pool's build checks between chunks): cleanup runs on the
+    # way out and nothing is left behind.
+    stopping = False
+
+    def stop_start_up(sig: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if stopping:
+            return  # a second signal while cleaning up: let the cleanup finish
+        stopping = True
+        raise StartupStopped(signal.Signals(sig).name)
+
+    previous = {sig: signal.signal(sig, stop_start_up) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _serve(args)
+    except StartupStopped as e:
+        print(f"kvledger serve: stopped by {e} during start-up", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from accounting.snapdir import default_snapshot_dir
@@ -385,12 +416,13 @@ def status_line(sources: Any, source: Any, elapsed: float) -> str:
             f"{s.get('finished', 0)}"
         )
         parts.append(f"swa slots {swa.occupied_slots}/{swa.capacity_slots}")
+    # Each figure with its own unit; the headline gauge (physical, in GiB) is named as such.
     parts.append(
-        "physical {} mapped {} occupied {} ({:.3f} GB)".format(
+        "physical {} (sglang:kv_cache_memory_usage_gb {:.3f}) mapped {} occupied {}".format(
             format_size(totals["physical_bytes"]),
+            totals["physical_bytes"] / 2**30,
             format_size(totals["mapped_bytes"]),
             format_size(totals["occupied_bytes"]),
-            totals["physical_bytes"] / 2**30,
         )
     )
     unattributed = [

@@ -23,6 +23,7 @@ from accounting import Ledger
 from allocator import BackgroundMapper, SlotLayout, SwaPool
 from allocator.backend import Backend
 from allocator.specs import vmm_layer_specs
+from kvledger.argtypes import number
 
 # DeepSeek-V4 SWA geometry (docs/background.md#deepseek-v4-geometry): 584-byte tokens, 256 per page, pages padded to 576 B multiples.
 SWA_SLOT_BYTES = 584
@@ -32,11 +33,21 @@ SWA_ROW_BYTES = -(-SWA_SLOT_BYTES * SWA_SLOTS_PER_ROW // 576) * 576
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("host", "cuda"), default="host")
-    p.add_argument("--layers", type=int, default=43)
-    p.add_argument("--capacity", type=int, default=262_144, help="SWA slots (tokens) in the pool")
-    p.add_argument("--steps", type=int, default=400, help="decode steps per measured phase")
+    p.add_argument("--layers", type=number(int, 1, 4096), default=43)
     p.add_argument(
-        "--page-repeats", type=int, default=30, help="page ids mapped per map measurement"
+        "--capacity",
+        type=number(int, 4097, 1 << 31),
+        default=262_144,
+        help="SWA slots (tokens) in the pool",
+    )
+    p.add_argument(
+        "--steps", type=number(int, 1, 1 << 24), default=400, help="decode steps per measured phase"
+    )
+    p.add_argument(
+        "--page-repeats",
+        type=number(int, 1, 1 << 16),
+        default=30,
+        help="page ids mapped per map measurement",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
 
@@ -77,9 +88,19 @@ class CountingBackend:
 
 def _backend(kind: str) -> Backend:
     if kind == "cuda":
-        from allocator.cuda import CudaBackend
+        from kvledger.cli import UsageError
 
-        return CudaBackend()
+        try:
+            from allocator.cuda import CudaBackend
+        except ImportError as e:
+            raise UsageError(
+                f"--backend cuda is not available here ({e}); it needs an NVIDIA GPU and "
+                "kvledger's cuda extra (pip install 'kvledger[cuda]')"
+            ) from None
+        try:
+            return CudaBackend()
+        except RuntimeError as e:
+            raise UsageError(f"--backend cuda: {' '.join(str(e).split())}") from None
     from allocator.host import HostBackend
 
     return HostBackend()
@@ -270,9 +291,11 @@ def growth_latency(
 def run(args: argparse.Namespace) -> int:
     from kvledger.cli import UsageError
 
-    if args.layers <= 0 or args.capacity <= 4096 or args.steps <= 0:
+    if args.layers <= 0 or args.capacity <= 4096 or args.steps <= 0 or args.page_repeats <= 0:
         raise UsageError(
-            f"--layers={args.layers} --capacity={args.capacity} --steps={args.steps}: expected layers > 0, capacity > 4096, steps > 0"
+            f"--layers={args.layers} --capacity={args.capacity} --steps={args.steps} "
+            f"--page-repeats={args.page_repeats}: expected layers > 0, capacity > 4096, "
+            "steps > 0, page repeats > 0"
         )
     backend = _backend(args.backend)
     results: dict[str, Any] = {

@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvledger.argtypes import number
+
 ROW_TOKENS = 256
 SLOT_BYTES = 584
 ROW_BYTES = -(-ROW_TOKENS * SLOT_BYTES // 576) * 576  # a row padded to a multiple of 576 B
@@ -39,11 +41,24 @@ OPS = ("alloc_map", "free_unmap", "free_alloc_no_page", "exchange")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=43, help="layer buffers (default 43)")
-    parser.add_argument("--page-mib", type=int, default=2, help="page size in MiB (default 2)")
-    parser.add_argument("--cycles", type=int, default=200, help="measured cycles (default 200)")
-    parser.add_argument("--warmup", type=int, default=20, help="unmeasured cycles first")
-    parser.add_argument("--timeout", type=float, default=60.0, help="TP exchange timeout, s")
+    parser.add_argument(
+        "--layers", type=number(int, 1, 4096), default=43, help="layer buffers (default 43)"
+    )
+    parser.add_argument(
+        "--page-mib", type=number(int, 1, 1024), default=2, help="page size in MiB (default 2)"
+    )
+    parser.add_argument(
+        "--cycles", type=number(int, 1, 1 << 24), default=200, help="measured cycles (default 200)"
+    )
+    parser.add_argument(
+        "--warmup", type=number(int, 0, 1 << 24), default=20, help="unmeasured cycles first"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=number(float, 0, 86400, lo_open=True),
+        default=60.0,
+        help="TP exchange timeout, s",
+    )
     parser.add_argument(
         "--backend",
         choices=("host", "cuda"),

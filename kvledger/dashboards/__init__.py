@@ -9,6 +9,7 @@ generated files, and the tests fail until they are regenerated.
 
 Modules: `promql` (names a query uses), `yamlfile` (YAML through PyYAML),
 `grafana` (panel and dashboard JSON), `rules` (recording and alerting rules),
-`kv_dashboard` (the KV-cache dashboard itself), `files` (what goes where,
+`kv_dashboard` (the KV-cache dashboard itself), `kubernetes` (a DaemonSet, Service
+and ServiceMonitor for a cluster), `files` (what goes where,
 generated or copied from `templates/`), `command` (the subcommand).
 """

@@ -333,15 +333,17 @@ def health_row() -> Row:
                 thresholds=((None, "green"), (r.UNATTRIBUTED_BYTES, "red")),
             ),
             Panel(
-                "Device truth vs ledger physical bytes",
-                f"{truth} per truth source next to the ledger's physical bytes of all families "
-                f"({r.fig('physical_bytes')}). {_help(truth)}",
+                "Device truth vs ledger VMM physical bytes",
+                f"{truth} per truth source next to the ledger figure it is reconciled with: the "
+                f"physical bytes of the VMM-owned families ({r.fig('physical_bytes')} with "
+                'owner="vmm"; accounting/reconcile.py). Runtime-owned tensors are not part of '
+                f"either line, so the gap between the two is the unattributed bytes. {_help(truth)}",
                 (
                     Target(f"{truth}{{{SEL}}}", "{{truth}} tp{{tp_rank}} @ {{instance}}"),
                     Target(
                         f"sum by (instance, model_name, tp_rank) "
-                        f"({r.fig('physical_bytes')}{{{SEL}}})",
-                        "ledger physical tp{{tp_rank}} @ {{instance}}",
+                        f'({r.fig("physical_bytes")}{{{SEL}, owner="vmm"}})',
+                        "ledger VMM physical tp{{tp_rank}} @ {{instance}}",
                     ),
                 ),
                 BYTES,

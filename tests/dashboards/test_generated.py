@@ -3,7 +3,10 @@ the rules issue 5 sets: variables, descriptions, units, stacking, $__rate_interv
 
 from __future__ import annotations
 
+import json
 import re
+
+import yaml
 
 from accounting.figures import FIGURES
 from exporter import metrics as m
@@ -136,3 +139,41 @@ def test_module_check_exits_zero_on_the_committed_files(capsys):
 
     assert main(["--check", str(names.ROOT)]) == 0
     assert capsys.readouterr().out == ""
+
+
+def _targets(config: dict) -> dict[str, list[str]]:
+    """job -> its static targets, and those of the file-SD files it reads (from names.PROM)."""
+    out: dict[str, list[str]] = {}
+    for job in config["scrape_configs"]:
+        found = [t for sc in job.get("static_configs", ()) for t in sc["targets"]]
+        for fsd in job.get("file_sd_configs", ()):
+            for pattern in fsd["files"]:
+                for path in sorted(names.PROM.glob(pattern)):
+                    found += [t for group in json.loads(path.read_text()) for t in group["targets"]]
+        out[job["job_name"]] = found
+    return out
+
+
+def test_no_shipped_target_pages_anyone():
+    """The one-node config scrapes this machine only, the file-SD files ship empty, and the
+    global config's example federation targets (RFC 2606 `.example` names) sit in a job the
+    exporter-down alert does not select: nothing fires for a node the user does not have."""
+    down = next(a for a in rules.ALERTS if a.name == "KvLedgerExporterDown")
+    job_regex = re.search(r'job=~"([^"]+)"', down.expr)
+    assert job_regex, down.expr
+    selected = re.compile(job_regex.group(1))
+    one_node = _targets(yaml.safe_load((names.PROM / "prometheus.yml").read_text()))
+    assert one_node["kvledger-file-sd"] == []
+    for job, targets in one_node.items():
+        for target in targets:
+            assert target.startswith("127.0.0.1:"), (job, target)
+    for path in names.PROM.glob("file_sd/*.json"):
+        assert json.loads(path.read_text()) == [], path
+    fleet = _targets(yaml.safe_load((names.PROM / "prometheus-global.yml").read_text()))
+    for job, targets in fleet.items():
+        if any(not t.split(":")[0].endswith(".example") for t in targets):
+            raise AssertionError(f"{job}: a real-looking example target in {targets}")
+        assert not selected.fullmatch(job) or not targets, job
+    # and the example is documented
+    readme = (names.ROOT / "README.md").read_text()
+    assert '"targets": ["gpu-node-1:9400", "gpu-node-2:9400"]' in readme

@@ -15,6 +15,7 @@ import pytest
 from exporter import metrics as m
 from kvledger.dashboards import rules
 from kvledger.dashboards.promql import label_values, metric_names
+from kvledger.demo import DEFAULT_HOST_GRANULARITY
 from tests.dashboards import names
 from tests.dashboards.live import KvledgerServe, RulesPrometheus
 from tests.servers import PROMETHEUS, wait_until
@@ -159,3 +160,24 @@ def test_alerts_load_and_stay_quiet_on_the_healthy_demo(stack):
     ):
         assert prom.query_at(expr), expr
     assert serve.debug()["sources"][0]["violations"] == []
+
+
+def test_truth_panel_compares_the_figure_the_truth_is_reconciled_with(stack):
+    """Both lines of "Device truth vs ledger ..." are the same quantity on the healthy demo:
+    truth minus the ledger line is the exported unattributed bytes (0 here, whole pages at
+    most while a map is in flight), never the runtime-owned families' bytes."""
+    serve, prom = stack
+    [(title, truth_expr), (_, ledger_expr)] = [
+        (t, e) for t, e in names.panel_queries() if t.startswith("Device truth vs ledger")
+    ]
+    values = {**_concrete(prom, serve), "family": ".*"}
+    truth = prom.query_at(substitute(truth_expr, values))
+    ledger = prom.query_at(substitute(ledger_expr, values))
+    all_physical = prom.query_at(
+        f'sum(sglang:kv_cache_physical_bytes{{instance="{serve.target}"}})'
+    )
+    assert len(truth) == len(ledger) == 1, (title, truth, ledger)
+    gap = float(truth[0]["value"][1]) - float(ledger[0]["value"][1])
+    assert abs(gap) % DEFAULT_HOST_GRANULARITY == 0 and abs(gap) <= 4 * DEFAULT_HOST_GRANULARITY
+    # ... while all families' physical bytes are far more than the truth sees
+    assert float(all_physical[0]["value"][1]) > float(truth[0]["value"][1]) + 8 * (1 << 20)

@@ -3,8 +3,6 @@ cache, free and evict; the ledger's figures equal the pool's own counts at every
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 from accounting.ledger import Ledger
@@ -21,9 +19,10 @@ def cfg():
 
 def _manager(config, caching: bool = True):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    init_none_hash(hashlib.sha256)
+    init_none_hash(sha256)
     return KVCacheManager(
         config,
         max_model_len=1024,
@@ -89,7 +88,7 @@ def _run(req, manager):
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full", "full+sliding"])
 def test_figures_follow_the_pool(cfg, hybrid: bool) -> None:
     specs = {**vs.full_specs(4), **(vs.sliding_specs(4) if hybrid else {})}
-    config = vs.kv_cache_config(cfg, specs, 2 << 20)
+    config = vs.kv_cache_config(cfg, specs, 8 << 20)
     manager = _manager(config)
     ledger = Ledger()
     occ = SchedulerOccupancy(ledger, manager, kind_of=vs.kind_of)
@@ -101,7 +100,7 @@ def test_figures_follow_the_pool(cfg, hybrid: bool) -> None:
     assert t["in_use"] > 1
     manager.free(a)  # its full blocks stay cached: evictable
     t = _agree(occ, ledger, manager)
-    assert t["evictable"] == 100 // vs.BLOCK * len(config.kv_cache_groups) or t["evictable"] > 0
+    assert t["evictable"] > 0  # its full blocks, cached, now free
     b = _request("b", list(range(100)) + [7] * 20)  # a prefix hit: cached blocks touched
     hit = _run(b, manager)
     assert hit > 0
@@ -136,7 +135,7 @@ def test_figures_follow_the_pool(cfg, hybrid: bool) -> None:
 
 
 def test_without_prefix_caching_nothing_is_wrapped(cfg) -> None:
-    config = vs.kv_cache_config(cfg, vs.full_specs(2), 1 << 20)
+    config = vs.kv_cache_config(cfg, vs.full_specs(2), 2 << 20)
     manager = _manager(config, caching=False)
     ledger = Ledger()
     occ = SchedulerOccupancy(ledger, manager, kind_of=vs.kind_of)

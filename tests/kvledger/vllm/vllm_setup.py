@@ -67,8 +67,12 @@ def sliding_specs(n: int = 4, start: int = 4) -> dict[str, Any]:
 
 def kv_cache_config(cfg: Any, specs: dict[str, Any], memory: int) -> Any:
     """vLLM's own KVCacheConfig for one worker with `memory` bytes for its KV cache."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
+    # What the engine core does first (vllm/v1/engine/core.py); a GPU worker with
+    # FlashAttention reports [L, B, N, H, C] first. Recorded on cache_config once.
+    resolve_kv_cache_layout(cfg, [["LBNHC", "LBHNC"]], list(specs.values()))
     groups = get_global_kv_cache_groups(cfg, [specs])
     return get_kv_cache_configs(cfg, [specs], [memory], groups)[0]
 

@@ -18,8 +18,8 @@ def cfg():
 
 
 def _manager(config, caching: bool = True):
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
     init_none_hash(sha256)

@@ -33,26 +33,22 @@ def engine_index(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
 
 
-def scheduler_labels(vllm_config: Any) -> dict[str, str]:
+def _engine_labels(vllm_config: Any, role: str) -> dict[str, str]:
     engine = str(engine_index(vllm_config))
     return {
         "model_name": model_name(vllm_config),
         "engine": engine,
         "dp_rank": engine,
-        "engine_type": SCHEDULER,
+        "engine_type": role,
     }
+
+
+def scheduler_labels(vllm_config: Any) -> dict[str, str]:
+    return _engine_labels(vllm_config, SCHEDULER)
 
 
 def worker_labels(vllm_config: Any, tp_rank: int, pp_rank: int) -> dict[str, str]:
-    engine = str(engine_index(vllm_config))
-    return {
-        "model_name": model_name(vllm_config),
-        "engine": engine,
-        "dp_rank": engine,
-        "engine_type": WORKER,
-        "tp_rank": str(tp_rank),
-        "pp_rank": str(pp_rank),
-    }
+    return {**_engine_labels(vllm_config, WORKER), "tp_rank": str(tp_rank), "pp_rank": str(pp_rank)}
 
 
 def worker_ranks() -> tuple[int, int]:

@@ -41,6 +41,15 @@ def _check(ledger: Ledger, config, tensors) -> None:
     assert not snap.violations
 
 
+def _view_bytes(snap) -> int:
+    """What the groups' layer views address, all groups together."""
+    return sum(
+        b.spec.slot_bytes * b.spec.capacity_slots
+        for b in snap.buffers
+        if b.spec.family != POOL_FAMILY
+    )
+
+
 def test_one_group_of_full_attention(cfg) -> None:
     config = vs.kv_cache_config(cfg, vs.full_specs(4), 8 << 20)
     tensors = vs.allocate(cfg, config)
@@ -51,11 +60,7 @@ def test_one_group_of_full_attention(cfg) -> None:
     _check(ledger, config, tensors)
     # One storage, every layer a view into it: layers partition it exactly here.
     snap = ledger.snapshot(reconcile=False)
-    views = sum(
-        b.spec.slot_bytes * b.spec.capacity_slots
-        for b in snap.buffers
-        if b.spec.family != POOL_FAMILY
-    )
+    views = _view_bytes(snap)
     assert views == snap.total("physical_bytes")
     reg.release(ledger)
     assert ledger.accounts() == ()
@@ -73,11 +78,7 @@ def test_hybrid_groups_alias_one_storage(cfg) -> None:
     _check(ledger, config, tensors)
     # The groups' views together address more than the storage: they alias it.
     snap = ledger.snapshot(reconcile=False)
-    views = sum(
-        b.spec.slot_bytes * b.spec.capacity_slots
-        for b in snap.buffers
-        if b.spec.family != POOL_FAMILY
-    )
+    views = _view_bytes(snap)
     assert views > snap.total("physical_bytes")
     reg.release(ledger)
     assert ledger.accounts() == ()

@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvledger.inspect",
         "print the DeepSeek-V4 buffer map SGLang 0.5.23 allocates for a config and a size",
     ),
+    "inspect-vllm": (
+        "kvledger.inspect_vllm",
+        "print the KV cache vLLM 0.33 would allocate per KV-cache group for a config and a memory size",
+    ),
     "dashboards": (
         "kvledger.dashboards.command",
         "write the Grafana dashboard, provisioning, Prometheus scrape configs and rules, "

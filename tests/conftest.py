@@ -1,5 +1,6 @@
 """Shared fixtures. GPU tests (marker `gpu`) skip unless a CUDA device and cuda-python are present;
-SGLang tests (marker `sglang`) skip unless SGLang imports (scripts/test-sglang runs them)."""
+SGLang tests (marker `sglang`) skip unless SGLang imports (scripts/test-sglang runs them);
+vLLM tests (marker `vllm`) skip unless vLLM is installed (scripts/test-vllm runs them)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,21 @@ def sglang_available() -> bool:
     return importlib.util.find_spec("sglang") is not None
 
 
+@functools.cache
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU and cuda-python (marker gpu)")
     skip_sglang = pytest.mark.skip(
         reason="needs SGLang 0.5.23: run scripts/test-sglang (marker sglang)"
     )
+    skip_vllm = pytest.mark.skip(reason="needs vLLM 0.33.0: run scripts/test-vllm (marker vllm)")
     for item in items:
         if item.get_closest_marker("gpu") is not None and not cuda_available():
             item.add_marker(skip_gpu)
         if item.get_closest_marker("sglang") is not None and not sglang_available():
             item.add_marker(skip_sglang)
+        if item.get_closest_marker("vllm") is not None and not vllm_available():
+            item.add_marker(skip_vllm)

@@ -28,8 +28,8 @@ from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import Account, Ledger
-from accounting.publisher import Publisher
 from accounting.reconcile import host_memfd_truth
+from accounting.snapfile.publisher import Publisher
 from allocator import BackgroundMapper, HostBackend, SlotLayout, SwaPool
 from kvledger.sglang.dsv4 import Knobs, load_config, plan
 from kvledger.sglang.dsv4.buffermap import BufferMap

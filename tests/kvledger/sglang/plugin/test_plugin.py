@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from allocator.host import DEFAULT_GRANULARITY
-from kvledger.serve_process import ServeProcess
 from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
 from tests.kvledger.sglang import rig
 from tests.kvledger.sglang.plugin import dist
+from tests.servers import ServeProcess
 
 pytestmark = pytest.mark.sglang
 

@@ -1,0 +1,306 @@
+"""Each part of a snapshot file checked field by field and typed: buffer rows, account rows,
+per-family rows, violations, reconciliation entries, the TP status.
+
+A checker takes the parsed JSON of one part and returns accounting's record of it
+(`BufferRow`, `AccountRow`, `FamilyRow`, `Violation`, `Reconciliation`, `TpStatus`),
+or raises `Refused` ("schema") naming the row and the field. The fields a row must
+have are read from its dataclass, so a field added there is checked here. The
+common case, every row well formed, is checked a whole list at a time with C-level
+builtins (`accounting.snapfile.fields.plain_*`); a list that fails it is checked
+row by row to name the first fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import operator
+from typing import Any
+
+from accounting.buffers import BufferSpec, Owner
+from accounting.figures import FIGURE_NAMES, Figures
+from accounting.ledger import MAP_SECONDS_BUCKETS
+from accounting.relations import Violation
+from accounting.snapfile.fields import (
+    INT,
+    MAX_DIMS,
+    MAX_INT,
+    MAX_NAME,
+    MAX_TEXT,
+    OWNERS,
+    STR,
+    as_dict,
+    as_list,
+    get_field,
+    int_of,
+    num_of,
+    opt_int_of,
+    owner_of,
+    plain_ints,
+    plain_rows,
+    plain_strs,
+    scalars_of,
+    str_of,
+)
+from accounting.snapfile.refusal import fail
+from accounting.snapfile.summary import FamilyRow, Reconciliation
+from accounting.snapshot import AccountRow, BufferRow
+from accounting.tp_status import TpStatus
+
+MAX_FAMILIES = 4096  # rows of the per-family rollup
+MAX_TRUTHS = 16  # reconciliation entries
+_chain = itertools.chain.from_iterable
+
+
+def _int_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.type in ("int", int))
+
+
+# -- buffer rows (the second line) ------------------------------------------------------------
+_ROW_INTS = (
+    "slot_bytes",
+    "capacity_slots",
+    "tensor_bytes",
+    "reserved_bytes",
+    "physical_bytes",
+    "mapped_bytes",
+    "occupied_slots",
+    "page_bytes",
+)
+_ROW_STRS = ("name", "family", "pool", "dtype", "account")
+_row_ints = operator.itemgetter(*_ROW_INTS)
+_row_strs = operator.itemgetter(*_ROW_STRS)
+
+
+def _row_is_plain(d: Any) -> bool:
+    """The common case, checked in one pass with C-level builtins: every field present and
+    of its type, integers in [0, MAX_INT], strings short."""
+    try:
+        ints, strs, shape, layer = _row_ints(d), _row_strs(d), d["shape"], d["layer"]
+        owner = d["owner"]
+    except (KeyError, TypeError):
+        return False
+    return (
+        set(map(type, ints)) == INT
+        and min(ints) >= 0
+        and max(ints) <= MAX_INT
+        and set(map(type, strs)) == STR
+        and max(map(len, strs)) <= MAX_NAME
+        and type(owner) is str
+        and owner in OWNERS
+        and (layer is None or (type(layer) is int and 0 <= layer <= MAX_INT))
+        and type(shape) is list
+        and len(shape) <= MAX_DIMS
+        and set(map(type, shape)) <= INT
+        and (not shape or (min(shape) >= 0 and max(shape) <= MAX_INT))
+    )
+
+
+def buffer_row(d: Any, i: int) -> BufferRow:
+    if _row_is_plain(d):
+        slot, cap, tensor, reserved, physical, mapped, occupied, page = _row_ints(d)
+        name, family, pool, dtype, account = _row_strs(d)
+        spec = BufferSpec(
+            name, family, pool, Owner(d["owner"]), d["layer"], dtype, tuple(d["shape"]),
+            slot, cap, tensor, reserved,
+        )  # fmt: skip
+        return BufferRow(spec, account, physical, mapped, occupied, page)
+    where = f"buffers[{i}]"  # the slow path, to name what is wrong
+    d = as_dict(d, where)
+    layer = d.get("layer")
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
+        raise fail(where, f"layer={layer!r:.60}, expected null or an integer >= 0")
+    shape = as_list(get_field(d, "shape", where), f"{where}.shape", MAX_DIMS)
+    if any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_INT for x in shape):
+        raise fail(where, "shape: expected non-negative integers")
+    spec = BufferSpec(
+        name=str_of(d, "name", where),
+        family=str_of(d, "family", where),
+        pool=str_of(d, "pool", where),
+        owner=owner_of(d, where),
+        layer=layer,
+        dtype=str_of(d, "dtype", where),
+        shape=tuple(shape),
+        slot_bytes=int_of(d, "slot_bytes", where),
+        capacity_slots=int_of(d, "capacity_slots", where),
+        tensor_bytes=int_of(d, "tensor_bytes", where),
+        reserved_bytes=int_of(d, "reserved_bytes", where),
+    )
+    return BufferRow(
+        spec=spec,
+        account=str_of(d, "account", where),
+        physical_bytes=int_of(d, "physical_bytes", where),
+        mapped_bytes=int_of(d, "mapped_bytes", where),
+        occupied_slots=int_of(d, "occupied_slots", where),
+        page_bytes=int_of(d, "page_bytes", where),
+    )
+
+
+# -- account rows ------------------------------------------------------------------------------
+# The integer figures of an account row: AccountRow's int fields, declared there once.
+_ACCOUNT_INTS = _int_fields(AccountRow)
+_ACCOUNT_KEYSET = frozenset(f.name for f in dataclasses.fields(AccountRow))
+_BUCKETS = len(MAP_SECONDS_BUCKETS) + 1
+_account_ints = operator.itemgetter(*_ACCOUNT_INTS)
+_account_strs = operator.itemgetter("key", "family", "pool")
+_account_seconds = operator.itemgetter("map_seconds_total", "unmap_seconds_total")
+_account_owner = operator.itemgetter("owner")
+_account_buckets = operator.itemgetter("map_bucket_counts")
+
+
+def _plain_accounts(rows: list[Any]) -> bool:
+    """The common case, every account row at once with C-level builtins: exactly the
+    fields, each of its type and range. False to take the row-by-row path."""
+    if not plain_rows(rows, _ACCOUNT_KEYSET):
+        return False
+    try:
+        ints = list(_chain(map(_account_ints, rows)))
+        buckets = list(map(_account_buckets, rows))
+        strs = list(_chain(map(_account_strs, rows)))
+        seconds = list(_chain(map(_account_seconds, rows)))
+        owners = set(map(_account_owner, rows))
+    except (KeyError, TypeError):  # a key missing (so another one there), or unhashable
+        return False
+    return (
+        plain_ints(ints)
+        and set(map(type, buckets)) == {list}
+        and set(map(len, buckets)) == {_BUCKETS}
+        and plain_ints(list(_chain(buckets)))
+        and plain_strs(strs)
+        and owners <= OWNERS
+        and set(map(type, seconds)) == {float}
+        and all(map(math.isfinite, seconds))
+        and min(seconds) >= 0
+    )
+
+
+def accounts_of(d: Any) -> tuple[AccountRow, ...]:
+    """The account rows, checked: exactly AccountRow's fields (seconds as floats)."""
+    rows = as_list(d, "accounts")
+    if not (rows and _plain_accounts(rows)):
+        rows = [account_fields(row, i) for i, row in enumerate(rows)]
+    return tuple(map(AccountRow.from_dict, rows))
+
+
+def account_fields(d: Any, i: int) -> dict[str, Any]:
+    """One account row checked field by field, naming the first fault; as
+    `AccountRow.to_dict()` writes it (other keys dropped)."""
+    where = f"accounts[{i}]"
+    d = as_dict(d, where)
+    buckets = as_list(get_field(d, "map_bucket_counts", where), f"{where}.map_bucket_counts", 64)
+    if len(buckets) != _BUCKETS or any(
+        isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= MAX_INT for c in buckets
+    ):
+        raise fail(where, f"map_bucket_counts: expected {_BUCKETS} non-negative integers")
+    return {
+        "key": str_of(d, "key", where),
+        "family": str_of(d, "family", where),
+        "pool": str_of(d, "pool", where),
+        "owner": owner_of(d, where).value,
+        **{k: int_of(d, k, where) for k in _ACCOUNT_INTS},
+        "map_seconds_total": num_of(d, "map_seconds_total", where),
+        "unmap_seconds_total": num_of(d, "unmap_seconds_total", where),
+        "map_bucket_counts": list(buckets),
+    }
+
+
+# -- per-family rows ---------------------------------------------------------------------------
+_FAMILY_KEYS = frozenset(("family", "owner", *FIGURE_NAMES))
+_family_names = operator.itemgetter("family")
+_family_owners = operator.itemgetter("owner")
+_family_figures = operator.itemgetter(*FIGURE_NAMES)
+
+
+def _plain_families(rows: list[Any]) -> bool:
+    """The common case, every row at once with C-level builtins: exactly the keys, each
+    of its type and range. False to take the row-by-row path."""
+    if not rows or not plain_rows(rows, _FAMILY_KEYS):
+        return not rows
+    try:
+        names = list(map(_family_names, rows))
+        owners = set(map(_family_owners, rows))
+        figures = list(_chain(map(_family_figures, rows)))
+    except (KeyError, TypeError):  # a key missing (so another one there), or unhashable
+        return False
+    return plain_strs(names) and owners <= OWNERS and plain_ints(figures)
+
+
+def family_rows_of(d: Any) -> list[FamilyRow]:
+    """The per-family rows as listed, each checked (their sums: `accounts.snapfile.checks`)."""
+    rows = as_list(d, "families", MAX_FAMILIES)
+    if _plain_families(rows):
+        return [
+            FamilyRow(row["family"], Owner(row["owner"]), Figures(*_family_figures(row)))
+            for row in rows
+        ]
+    return [_family_row(row, i) for i, row in enumerate(rows)]
+
+
+def _family_row(row: Any, i: int) -> FamilyRow:
+    """One per-family row checked field by field, naming the first fault."""
+    where = f"families[{i}]"
+    row = as_dict(row, where)
+    return FamilyRow(
+        family=str_of(row, "family", where),
+        owner=owner_of(row, where),
+        figures=Figures(*(int_of(row, name, where) for name in FIGURE_NAMES)),
+    )
+
+
+# -- violations, reconciliation, TP status -----------------------------------------------------
+def violations_of(d: Any) -> list[Violation]:
+    """The listed violations, each checked (whether the list is complete: `checks`)."""
+    out = []
+    for i, v in enumerate(as_list(d, "violations")):
+        where = f"violations[{i}]"
+        v = as_dict(v, where)
+        out.append(
+            Violation(
+                subject=str_of(v, "subject", where, 2 * MAX_NAME + 1),
+                relation=str_of(v, "relation", where),
+                detail=str_of(v, "detail", where, MAX_TEXT),
+            )
+        )
+    return out
+
+
+def reconciliation_of(d: Any) -> tuple[Reconciliation, ...]:
+    return tuple(
+        reconciliation_entry(r, i)
+        for i, r in enumerate(as_list(d or [], "reconciliation", MAX_TRUTHS))
+    )
+
+
+def reconciliation_entry(d: Any, i: int) -> Reconciliation:
+    where = f"reconciliation[{i}]"
+    d = as_dict(d, where)
+    device = opt_int_of(d, "device_bytes", where)
+    ledger = opt_int_of(d, "ledger_bytes", where)
+    available = d.get("available", False)
+    if not isinstance(available, bool):
+        raise fail(where, "available: expected true or false")
+    checked: dict[str, Any] = {
+        "device_bytes": device,
+        "ledger_bytes": ledger,
+        "available": available,
+        "detail": scalars_of(d.get("detail") or {}, f"{where}.detail"),
+    }
+    for key, limit in (("source", MAX_NAME), ("basis", MAX_NAME), ("reason", MAX_TEXT)):
+        if key in d:
+            checked[key] = str_of(d, key, where, limit)
+    return Reconciliation.of(checked)
+
+
+_TP_INTS = _int_fields(TpStatus)
+
+
+def tp_status(d: Any) -> TpStatus | None:
+    if d is None:
+        return None
+    d = as_dict(d, "tp")
+    ints = {k: int_of(d, k, "tp") for k in _TP_INTS}
+    try:
+        return TpStatus(last_error=str_of(d, "last_error", "tp", MAX_TEXT), **ints)
+    except ValueError as e:
+        raise fail("tp", str(e)) from None

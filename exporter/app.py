@@ -108,7 +108,25 @@ class AsgiRoute(APIRoute):
         return handler
 
 
-def hot_paths(router: APIRouter) -> dict[str, ASGIApp]:
+def add_asgi_route(
+    router: APIRouter, path: str, app: Callable[..., Any], name: str, **doc: Any
+) -> None:
+    """`app` at GET `path`, documented by `doc` (summary, description, responses, ...), and
+    at HEAD `path` (as Starlette's own routes answer it) left out of the schema."""
+    router.add_api_route(
+        path, app, route_class_override=AsgiRoute, name=name, methods=["GET"], **doc
+    )
+    router.add_api_route(
+        path,
+        app,
+        route_class_override=AsgiRoute,
+        name=f"{name}_head",
+        methods=["HEAD"],
+        include_in_schema=False,
+    )
+
+
+def hot_paths(router: APIRouter) -> dict[str, Callable[..., Any]]:
     """Path -> ASGI app of the router's `AsgiRoute`s (what `ExporterApp` answers first)."""
     return {r.path: r.endpoint for r in router.routes if isinstance(r, AsgiRoute)}
 
@@ -134,14 +152,16 @@ def create_router(
     router = APIRouter()
     auth = _auth_dependency(token)
 
-    router.add_api_route(
+    add_asgi_route(
+        router,
         "/metrics",
         MetricsEndpoint(reader, bodies),
-        route_class_override=AsgiRoute,
-        name="metrics",
-        methods=["GET"],
+        "metrics",
         response_class=Response,
         summary="Prometheus exposition built from one snapshot per source",
+        description="The text format 0.0.4, or OpenMetrics 1.0.0 when the client prefers it "
+        "(Accept); gzipped for a client that asks (Accept-Encoding). Metric names never follow "
+        "the Accept header's escaping.",
         responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}},
     )
 
@@ -193,14 +213,14 @@ def create_router(
             return HTMLResponse(debug_html(doc))
         return doc
 
-    router.add_api_route(
+    add_asgi_route(
+        router,
         "/healthz",
         HealthEndpoint(),
-        route_class_override=AsgiRoute,
-        name="healthz",
-        methods=["GET"],
+        "healthz",
         response_model=Health,
         summary="The exporter process is serving",
+        description="Answered at once, whatever the snapshot directory holds.",
     )
 
     @router.get(
@@ -234,7 +254,7 @@ class ExporterApp(FastAPI):
     a probe waits behind them (`kvledger bench scrape`, concurrent part). Everything else,
     the OpenAPI document included, is FastAPI's."""
 
-    hot_paths: dict[str, ASGIApp] = {}  # replaced by create_app, never changed in place
+    hot_paths: dict[str, Callable[..., Any]] = {}  # replaced by create_app, never changed in place
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):

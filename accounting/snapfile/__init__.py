@@ -9,7 +9,7 @@ Both ends live here, one concept per module:
 - `publisher`: the writer (`Publisher`), one file per source, replaced atomically;
 - `reader`: the exporter's scan of the directory (`SnapshotFiles`), per-file refusals;
 - `refusal`: why a file is not served, from a fixed set of reasons;
-- `fields`, `rows`: each JSON value and each part of a snapshot, checked and typed;
+- `schema`: every JSON value and every part of a snapshot, checked and typed;
 - `checks`: the relations the figures must satisfy, recomputed;
 - `head`: the first line, checked once per file version, as a `Summary`;
 - `summary`: the typed `Summary` a scrape reads (also built from an in-process ledger);

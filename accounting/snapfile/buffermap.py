@@ -1,6 +1,6 @@
 """A file's buffer rows, read when someone asks for the buffer map (`/debug/kv`).
 
-`buffer_map(head)` parses and checks the second line (`accounting.snapfile.rows`),
+`buffer_map(head)` parses and checks the second line (`accounting.snapfile.schema`),
 rebuilds the whole Snapshot from it (rollups and violations recomputed from the
 rows) and requires it to agree with the first line (`accounting.snapfile.checks`).
 A failure is `Refused("buffers", ...)`: that source's buffer map is not shown, its
@@ -9,10 +9,10 @@ metrics (from the first line) are.
 
 from __future__ import annotations
 
-from accounting.snapfile import checks, rows
-from accounting.snapfile.fields import as_list, parse_json
+from accounting.snapfile import checks, schema
 from accounting.snapfile.head import Head
 from accounting.snapfile.refusal import Refused
+from accounting.snapfile.schema import as_list, parse_json
 from accounting.snapfile.summary import summary_of
 from accounting.snapshot import Snapshot
 
@@ -29,7 +29,7 @@ def buffer_map(head: Head) -> Snapshot:
             taken_at=s.taken_at,
             labels=dict(s.labels),
             accounts=s.accounts,
-            buffers=[rows.buffer_row(b, i) for i, b in enumerate(buffers)],
+            buffers=[schema.buffer_row(b, i) for i, b in enumerate(buffers)],
             tp=s.tp,
         ).with_reconciliation(r.to_dict() for r in s.reconciliation)
         checks.rows_agree(summary_of(snap), s)

@@ -7,7 +7,7 @@ as bytes for `accounting.snapfile.buffermap`. Checked: the envelope (schema vers
 `source` equal to the file's name, pid, host, process start, `interval` within
 [MIN_INTERVAL_S, MAX_INTERVAL_S], a finite heartbeat no more than MAX_SKEW_S in the
 future, a sequence number); every account, family row, violation and reconciliation
-entry (`accounting.snapfile.rows`); then the relations between them
+entry (`accounting.snapfile.schema`); then the relations between them
 (`accounting.snapfile.checks`), recomputed: a file whose own figures disagree is
 refused.
 
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from accounting.figures import Figures
-from accounting.snapfile import checks, rows
+from accounting.snapfile import checks, schema
 from accounting.snapfile.envelope import ENVELOPE_SCHEMA, SUFFIX, Envelope, check_interval
-from accounting.snapfile.fields import (
+from accounting.snapfile.refusal import Refused, fail
+from accounting.snapfile.schema import (
     MAX_NAME,
     as_dict,
     get_field,
@@ -35,7 +36,6 @@ from accounting.snapfile.fields import (
     parse_json,
     str_of,
 )
-from accounting.snapfile.refusal import Refused, fail
 from accounting.snapfile.summary import Summary
 from accounting.snapshot import SCHEMA_VERSION
 
@@ -99,19 +99,19 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
     taken_at = num_of(snap, "taken_at", "snapshot")
     if taken_at > now + MAX_SKEW_S:
         raise fail("snapshot", f"taken_at is {taken_at - now:.0f} s in the future")
-    accounts = rows.accounts_of(get_field(snap, "accounts", "snapshot"))
+    accounts = schema.accounts_of(get_field(snap, "accounts", "snapshot"))
     if len({a.key for a in accounts}) < len(accounts):
         key = Counter(a.key for a in accounts).most_common(1)[0][0]
         raise fail("accounts", f"key {key!r:.60} listed twice")
     families = checks.families_match_accounts(
-        rows.family_rows_of(get_field(snap, "families", "snapshot")), accounts
+        schema.family_rows_of(get_field(snap, "families", "snapshot")), accounts
     )
-    totals = Figures.sum(f.figures for f in families)
+    totals = Figures.sum([f.figures for f in families])
     checks.totals_match(as_dict(get_field(snap, "totals", "snapshot"), "totals"), totals)
-    tp = rows.tp_status(snap.get("tp"))
+    tp = schema.tp_status(snap.get("tp"))
     epoch = int_of(snap, "epoch", "snapshot")
     labels = labels_of(get_field(snap, "labels", "snapshot"))
-    violations = rows.violations_of(get_field(snap, "violations", "snapshot"))
+    violations = schema.violations_of(get_field(snap, "violations", "snapshot"))
     checks.violations_complete(violations, accounts, families)
     return Summary(
         epoch=epoch,
@@ -121,6 +121,6 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
         families=families,
         accounts=accounts,
         violations=tuple(violations),
-        reconciliation=rows.reconciliation_of(snap.get("reconciliation")),
+        reconciliation=schema.reconciliation_of(snap.get("reconciliation")),
         tp=tp,
     )

@@ -13,6 +13,7 @@ reconciliation result.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,16 +68,8 @@ class Reconciliation:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "basis": self.basis,
-            "available": self.available,
-            "reason": self.reason,
-            "device_bytes": self.device_bytes,
-            "ledger_bytes": self.ledger_bytes,
-            "unattributed_bytes": self.unattributed_bytes,
-            "detail": dict(self.detail),
-        }
+        """As `accounting.reconcile.result` writes it."""
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

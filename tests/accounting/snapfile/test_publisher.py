@@ -246,3 +246,15 @@ def test_fsync_option_publishes_the_same_bytes(tmp_path):
     with small_ledger() as sl, Publisher(sl.ledger, tmp_path / "a", interval=1000, fsync=True) as a:
         envelope, _ = parse(Path(a.path).read_bytes())
         assert envelope["snapshot"]["epoch"] == sl.ledger.epoch
+
+
+def test_close_leaves_an_event_hook_someone_installed_since(tmp_path):
+    ledger = Ledger({"tp_rank": "0"})
+
+    def theirs() -> None:
+        pass
+
+    with Publisher(ledger, tmp_path, interval=1000):
+        assert ledger.event_hook is not None
+        ledger.set_event_hook(theirs)
+    assert ledger.event_hook is theirs

@@ -280,7 +280,7 @@ def create_app(
     token: str | None = None,
     title: str = "kvledger",
     debug_html: DebugHtml | None = None,
-) -> FastAPI:
+) -> ExporterApp:
     app = ExporterApp(
         title=title,
         summary="KV-cache memory accounting: tensor, reserved, physical and occupied bytes "

@@ -96,10 +96,8 @@ class Figures:
     @classmethod
     def sum(cls, rows: Iterable[Figures]) -> Figures:
         """Every figure summed over `rows` (all zero for none)."""
-        totals = [0] * len(FIGURE_NAMES)
-        for values in map(_values, rows):
-            totals = [a + b for a, b in zip(totals, values, strict=True)]
-        return cls(*totals)
+        columns = tuple(zip(*map(_values, rows), strict=True))
+        return cls(*map(sum, columns)) if columns else cls(*(0,) * len(FIGURE_NAMES))
 
     def values(self) -> tuple[int, ...]:
         """The figures in table order (`FIGURE_NAMES`)."""

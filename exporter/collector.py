@@ -218,13 +218,13 @@ def _build(
     live = {id(v) for v in live_by_engine(scan.views)}
     for v in scan.views:
         try:
-            service = top.part()
-            _add_service_series(service, v)
+            labels, values = _service_values(v)
             engine = _engine_part(top, v, cache) if id(v) in live else None
         except Exception as e:  # this source only: logged by name, counted, left out
             failures.failed("render", v.source, e, version=v.published)
             continue
-        top.extend(service.by_name)
+        for name, value in zip(_SERVICE_METRICS, values, strict=True):
+            top.add(name, labels, value)
         if engine is not None:
             top.extend(engine.by_name)
     if cache is not None:
@@ -251,13 +251,19 @@ def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> _So
     return part
 
 
-def _add_service_series(fam: _SeriesSet, v: SourceView) -> None:
-    """A source's own series, live or not: up, age, epoch, publish interval."""
-    service = {**engine_labels(v.labels), "source": v.source}
-    fam.add("kvledger_up", service, 1 if v.up else 0)
-    fam.add("kvledger_snapshot_age_seconds", service, v.age_seconds)
-    fam.add("kvledger_snapshot_epoch", service, v.summary.epoch)
-    fam.add("kvledger_publish_interval_seconds", service, v.published.interval)
+_SERVICE_METRICS = (
+    "kvledger_up",
+    "kvledger_snapshot_age_seconds",
+    "kvledger_snapshot_epoch",
+    "kvledger_publish_interval_seconds",
+)
+
+
+def _service_values(v: SourceView) -> tuple[dict[str, str], tuple[float, ...]]:
+    """A source's own series, live or not (labels, and a value per `_SERVICE_METRICS`): up,
+    age, epoch, publish interval."""
+    labels = {**engine_labels(v.labels), "source": v.source}
+    return labels, (1 if v.up else 0, v.age_seconds, v.summary.epoch, v.published.interval)
 
 
 def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:

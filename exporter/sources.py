@@ -62,6 +62,9 @@ class BufferMapError(ValueError):
     """A source's buffer rows failed their checks (its metrics are still served)."""
 
 
+_ENVELOPE_FIELDS = tuple(f.name for f in dataclasses.fields(Envelope))
+
+
 @dataclass(frozen=True)
 class Published(Envelope):
     """One source's latest snapshot: its publisher's envelope and the snapshot's `Summary`.
@@ -87,7 +90,7 @@ class Published(Envelope):
         cls, head: Head, path: str, on_refused: Callable[[str, Refused], None] | None = None
     ) -> Published:
         """A published file whose first line passed `accounting.snapfile.head.load`."""
-        envelope = {f.name: getattr(head.envelope, f.name) for f in dataclasses.fields(Envelope)}
+        envelope = {name: getattr(head.envelope, name) for name in _ENVELOPE_FIELDS}
         return cls(**envelope, summary=head.summary, path=path, _head=head, _on_refused=on_refused)
 
     @classmethod

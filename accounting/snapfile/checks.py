@@ -77,7 +77,7 @@ def account_may_break(a: AccountRow) -> bool:
 
 
 # Relations of one buffer that hold for a family's sums whenever they hold for each buffer,
-# per owner: (smaller, larger, the relation's name in a violation).
+# per owner: (smaller, larger, their places in `Figures.values()`, the relation's name).
 _PAIRS = (
     ("tensor_bytes", "reserved_bytes"),
     ("mapped_bytes", "reserved_bytes"),
@@ -85,7 +85,7 @@ _PAIRS = (
 )
 _SUMMED = {
     owner: tuple(
-        (lo, hi, f"{lo} <= {hi}")
+        (lo, hi, FIGURE_NAMES.index(lo), FIGURE_NAMES.index(hi), f"{lo} <= {hi}")
         for lo, hi in (
             *_PAIRS,
             ("occupied_bytes", "mapped_bytes" if owner is Owner.VMM else "tensor_bytes"),
@@ -112,9 +112,9 @@ def violations_complete(
             listed[v] -= 1
     relations = {v.relation for v in violations}
     for row in families:
-        figs = row.figures
-        for lo, hi, relation in _SUMMED[row.owner]:
-            small, large = getattr(figs, lo), getattr(figs, hi)
+        figs = row.figures.values()
+        for lo, hi, lo_at, hi_at, relation in _SUMMED[row.owner]:
+            small, large = figs[lo_at], figs[hi_at]
             if small > large and relation not in relations:
                 raise fail(
                     "violations",

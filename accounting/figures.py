@@ -3,11 +3,19 @@
 Bytes figures add up over buffers. Slot figures add up over accounts (one index
 space shared by the layer buffers of a pool), since every layer buffer of a
 pool holds the same slots.
+
+The table is declared once, as the fields of `Figures` (one value of every
+figure: a family's rollup, a source's totals), each field with its unit, meaning
+and relation; `FIGURES` is read from those fields, so code that holds figures
+(`figures.physical_bytes`) and code that walks the table (`FIGURES`) cannot drift.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -23,56 +31,89 @@ class Figure:
         return self.unit == "slots"
 
 
-FIGURES: tuple[Figure, ...] = (
-    Figure(
-        "tensor_bytes",
-        "bytes",
-        "numel * element_size of the tensors handed to the model; for a VMM buffer its "
-        "full virtual extent",
-        "tensor_bytes <= reserved_bytes",
-    ),
-    Figure(
-        "reserved_bytes",
-        "bytes",
-        "virtual address space reserved for the buffer, aligned to the granularity; for an "
-        "ordinary tensor its storage",
-        "mapped_bytes <= reserved_bytes",
-    ),
-    Figure(
-        "physical_bytes",
-        "bytes",
-        "device memory held for the buffer: every live physical handle, mapped or spare, or "
-        "the storage of an ordinary tensor",
-        "mapped_bytes <= physical_bytes; a whole number of pages",
-    ),
-    Figure(
-        "mapped_bytes",
-        "bytes",
-        "the part of physical_bytes mapped into the buffer's address range",
-        "occupied_bytes <= mapped_bytes <= physical_bytes; a whole number of pages",
-    ),
-    Figure(
-        "occupied_bytes",
-        "bytes",
-        "occupied_slots * slot_bytes: bytes holding live requests' entries",
-        "occupied_bytes <= mapped_bytes",
-    ),
-    Figure(
-        "occupied_slots",
-        "slots",
-        "slots (tokens, compressed rows, state rows) allocated to live requests",
-        "occupied_slots <= capacity_slots",
-    ),
-    Figure(
-        "capacity_slots",
-        "slots",
-        "slots the buffer can hold",
-        "occupied_slots <= capacity_slots",
-    ),
+def _about(unit: str, meaning: str, relation: str) -> dict[str, str]:
+    return {"unit": unit, "meaning": meaning, "relation": relation}
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One value of every figure, each kept separately and never summed into another."""
+
+    tensor_bytes: int = field(
+        metadata=_about(
+            "bytes",
+            "numel * element_size of the tensors handed to the model; for a VMM buffer its "
+            "full virtual extent",
+            "tensor_bytes <= reserved_bytes",
+        )
+    )
+    reserved_bytes: int = field(
+        metadata=_about(
+            "bytes",
+            "virtual address space reserved for the buffer, aligned to the granularity; for an "
+            "ordinary tensor its storage",
+            "mapped_bytes <= reserved_bytes",
+        )
+    )
+    physical_bytes: int = field(
+        metadata=_about(
+            "bytes",
+            "device memory held for the buffer: every live physical handle, mapped or spare, "
+            "or the storage of an ordinary tensor",
+            "mapped_bytes <= physical_bytes; a whole number of pages",
+        )
+    )
+    mapped_bytes: int = field(
+        metadata=_about(
+            "bytes",
+            "the part of physical_bytes mapped into the buffer's address range",
+            "occupied_bytes <= mapped_bytes <= physical_bytes; a whole number of pages",
+        )
+    )
+    occupied_bytes: int = field(
+        metadata=_about(
+            "bytes",
+            "occupied_slots * slot_bytes: bytes holding live requests' entries",
+            "occupied_bytes <= mapped_bytes",
+        )
+    )
+    occupied_slots: int = field(
+        metadata=_about(
+            "slots",
+            "slots (tokens, compressed rows, state rows) allocated to live requests",
+            "occupied_slots <= capacity_slots",
+        )
+    )
+    capacity_slots: int = field(
+        metadata=_about("slots", "slots the buffer can hold", "occupied_slots <= capacity_slots")
+    )
+
+    @classmethod
+    def of(cls, values: Mapping[str, int]) -> Figures:
+        """From a mapping of figure name to value (e.g. a `Snapshot.rollup` row)."""
+        return cls(*(values[name] for name in FIGURE_NAMES))
+
+    @classmethod
+    def sum(cls, rows: Iterable[Figures]) -> Figures:
+        """Every figure summed over `rows` (all zero for none)."""
+        columns = tuple(zip(*map(_values, rows), strict=True))
+        return cls(*map(sum, columns)) if columns else cls(*(0,) * len(FIGURE_NAMES))
+
+    def values(self) -> tuple[int, ...]:
+        """The figures in table order (`FIGURE_NAMES`)."""
+        return _values(self)
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(zip(FIGURE_NAMES, _values(self), strict=True))
+
+
+FIGURES: tuple[Figure, ...] = tuple(
+    Figure(f.name, **f.metadata) for f in dataclasses.fields(Figures)
 )
 
 _BY_NAME = {f.name: f for f in FIGURES}
 FIGURE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+_values = operator.attrgetter(*FIGURE_NAMES)
 
 
 def figure(name: str) -> Figure:

@@ -363,6 +363,20 @@ class Ledger:
             self._event_hook = hook
             self._hook_every = self._hook_countdown = every
 
+    @property
+    def event_hook(self) -> Callable[[], None] | None:
+        """The hook `set_event_hook` installed, or None."""
+        return self._event_hook
+
+    def clear_event_hook(self, hook: Callable[[], None]) -> bool:
+        """Remove the event hook if it is still `hook` (compared with ==, so a bound method
+        matches itself); True when it was. A hook someone installed since stays."""
+        with self._lock:
+            if self._event_hook is None or self._event_hook != hook:
+                return False
+            self._event_hook = None
+            return True
+
     def _after_event(self) -> None:
         # A plain decrement under the GIL; a lost update only shifts when the hook runs.
         self._hook_countdown -= 1
@@ -394,12 +408,14 @@ class Ledger:
         # device ahead of the ledger by whole pages whether or not the lock is held.
         # Attached allocators report their slots first (each under its own lock, taken
         # before the ledger's as on the allocation path), so the copy is as of now.
+        # The TP status is read first under the lock, the rows and the epoch after it: all
+        # as of the moment the lock was taken (an event reported meanwhile waits).
         self._flush_allocators()
         with self._lock:
+            tp = self._tp_status() if self._tp_status is not None else None
             copied = [(a._row(), a.buffers) for a in self._accounts.values()]
             epoch = self._epoch
             labels = dict(self.labels)
-            tp = self._tp_status() if self._tp_status is not None else None
         snap = Snapshot.build(
             epoch=epoch,
             taken_at=time.time(),

@@ -14,24 +14,28 @@ Nothing that touches the snapshot directory runs in the event loop: reads go
 through `exporter.serving.SourceReader` (one scan at a time in a worker thread;
 requests that arrive while a scan runs share the next one), so `/healthz` answers
 at once whatever the directory holds. `/metrics` bodies are rendered once per scan
-and format, and gzipped (once) for a client that sends `Accept-Encoding: gzip`;
-`/metrics` and `/healthz` are plain ASGI apps (exporter.serving), which `create_app`'s
-`ExporterApp` calls before FastAPI's middleware and routing.
+and format, and gzipped (once) for a client that sends `Accept-Encoding: gzip`.
+
+`/metrics` and `/healthz` are plain ASGI apps (`exporter.serving`), each declared
+once, as an `AsgiRoute`: FastAPI documents it in the OpenAPI schema like any route,
+and a request that reaches it through routing (the router included in an engine's
+app) is handed to the ASGI app. `create_app`'s `ExporterApp` calls the same apps
+before FastAPI's middleware and routing (`hot_paths`, read from those routes).
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exporter import debug
 from exporter.collector import KvLedgerCollector
@@ -78,6 +82,55 @@ def _auth_dependency(token: str | None) -> Callable[..., None]:
 DebugHtml = Callable[[debug.DebugKv], str]
 
 
+class _Delegate(Response):
+    """The response of an `AsgiRoute`: the route's ASGI app answers the request itself."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+class AsgiRoute(APIRoute):
+    """A route whose endpoint is a plain ASGI app (`exporter.serving`), declared once:
+    FastAPI documents it (summary, responses, response model) from the route's
+    arguments, and a request routed to it is handed to the app, past FastAPI's request
+    and response handling. The app declares no parameters for the schema
+    (`__signature__`)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        response = _Delegate(self.endpoint)
+
+        async def handler(request: Request) -> Response:
+            return response
+
+        return handler
+
+
+def add_asgi_route(
+    router: APIRouter, path: str, app: Callable[..., Any], name: str, **doc: Any
+) -> None:
+    """`app` at GET `path`, documented by `doc` (summary, description, responses, ...), and
+    at HEAD `path` (as Starlette's own routes answer it) left out of the schema."""
+    router.add_api_route(
+        path, app, route_class_override=AsgiRoute, name=name, methods=["GET"], **doc
+    )
+    router.add_api_route(
+        path,
+        app,
+        route_class_override=AsgiRoute,
+        name=f"{name}_head",
+        methods=["HEAD"],
+        include_in_schema=False,
+    )
+
+
+def hot_paths(router: APIRouter) -> dict[str, Callable[..., Any]]:
+    """Path -> ASGI app of the router's `AsgiRoute`s (what `ExporterApp` answers first)."""
+    return {r.path: r.endpoint for r in router.routes if isinstance(r, AsgiRoute)}
+
+
 def wants_html(accept: str | None) -> bool:
     """True when a browser asks: text/html listed before application/json (or json absent)."""
     media = [p.split(";")[0].strip().lower() for p in (accept or "").split(",")]
@@ -99,14 +152,18 @@ def create_router(
     router = APIRouter()
     auth = _auth_dependency(token)
 
-    @router.get(
+    add_asgi_route(
+        router,
         "/metrics",
+        MetricsEndpoint(reader, bodies),
+        "metrics",
         response_class=Response,
         summary="Prometheus exposition built from one snapshot per source",
+        description="The text format 0.0.4, or OpenMetrics 1.0.0 when the client prefers it "
+        "(Accept); gzipped for a client that asks (Accept-Encoding). Metric names never follow "
+        "the Accept header's escaping.",
         responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}},
     )
-    async def metrics(request: Request) -> Response:  # documents the route; served below
-        raise AssertionError("served by exporter.serving.MetricsEndpoint")
 
     @router.get(
         "/debug/kv",
@@ -143,15 +200,10 @@ def create_router(
                 unknown[0],
                 f"unknown query parameter {unknown[0]!r}; expected one of {', '.join(DEBUG_PARAMS)}",
             )
-        _, views = await reader.read()
+        _, scan = await reader.read()
 
         def build() -> debug.DebugKv:
-            doc = debug.build(views, family=family, rank=rank, layer=layer)
-            doc.files_not_served = [
-                debug.FileProblemModel(name=p.name, reason=p.reason, detail=p.detail)
-                for p in sources.problems()
-            ]
-            return doc
+            return debug.build(scan, family=family, rank=rank, layer=layer)
 
         try:
             doc = await anyio.to_thread.run_sync(build)
@@ -161,18 +213,15 @@ def create_router(
             return HTMLResponse(debug_html(doc))
         return doc
 
-    @router.get("/healthz", response_model=Health, summary="The exporter process is serving")
-    async def healthz() -> Health:  # documents the route; served below
-        raise AssertionError("served by exporter.serving.HealthEndpoint")
-
-    # The two hot routes as plain ASGI apps, matched before the documented ones above: a
-    # scrape or a probe then costs the event loop a lookup and two sends (exporter.serving).
-    hot: dict[str, Callable[..., Any]] = {
-        "/metrics": MetricsEndpoint(reader, bodies),
-        "/healthz": HealthEndpoint(),
-    }
-    router.routes[:0] = [Route(path, app, methods=["GET"]) for path, app in hot.items()]
-    router.hot_paths = hot  # type: ignore[attr-defined]  # read by ExporterApp
+    add_asgi_route(
+        router,
+        "/healthz",
+        HealthEndpoint(),
+        "healthz",
+        response_model=Health,
+        summary="The exporter process is serving",
+        description="Answered at once, whatever the snapshot directory holds.",
+    )
 
     @router.get(
         "/readyz",
@@ -181,11 +230,11 @@ def create_router(
         responses={503: {"model": Readiness}},
     )
     async def readyz() -> Readiness | JSONResponse:
-        _, views = await reader.read()
-        up = sum(v.up for v in views)
+        _, scan = await reader.read()
+        up = sum(v.up for v in scan.views)
         ready = Readiness(
             status="ready" if up else "waiting for a live source",
-            sources=len(views),
+            sources=len(scan.views),
             up=up,
         )
         if up:
@@ -205,7 +254,7 @@ class ExporterApp(FastAPI):
     a probe waits behind them (`kvledger bench scrape`, concurrent part). Everything else,
     the OpenAPI document included, is FastAPI's."""
 
-    hot_paths: dict[str, Any] = {}  # replaced by create_app, never changed in place
+    hot_paths: dict[str, Callable[..., Any]] = {}  # replaced by create_app, never changed in place
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):
@@ -231,7 +280,7 @@ def create_app(
     token: str | None = None,
     title: str = "kvledger",
     debug_html: DebugHtml | None = None,
-) -> FastAPI:
+) -> ExporterApp:
     app = ExporterApp(
         title=title,
         summary="KV-cache memory accounting: tensor, reserved, physical and occupied bytes "
@@ -239,6 +288,6 @@ def create_app(
     )
     router = create_router(sources, token=token, debug_html=debug_html)
     app.include_router(router)
-    app.hot_paths = dict(router.hot_paths)  # type: ignore[attr-defined]
+    app.hot_paths = hot_paths(router)
     app.state.sources = sources
     return app

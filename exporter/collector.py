@@ -2,20 +2,23 @@
 
 Like prometheus-client's process collector, it keeps no metric objects between
 scrapes: `collect()` reads `Sources` once and builds every family of
-`exporter.metrics.METRICS` from those views, so all series of one scrape come
-from the same snapshots. The work is O(sources x (families + accounts)); it never
-touches slot counts or buffer lists.
+`exporter.metrics.METRICS` from that one `Scan` (the views and what went wrong
+reading them), so all series of one scrape come from the same snapshots. The work
+is O(sources x (families + accounts)), read from each source's typed `Summary`; it
+never touches slot counts or buffer lists.
 
 A stale source exports only its service metrics (`kvledger_up 0`, its age, epoch,
 interval): its figures are no longer true. Two live sources never carry the same
-engine labels here: `exporter.sources` marks both down as a conflict.
+engine labels here: `exporter.sources` marks both down as a conflict. A source whose
+series cannot be built (an exception) is left out of the scrape, every series of it,
+logged by name and counted (`exporter.failures`); the other sources are served.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from prometheus_client.core import Metric
@@ -29,30 +32,23 @@ from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.tp_status import TP_COUNTERS
 from exporter import metrics as m
 from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
-from exporter.sources import Published, Sources, SourceView
+from exporter.failures import SourceFailures
+from exporter.metrics import EngineKey, engine_key, engine_labels
+from exporter.sources import Published, Scan, Sources, SourceView
 
 log = logging.getLogger(__name__)
 GIB = 2**30
-_FIGURE_METRICS = tuple((f.name, m.figure_metric(f.name)) for f in FIGURES)
+_FIGURE_METRICS = tuple(m.figure_metric(f.name) for f in FIGURES)
 _LE = tuple(floatToGoString(b) for b in (*MAP_SECONDS_BUCKETS, float("inf")))
-
-
-def engine_labels(labels: dict[str, str]) -> dict[str, str]:
-    """SGLang's labels of a source, defaults filled in, `dp_rank` only where set."""
-    out = {k: str(labels.get(k) or m.ENGINE_LABEL_DEFAULTS[k]) for k in m.ENGINE_LABELS}
-    for k in m.OPTIONAL_ENGINE_LABELS:
-        if labels.get(k) not in (None, ""):
-            out[k] = str(labels[k])
-    return out
 
 
 def live_by_engine(views: Sequence[SourceView]) -> list[SourceView]:
     """Live sources, one per engine label set (the most recently published wins)."""
-    best: dict[tuple[tuple[str, str], ...], SourceView] = {}
+    best: dict[EngineKey, SourceView] = {}
     for v in views:
         if not v.up:
             continue
-        key = tuple(sorted(engine_labels(v.labels).items()))
+        key = engine_key(v.labels)
         other = best.get(key)
         if other is None or v.published.published_at > other.published.published_at:
             if other is not None:
@@ -169,6 +165,7 @@ class KvLedgerCollector(Collector):
         self._lines: EngineCache = {}  # for render()
         self._label_str = LabelMemo()
         self._lock = threading.Lock()
+        self.failures = SourceFailures(("render",), log)
 
     def describe(self) -> list[Metric]:
         return []  # built at scrape time; nothing to check at registration
@@ -189,118 +186,123 @@ class KvLedgerCollector(Collector):
         `escaping=allow-utf-8`). `render()` (what kvledger's own /metrics sends) needs no
         such care: it writes both formats itself.
         """
-        views = self.sources.read()
+        scan = self.sources.read()
         with self._lock:
-            families = _build(
-                _MetricFamilies(),
-                views,
-                unreadable=len(self.sources.unreadable),
-                file_errors=self.sources.error_counts,
-                cache=self._samples,
-            )
+            families = _build(_MetricFamilies(), scan, self._samples, self.failures)
         return iter(families)
 
-    def render(
-        self, accept: str | None, views: Sequence[SourceView] | None = None
-    ) -> tuple[bytes, str]:
+    def render(self, accept: str | None, scan: Scan | None = None) -> tuple[bytes, str]:
         """(body, content type) of a scrape: the same series as `collect()` written by
         `exporter.exposition`, without building prometheus-client objects on the way.
-        `views`: what `sources.read()` returned, when the caller read it already."""
+        `scan`: what `sources.read()` returned, when the caller read it already."""
         openmetrics, ctype = content_type(accept)
-        if views is None:
-            views = self.sources.read()
+        if scan is None:
+            scan = self.sources.read()
         with self._lock:
-            lines = _build(
-                _SampleLines(self._label_str),
-                views,
-                unreadable=len(self.sources.unreadable),
-                file_errors=self.sources.error_counts,
-                cache=self._lines,
-            )
+            lines = _build(_SampleLines(self._label_str), scan, self._lines, self.failures)
         return write_blocks(lines.blocks(), openmetrics=openmetrics), ctype
 
 
 _ScrapeT = TypeVar("_ScrapeT", _MetricFamilies, _SampleLines)
 
 
-def build_families(
-    views: Sequence[SourceView], *, unreadable: int = 0, cache: EngineCache | None = None
-) -> list[Metric]:
-    """Every metric family from `views`. With `cache`, a source's engine series are built
+def build_families(scan: Scan, *, cache: EngineCache | None = None) -> list[Metric]:
+    """Every metric family from `scan`. With `cache`, a source's engine series are built
     once per published snapshot and reused while it is unchanged."""
-    return list(_build(_MetricFamilies(), views, unreadable=unreadable, cache=cache))
+    failures = SourceFailures(("render",), log)
+    return list(_build(_MetricFamilies(), scan, cache, failures))
 
 
 def _build(
-    top: _ScrapeT,
-    views: Sequence[SourceView],
-    *,
-    unreadable: int,
-    cache: EngineCache | None,
-    file_errors: Mapping[str, int] | None = None,
+    top: _ScrapeT, scan: Scan, cache: EngineCache | None, failures: SourceFailures
 ) -> _ScrapeT:
-    for v in views:
-        service = {**engine_labels(v.labels), "source": v.source}
-        top.add("kvledger_up", service, 1 if v.up else 0)
-        top.add("kvledger_snapshot_age_seconds", service, v.age_seconds)
-        top.add("kvledger_snapshot_epoch", service, v.published.epoch)
-        top.add("kvledger_publish_interval_seconds", service, v.published.interval)
-    live = live_by_engine(views)
-    for v in live:
-        hit = cache.get(v.source) if cache is not None else None
-        if hit is not None and hit[0] is v.published:
-            part = hit[1]
-        else:
-            part = top.part()
-            _add_engine_series(part, v)
-            if cache is not None:
-                cache[v.source] = (v.published, part)
-        top.extend(part.by_name)
+    live = {id(v) for v in live_by_engine(scan.views)}
+    for v in scan.views:
+        try:
+            labels, values = _service_values(v)
+            engine = _engine_part(top, v, cache) if id(v) in live else None
+        except Exception as e:  # this source only: logged by name, counted, left out
+            failures.failed("render", v.source, e, version=v.published)
+            continue
+        for name, value in zip(_SERVICE_METRICS, values, strict=True):
+            top.add(name, labels, value)
+        if engine is not None:
+            top.extend(engine.by_name)
     if cache is not None:
-        for source in set(cache) - {v.source for v in live}:
+        for source in set(cache) - {v.source for v in scan.views if id(v) in live}:
             del cache[source]
-    top.add("kvledger_sources_unreadable", {}, unreadable)
-    for reason, count in sorted((file_errors or {}).items()):
+    top.add("kvledger_sources_unreadable", {}, scan.files.unreadable)
+    for reason, count in sorted(scan.files.error_counts.items()):
         top.add("kvledger_snapshot_file_errors_total", {"reason": reason}, count)
+    errors = {**scan.source_errors, **failures.counts}
+    for reason in m.SOURCE_ERROR_REASONS:
+        top.add("kvledger_source_errors_total", {"reason": reason}, errors.get(reason, 0))
     return top
+
+
+def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> _SourceSeries:
+    """One live source's engine series, built once per published snapshot with `cache`."""
+    hit = cache.get(v.source) if cache is not None else None
+    if hit is not None and hit[0] is v.published:
+        return hit[1]
+    part = top.part()
+    _add_engine_series(part, v)
+    if cache is not None:
+        cache[v.source] = (v.published, part)
+    return part
+
+
+_SERVICE_METRICS = (
+    "kvledger_up",
+    "kvledger_snapshot_age_seconds",
+    "kvledger_snapshot_epoch",
+    "kvledger_publish_interval_seconds",
+)
+
+
+def _service_values(v: SourceView) -> tuple[dict[str, str], tuple[float, ...]]:
+    """A source's own series, live or not (labels, and a value per `_SERVICE_METRICS`): up,
+    age, epoch, publish interval."""
+    labels = {**engine_labels(v.labels), "source": v.source}
+    return labels, (1 if v.up else 0, v.age_seconds, v.summary.epoch, v.published.interval)
 
 
 def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
-    d = v.summary
-    eng = engine_labels(v.labels)
-    fam.add(m.HEADLINE, eng, d["totals"]["physical_bytes"] / GIB)
-    for row in sorted(d["families"], key=lambda r: (r["family"], r["owner"])):
-        labels = {**eng, "family": row["family"], "owner": row["owner"]}
-        for figure, metric in _FIGURE_METRICS:
-            fam.add(metric, labels, row[figure])
-    fam.add("kvledger_relation_violations", eng, len(d["violations"]))
-    tp = d.get("tp")
-    if tp:
+    s = v.summary
+    eng = engine_labels(s.labels)
+    fam.add(m.HEADLINE, eng, s.totals.physical_bytes / GIB)
+    for row in sorted(s.families, key=lambda r: (r.family, r.owner.value)):
+        labels = {**eng, "family": row.family, "owner": row.owner.value}
+        for metric, value in zip(_FIGURE_METRICS, row.figures.values(), strict=True):
+            fam.add(metric, labels, value)
+    fam.add("kvledger_relation_violations", eng, len(s.violations))
+    tp = s.tp
+    if tp is not None:
         for key in TP_COUNTERS:
-            fam.add(f"kvledger_tp_{key}", eng, tp[key])
-    for r in d["reconciliation"]:
-        labels = {**eng, "truth": str(r.get("source", "unknown"))}
-        available = bool(r.get("available")) and r.get("device_bytes") is not None
-        fam.add("kvledger_truth_available", labels, 1 if available else 0)
-        if available:
-            fam.add("kvledger_truth_bytes", labels, float(r["device_bytes"]))
-            fam.add("kvledger_unattributed_bytes", labels, float(r["unattributed_bytes"]))
-    for acc in d["accounts"]:
-        labels = {**eng, "family": acc["family"], "pool": acc["pool"]}
-        fam.add("kvledger_peak_occupied_slots", labels, acc["peak_occupied_slots"])
-        if acc["owner"] != Owner.VMM.value:
+            fam.add(f"kvledger_tp_{key}", eng, getattr(tp, key))
+    for r in s.reconciliation:
+        labels = {**eng, "truth": r.source}
+        fam.add("kvledger_truth_available", labels, 1 if r.available else 0)
+        if r.available and r.device_bytes is not None:
+            fam.add("kvledger_truth_bytes", labels, float(r.device_bytes))
+            if r.unattributed_bytes is not None:
+                fam.add("kvledger_unattributed_bytes", labels, float(r.unattributed_bytes))
+    for acc in s.accounts:
+        labels = {**eng, "family": acc.family, "pool": acc.pool}
+        fam.add("kvledger_peak_occupied_slots", labels, acc.peak_occupied_slots)
+        if acc.owner is not Owner.VMM:
             continue
-        fam.add("kvledger_pages_mapped_total", labels, acc["pages_mapped_total"])
-        fam.add("kvledger_pages_unmapped_total", labels, acc["pages_unmapped_total"])
-        fam.add("kvledger_map_calls_total", labels, acc["map_calls"])
-        fam.add("kvledger_map_seconds_total", labels, acc["map_seconds_total"])
-        fam.add("kvledger_unmap_seconds_total", labels, acc["unmap_seconds_total"])
-        fam.add("kvledger_allocator_failures_total", labels, acc.get("driver_failures_total", 0))
-        fam.add("kvledger_handle_pages", labels, acc["handle_pages"])
-        fam.add("kvledger_mapped_pages", labels, acc["mapped_pages"])
-        fam.add("kvledger_peak_handle_pages", labels, acc["peak_handle_pages"])
-        _add_histogram(fam, "kvledger_map_page_seconds", labels, acc["map_bucket_counts"])
+        fam.add("kvledger_pages_mapped_total", labels, acc.pages_mapped_total)
+        fam.add("kvledger_pages_unmapped_total", labels, acc.pages_unmapped_total)
+        fam.add("kvledger_map_calls_total", labels, acc.map_calls)
+        fam.add("kvledger_map_seconds_total", labels, acc.map_seconds_total)
+        fam.add("kvledger_unmap_seconds_total", labels, acc.unmap_seconds_total)
+        fam.add("kvledger_allocator_failures_total", labels, acc.driver_failures_total)
+        fam.add("kvledger_handle_pages", labels, acc.handle_pages)
+        fam.add("kvledger_mapped_pages", labels, acc.mapped_pages)
+        fam.add("kvledger_peak_handle_pages", labels, acc.peak_handle_pages)
+        _add_histogram(fam, "kvledger_map_page_seconds", labels, acc.map_bucket_counts)
 
 
 def _add_histogram(

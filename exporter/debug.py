@@ -1,12 +1,12 @@
 """`GET /debug/kv`: the schema (pydantic models, hence OpenAPI) and the view built from snapshots.
 
-The same `SourceView`s a scrape reads become one JSON document: per source its
-buffer map, per-family figures, accounts, relation results, reconciliation,
-epoch and age; per rank its totals. Figure fields are generated from
-`accounting.figures.FIGURES`, with each figure's meaning as its description; the
-models of the snapshot's rows (buffers, accounts, violations, TP status, the
-figures table) are generated from accounting's dataclasses by `exporter.models`,
-so their fields are declared once.
+The same `Scan` a scrape reads becomes one JSON document: per source its buffer
+map, per-family figures, accounts, relation results, reconciliation, epoch and
+age; per rank its totals; the snapshot files not served, with why. Figure fields
+are generated from `accounting.figures.FIGURES`, with each figure's meaning as its
+description; the models of the snapshot's rows (buffers, accounts, violations,
+reconciliation, TP status, the figures table) are generated from accounting's
+dataclasses by `exporter.models`, so their fields are declared once.
 
 Filters: `rank` keeps the sources whose `tp_rank` is that rank; `family` keeps
 that family's rows in `families`, `accounts`, `buffers` and `violations`;
@@ -20,23 +20,25 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, Field, create_model
 
 from accounting.buffers import BufferSpec, Owner
-from accounting.figures import FIGURE_NAMES, FIGURES, Figure
+from accounting.figures import FIGURES, Figure, Figures
 from accounting.relations import Violation
+from accounting.snapfile.summary import Reconciliation
 from accounting.snapshot import AccountRow, BufferRow
 from accounting.tp_status import TpStatus
-from exporter.collector import GIB, engine_labels
+from exporter.collector import GIB
+from exporter.metrics import engine_labels
 from exporter.models import json_type, model_of
-from exporter.sources import SourceView
+from exporter.sources import Scan, SourceView
 
 _FIGURE_FIELDS: dict[str, Any] = {
     f.name: (int, Field(description=f"{f.meaning} (unit: {f.unit}). Relation: {f.relation}."))
     for f in FIGURES
 }
 # One int field per figure, described by the figures table.
-Figures: Any = create_model(
+FiguresModel: Any = create_model(
     "Figures",
     __doc__="The ledger's figures, each kept separately and never summed into another.",
     **_FIGURE_FIELDS,
@@ -90,23 +92,26 @@ TpModel: Any = model_of(
 )
 
 
+ReconciliationModel: Any = model_of(
+    Reconciliation,
+    name="ReconciliationModel",
+    doc="The ledger held against device truth (accounting.reconcile).",
+    descriptions={
+        "source": "which truth: host_memfd, nvml, ...",
+        "basis": "which figure of that truth was read (memfd, process, device), or empty",
+        "available": "False when the truth could not be read",
+        "reason": "why the truth is unavailable, or empty",
+        "device_bytes": "what the truth says is held",
+        "ledger_bytes": "the ledger figure it is held against",
+        "unattributed_bytes": "device_bytes - ledger_bytes",
+    },
+)
+
+
 class FamilyModel(BaseModel):
     family: str
     owner: json_type(Owner)  # type: ignore[valid-type]
-    figures: Figures
-
-
-class ReconciliationModel(BaseModel):
-    """The ledger held against device truth (accounting.reconcile)."""
-
-    model_config = ConfigDict(extra="allow")
-    source: str = Field("unknown", description="which truth: host_memfd, nvml, ...")
-    available: bool = Field(False, description="False when the truth could not be read")
-    reason: str = Field("", description="why the truth is unavailable, or empty")
-    device_bytes: int | None = Field(None, description="what the truth says is held")
-    ledger_bytes: int | None = Field(None, description="the ledger figure it is held against")
-    unattributed_bytes: int | None = Field(None, description="device_bytes - ledger_bytes")
-    detail: dict[str, Any] = Field(default_factory=dict)
+    figures: FiguresModel
 
 
 class SourceModel(BaseModel):
@@ -128,7 +133,7 @@ class SourceModel(BaseModel):
     heartbeat_age_seconds: float
     interval_seconds: float
     memory_usage_gb: float = Field(description="physical bytes of all families / 2^30")
-    totals: Figures
+    totals: FiguresModel
     families: list[FamilyModel]
     accounts: list[AccountModel]
     buffers: list[BufferModel]
@@ -150,7 +155,7 @@ class RankModel(BaseModel):
     up: bool
     engine_labels: dict[str, str]
     memory_usage_gb: float
-    totals: Figures
+    totals: FiguresModel
 
 
 class Filters(BaseModel):
@@ -194,12 +199,13 @@ def _known(values: set[Any]) -> str:
 
 
 def build(
-    views: Sequence[SourceView],
+    scan: Scan,
     *,
     family: str | None = None,
     rank: int | None = None,
     layer: int | None = None,
 ) -> DebugKv:
+    views: Sequence[SourceView] = scan.views
     if rank is not None:
         ranks = {engine_labels(v.labels)["tp_rank"] for v in views}
         if str(rank) not in ranks:
@@ -208,7 +214,7 @@ def build(
             )
         views = [v for v in views if engine_labels(v.labels)["tp_rank"] == str(rank)]
     if family is not None:
-        families = {f["family"] for v in views for f in v.summary["families"]}
+        families = {f.family for v in views for f in v.summary.families}
         if family not in families:
             raise FilterError(
                 "family", f"family={family!r} is unknown; expected one of {_known(families)}"
@@ -231,13 +237,21 @@ def build(
                 source=v.source,
                 up=v.up,
                 engine_labels=engine_labels(v.labels),
-                memory_usage_gb=v.summary["totals"]["physical_bytes"] / GIB,
-                totals=Figures(**v.summary["totals"]),
+                memory_usage_gb=v.summary.totals.physical_bytes / GIB,
+                totals=_figures(v.summary.totals),
             )
             for v in views
         ],
         sources=[_source(v, family=family, layer=layer) for v in views],
+        files_not_served=[
+            FileProblemModel(name=p.name, reason=p.reason, detail=p.detail)
+            for p in scan.files.problems
+        ],
     )
+
+
+def _figures(f: Figures) -> Any:
+    return FiguresModel(**f.to_dict())
 
 
 def _buffers(v: SourceView) -> tuple[Sequence[BufferRow], str | None]:
@@ -256,44 +270,40 @@ def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceMo
         for b in rows
         if (family is None or b.spec.family == family) and (layer is None or b.spec.layer == layer)
     ]
-    accounts = [a for a in d["accounts"] if family is None or a["family"] == family]
+    accounts = [a for a in d.accounts if family is None or a.family == family]
     if family is None and layer is None:
-        violations = list(d["violations"])
+        violations = list(d.violations)
     else:
         subjects = {f"{b.spec.pool}/{b.spec.name}" for b in buffers}
         if layer is None:
-            subjects |= {a["key"] for a in accounts}
-        violations = [x for x in d["violations"] if x["subject"] in subjects]
+            subjects |= {a.key for a in accounts}
+        violations = [x for x in d.violations if x.subject in subjects]
     return SourceModel(
         source=v.source,
         up=v.up,
         stale_reason=v.stale_reason,
         pid=p.pid,
         host=p.host,
-        labels=dict(d["labels"]),
-        engine_labels=engine_labels(d["labels"]),
-        epoch=d["epoch"],
+        labels=dict(d.labels),
+        engine_labels=engine_labels(d.labels),
+        epoch=d.epoch,
         sequence=p.sequence,
-        taken_at=d["taken_at"],
+        taken_at=d.taken_at,
         published_at=p.published_at,
         age_seconds=v.age_seconds,
         heartbeat_age_seconds=v.heartbeat_age_seconds,
         interval_seconds=p.interval,
-        memory_usage_gb=d["totals"]["physical_bytes"] / GIB,
-        totals=Figures(**d["totals"]),
+        memory_usage_gb=d.totals.physical_bytes / GIB,
+        totals=_figures(d.totals),
         families=[
-            FamilyModel(
-                family=f["family"],
-                owner=f["owner"],
-                figures=Figures(**{name: f[name] for name in FIGURE_NAMES}),
-            )
-            for f in d["families"]
-            if family is None or f["family"] == family
+            FamilyModel(family=f.family, owner=f.owner.value, figures=_figures(f.figures))
+            for f in d.families
+            if family is None or f.family == family
         ],
-        accounts=[AccountModel(**a) for a in accounts],
+        accounts=[AccountModel(**a.to_dict()) for a in accounts],
         buffers=[BufferModel(**b.to_dict()) for b in buffers],
-        violations=[ViolationModel(**x) for x in violations],
+        violations=[ViolationModel(**x.to_dict()) for x in violations],
         buffers_error=buffers_error,
-        reconciliation=[ReconciliationModel(**r) for r in d["reconciliation"]],
-        tp=TpModel(**d["tp"]) if d["tp"] is not None else None,
+        reconciliation=[ReconciliationModel(**r.to_dict()) for r in d.reconciliation],
+        tp=TpModel(**d.tp.to_dict()) if d.tp is not None else None,
     )

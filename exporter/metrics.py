@@ -7,13 +7,14 @@ server stores (a counter's name carries its `_total`); every one is a valid
 legacy (pre-UTF-8) metric name, so no escaping scheme rewrites it.
 
 Every metric except those marked `engine=False` also carries the source's engine
-labels, SGLang's: `ENGINE_LABELS`, plus `dp_rank` where the engine sets it.
+labels, SGLang's: `ENGINE_LABELS`, plus `dp_rank` where the engine sets it (`engine_labels`).
 No label ever takes the value "total": totals are separate metrics or sums in PromQL.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from accounting.figures import FIGURES
@@ -29,9 +30,31 @@ ENGINE_LABEL_DEFAULTS: dict[str, str] = {
     "pp_rank": "0",
     "moe_ep_rank": "0",
 }
+# Why a source is left out of a scrape (kvledger_source_errors_total's `reason`): an
+# in-process ledger's snapshot failed, or building a source's series failed.
+SOURCE_ERROR_REASONS: tuple[str, ...] = ("snapshot", "render")
 TYPES = ("gauge", "counter", "histogram")
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LEGACY_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def engine_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """The engine labels a source's metrics carry: SGLang's, from the source's ledger labels,
+    defaults filled in, `dp_rank` only where set."""
+    out = {k: str(labels.get(k) or ENGINE_LABEL_DEFAULTS[k]) for k in ENGINE_LABELS}
+    for k in OPTIONAL_ENGINE_LABELS:
+        if labels.get(k) not in (None, ""):
+            out[k] = str(labels[k])
+    return out
+
+
+EngineKey = tuple[tuple[str, str], ...]
+
+
+def engine_key(labels: Mapping[str, str]) -> EngineKey:
+    """`engine_labels` as a key: two live sources with the same key would export the same
+    series."""
+    return tuple(sorted(engine_labels(labels).items()))
 
 
 @dataclass(frozen=True)
@@ -284,6 +307,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "schema, too_many_files; buffers: a served file's buffer rows failed their checks when "
         "/debug/kv read them (its metrics, from the checked first line, are still served). "
         "/debug/kv names the files.",
+        ("reason",),
+        engine=False,
+    ),
+    MetricSpec(
+        "kvledger_source_errors_total",
+        "counter",
+        "Times a source was left out of a scrape since the exporter started, per reason: "
+        "snapshot (an in-process ledger's snapshot failed), render (building a source's "
+        "series failed; counted once per published snapshot). The other sources are served; "
+        "the log names the source (at most one line a minute per source).",
         ("reason",),
         engine=False,
     ),

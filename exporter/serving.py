@@ -7,22 +7,23 @@ arrives while one runs shares the next (so 200 clients cost one scan, not 200).
 rendered (and gzipped) once. `MetricsEndpoint` and `HealthEndpoint` are plain
 ASGI apps: a scrape costs the event loop a dictionary lookup and two sends, not
 a pass through the framework's request/response machinery, so `/healthz` does
-not queue behind many scrapes (`kvledger bench scrape` measures both).
+not queue behind many scrapes (`kvledger bench scrape` measures both). Each is
+declared once, in `exporter.app` (`AsgiRoute`), which documents it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gzip
+import inspect
 import logging
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import anyio.to_thread
 
 from exporter.collector import KvLedgerCollector
 from exporter.exposition import content_type
-from exporter.sources import Sources, SourceView
+from exporter.sources import Scan, Sources
 
 log = logging.getLogger(__name__)
 
@@ -30,29 +31,29 @@ GZIP_LEVEL = 6  # one rank's 19.7 KB body is ~2.9 KB; done once per scan, not pe
 
 
 class ScanHook(Protocol):
-    """Work done with each scan's views: `prepare` in the scan's worker thread, right after
-    the read (no second hop to a thread); `install` in the event loop with its result."""
+    """Work done with each scan: `prepare` in the scan's worker thread, right after the
+    read (no second hop to a thread); `install` in the event loop with its result."""
 
-    def prepare(self, views: list[SourceView]) -> Any: ...
+    def prepare(self, scan: Scan) -> Any: ...
 
-    def install(self, generation: int, views: list[SourceView], prepared: Any) -> None: ...
+    def install(self, generation: int, scan: Scan, prepared: Any) -> None: ...
 
 
 class SourceReader:
     """`sources.read()` off the event loop, one scan at a time: a request waits for a scan
     that starts after it arrived, and every request that arrives while one runs shares
-    the next. Returns (generation, views); the generation numbers the scans. `hook`, when
+    the next. Returns (generation, scan); the generation numbers the scans. `hook`, when
     given, is run with every scan (`ScanHook`)."""
 
     def __init__(self, sources: Sources, hook: ScanHook | None = None) -> None:
         self.sources = sources
         self.hook = hook
         self.generation = 0
-        self._pending: asyncio.Future[tuple[int, list[SourceView]]] | None = None
+        self._pending: asyncio.Future[tuple[int, Scan]] | None = None
         self._running = False
         self._task: asyncio.Task[None] | None = None
 
-    async def read(self) -> tuple[int, list[SourceView]]:
+    async def read(self) -> tuple[int, Scan]:
         fut = self._pending
         if fut is None:
             fut = self._pending = asyncio.get_running_loop().create_future()
@@ -67,20 +68,20 @@ class SourceReader:
         # Held here: the event loop keeps only a weak reference to a task.
         self._task = asyncio.get_running_loop().create_task(self._scan(fut))
 
-    def _read(self) -> tuple[list[SourceView], Any]:
-        views = self.sources.read()
-        return views, (self.hook.prepare(views) if self.hook is not None else None)
+    def _read(self) -> tuple[Scan, Any]:
+        scan = self.sources.read()
+        return scan, (self.hook.prepare(scan) if self.hook is not None else None)
 
-    async def _scan(self, fut: asyncio.Future[tuple[int, list[SourceView]]]) -> None:
+    async def _scan(self, fut: asyncio.Future[tuple[int, Scan]]) -> None:
         try:
-            views, prepared = await anyio.to_thread.run_sync(self._read)
+            scan, prepared = await anyio.to_thread.run_sync(self._read)
         except Exception as e:
             fut.set_exception(e)
         else:
             self.generation += 1
             if self.hook is not None:
-                self.hook.install(self.generation, views, prepared)
-            fut.set_result((self.generation, views))
+                self.hook.install(self.generation, scan, prepared)
+            fut.set_result((self.generation, scan))
         finally:
             self._running = False
             if self._pending is not None:
@@ -120,34 +121,32 @@ class MetricsBodies:
     def __init__(self, collector: KvLedgerCollector) -> None:
         self.collector = collector
         self._generation = -1
-        self._views: Sequence[SourceView] = ()
+        self._scan = Scan()
         self._bodies: dict[BodyKey, asyncio.Future[Body]] = {}
         self._wanted: dict[BodyKey, str | None] = {}  # key -> an Accept header that gives it
         self._keys: dict[str | None, bool] = {}  # Accept header -> OpenMetrics
 
-    def prepare(self, views: list[SourceView]) -> dict[BodyKey, Body]:
+    def prepare(self, scan: Scan) -> dict[BodyKey, Body]:
         out = {}
         for key, accept in tuple(self._wanted.items()):
             try:
-                out[key] = self._build(views, accept, key[1])
+                out[key] = self._build(scan, accept, key[1])
             except Exception:  # the request that wants it builds it again, and fails alone
                 log.exception("rendering /metrics failed")
         return out
 
-    def install(self, generation: int, views: list[SourceView], prepared: Any) -> None:
+    def install(self, generation: int, scan: Scan, prepared: Any) -> None:
         if generation <= self._generation:
             return
-        self._generation, self._views, self._bodies = generation, views, {}
+        self._generation, self._scan, self._bodies = generation, scan, {}
         loop = asyncio.get_running_loop()
         for key, body in prepared.items():
             fut = self._bodies[key] = loop.create_future()
             fut.set_result(body)
 
-    async def get(
-        self, generation: int, views: Sequence[SourceView], accept: str | None, gz: bool
-    ) -> Body:
+    async def get(self, generation: int, scan: Scan, accept: str | None, gz: bool) -> Body:
         if generation > self._generation:
-            self._generation, self._views, self._bodies = generation, views, {}
+            self._generation, self._scan, self._bodies = generation, scan, {}
         openmetrics = self._keys.get(accept)
         if openmetrics is None:
             if len(self._keys) >= MAX_ACCEPTS:
@@ -158,14 +157,14 @@ class MetricsBodies:
         if fut is None:
             self._wanted.setdefault(key, accept)
             fut = self._bodies[key] = asyncio.ensure_future(
-                anyio.to_thread.run_sync(self._build, self._views, accept, gz)
+                anyio.to_thread.run_sync(self._build, self._scan, accept, gz)
             )
         if fut.done():
             return fut.result()
         return await asyncio.shield(fut)
 
-    def _build(self, views: Sequence[SourceView], accept: str | None, gz: bool) -> Body:
-        body, ctype = self.collector.render(accept, views)
+    def _build(self, scan: Scan, accept: str | None, gz: bool) -> Body:
+        body, ctype = self.collector.render(accept, scan)
         return (gzip.compress(body, GZIP_LEVEL, mtime=0) if gz else body), ctype
 
 
@@ -182,16 +181,18 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class MetricsEndpoint:
-    """GET /metrics as a plain ASGI app (the route's documentation stays with FastAPI)."""
+    """GET /metrics as a plain ASGI app (documented by its `exporter.app.AsgiRoute`)."""
+
+    __signature__ = inspect.Signature()  # no request parameters, for the OpenAPI schema
 
     def __init__(self, reader: SourceReader, bodies: MetricsBodies) -> None:
         self.reader = reader
         self.bodies = bodies
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        generation, views = await self.reader.read()
+        generation, scan = await self.reader.read()
         gz = accepts_gzip(_header(scope, b"accept-encoding"))
-        body, ctype = await self.bodies.get(generation, views, _header(scope, b"accept"), gz)
+        body, ctype = await self.bodies.get(generation, scan, _header(scope, b"accept"), gz)
         headers = [
             (b"content-type", ctype.encode()),
             (b"content-length", b"%d" % len(body)),
@@ -207,6 +208,8 @@ class MetricsEndpoint:
 
 class HealthEndpoint:
     """GET /healthz as a plain ASGI app: answered in the event loop at once."""
+
+    __signature__ = inspect.Signature()  # no request parameters, for the OpenAPI schema
 
     BODY = b'{"status":"ok"}'
     HEADERS = (

@@ -1,12 +1,15 @@
 """Where snapshots come from: a directory of published files, and ledgers in this process.
 
-`Sources.read()` returns one `SourceView` per source: its latest snapshot, whether
-it is up, and how old it is. Which files are read and how is
-`exporter.snapfiles`' business (checked directory, regular files of a trusted
-owner, size cap, one schema: `exporter.validate`); a file's first line (all a
-scrape reads) is parsed once per version (device, inode, size, mtime), so a read
-costs a directory scan and one `lstat` per source; its buffer rows are parsed
-when someone asks for the buffer map. Nothing a scrape does costs O(buffers).
+`Sources.read()` returns a `Scan`: one `SourceView` per source (its latest
+snapshot's `Summary`, whether it is up, how old it is) together with what went
+wrong reading them (the files refused, per-reason counts, in-process ledgers whose
+snapshot failed), so whoever renders a scan needs nothing else. Which files are
+read and how is the snapshot file's business (`accounting.snapfile.reader`:
+checked directory, regular files of a trusted owner, size cap, one schema); a
+file's first line (all a scrape reads) is parsed once per version (device, inode,
+size, mtime), so a read costs a directory scan and one `lstat` per source; its
+buffer rows are parsed when someone asks for the buffer map. Nothing a scrape
+does costs O(buffers).
 
 A source is down (`up` False, with `stale_reason`) when:
 - its publisher stopped without closing: its heartbeat is older than the bound, or,
@@ -18,27 +21,34 @@ A source is down (`up` False, with `stale_reason`) when:
 A source that is down because its process is gone on this host, while a live
 source with the same engine labels has taken its place (a restart), is dropped
 at once and its file removed. A down source without a successor stays listed
-(its alert keeps firing) until `forget_after`; the others are not affected.
+(its alert keeps firing) until `forget_after`; the others are not affected. An
+in-process ledger whose snapshot raises is left out of that read, logged by name
+and counted (`exporter.failures`); the others are served.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.ledger import Ledger
-from accounting.publisher import proc_stat, source_id
+from accounting.snapfile.buffermap import buffer_map
+from accounting.snapfile.envelope import Envelope, source_id
+from accounting.snapfile.head import Head
+from accounting.snapfile.process import proc_stat
+from accounting.snapfile.reader import FileScan, Ident, SnapshotFiles
+from accounting.snapfile.refusal import Refused
+from accounting.snapfile.summary import Summary, summary_of
 from accounting.snapshot import Snapshot
-from exporter import metrics as m
-from exporter.snapfiles import FileProblem, Ident, SnapshotFiles
-from exporter.summary import summary_of
-from exporter.validate import Head, Refused, buffer_map
+from exporter.failures import SourceFailures
+from exporter.metrics import EngineKey, engine_key
 
 log = logging.getLogger(__name__)
 
@@ -52,25 +62,21 @@ class BufferMapError(ValueError):
     """A source's buffer rows failed their checks (its metrics are still served)."""
 
 
-@dataclass(frozen=True)
-class Published:
-    """One source's latest snapshot with its publisher's heartbeat.
+_ENVELOPE_FIELDS = tuple(f.name for f in dataclasses.fields(Envelope))
 
-    `summary` is `Snapshot.to_dict()` without the buffer rows: all a scrape reads. For a
-    published file it comes from the file's first line, checked (`exporter.validate.load`);
-    the buffer rows are parsed and checked the first time someone asks for them
-    (`buffer_map()`), once per file version. A failure there is that source's buffer map
-    only (reported by `buffer_map()`, counted through `on_refused`), never its metrics.
+
+@dataclass(frozen=True)
+class Published(Envelope):
+    """One source's latest snapshot: its publisher's envelope and the snapshot's `Summary`.
+
+    For a published file both come from the file's first line, checked
+    (`accounting.snapfile.head.load`); the buffer rows are parsed and checked the first
+    time someone asks for them (`buffer_map()`), once per file version. A failure there
+    is that source's buffer map only (reported by `buffer_map()`, counted through
+    `on_refused`), never its metrics.
     """
 
-    source: str
-    pid: int | None
-    host: str | None
-    process_start: int | None
-    interval: float  # 0 for an in-process ledger (read at scrape time)
-    published_at: float
-    sequence: int
-    summary: dict[str, Any]
+    summary: Summary
     path: str | None = None
     _head: Head | None = field(default=None, repr=False, compare=False)
     _on_refused: Callable[[str, Refused], None] | None = field(
@@ -83,10 +89,9 @@ class Published:
     def from_file(
         cls, head: Head, path: str, on_refused: Callable[[str, Refused], None] | None = None
     ) -> Published:
-        """A published file whose first line passed `exporter.validate.load`."""
-        return cls(
-            summary=head.summary, path=path, _head=head, _on_refused=on_refused, **head.envelope
-        )
+        """A published file whose first line passed `accounting.snapfile.head.load`."""
+        envelope = {name: getattr(head.envelope, name) for name in _ENVELOPE_FIELDS}
+        return cls(**envelope, summary=head.summary, path=path, _head=head, _on_refused=on_refused)
 
     @classmethod
     def from_snapshot(
@@ -132,15 +137,15 @@ class Published:
 
     @property
     def labels(self) -> dict[str, str]:
-        return dict(self.summary["labels"])
+        return dict(self.summary.labels)
 
     @property
     def epoch(self) -> int:
-        return int(self.summary["epoch"])
+        return self.summary.epoch
 
     @property
     def taken_at(self) -> float:
-        return float(self.summary["taken_at"])
+        return self.summary.taken_at
 
 
 @dataclass(frozen=True)
@@ -163,34 +168,35 @@ class SourceView:
 
     @property
     def labels(self) -> dict[str, str]:
-        return dict(self.published.summary["labels"])
+        return dict(self.published.summary.labels)
 
     @property
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Summary:
         return self.published.summary
 
 
-def engine_key(labels: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    """The engine labels a source's metrics carry (defaults filled in): two live sources
-    with the same key would export the same series."""
-    out = {k: str(labels.get(k) or m.ENGINE_LABEL_DEFAULTS[k]) for k in m.ENGINE_LABELS}
-    for k in m.OPTIONAL_ENGINE_LABELS:
-        if labels.get(k) not in (None, ""):
-            out[k] = str(labels[k])
-    return tuple(sorted(out.items()))
+@dataclass(frozen=True)
+class Scan:
+    """One read of every source: the views, sorted by source, and what went wrong reading
+    them, as of that read."""
+
+    views: tuple[SourceView, ...] = ()
+    files: FileScan[Published] = field(default_factory=FileScan)  # the directory's scan
+    source_errors: Mapping[str, int] = field(default_factory=dict)  # ledgers left out so far
 
 
 class Sources:
-    """Snapshots from `directory` (files written by `accounting.publisher.Publisher`) and from
-    ledgers added with `add_ledger` (an engine that runs the exporter in-process).
+    """Snapshots from `directory` (files written by `accounting.snapfile.publisher`'s
+    `Publisher`) and from ledgers added with `add_ledger` (an engine that runs the exporter
+    in-process).
 
     `stale_after`: seconds a heartbeat may age before its source is stale; None means
     STALE_INTERVALS publish intervals plus STALE_GRACE_S, per source.
     `forget_after`: seconds after which a stale source is no longer listed (its file is
     left alone); None keeps listing it while its file exists.
     `create`: create the directory (0700) when missing; `group_writable`: accept a
-    group-writable directory and files of its group (`accounting.snapdir`). An existing
-    directory that breaks the rules raises `accounting.snapdir.SnapshotDirError`.
+    group-writable directory and files of its group (`accounting.snapfile.directory`). An
+    existing directory that breaks the rules raises `SnapshotDirError` from there.
     `close()` (idempotent) closes the directory.
     """
 
@@ -224,6 +230,7 @@ class Sources:
             )
         self.directory = self.files.path if self.files is not None else None
         self.removed = 0  # files of dead sources removed after a restart took their place
+        self._failures = SourceFailures(("snapshot",), log)
         self._stop = threading.Event()
         self._scanner: threading.Thread | None = None
 
@@ -245,59 +252,41 @@ class Sources:
             if self._ledgers.pop(source, None) is None:
                 raise ValueError(f"remove_ledger: no in-process source {source!r}")
 
-    # -- what went wrong with files -----------------------------------------------------------
-    @property
-    def unreadable(self) -> dict[str, str]:
-        """path -> why, for every file in the directory that is not served."""
-        if self.files is None:
-            return {}
-        return {
-            os.path.join(self.files.path, p.name): f"{p.reason}: {p.detail}"
-            for p in list(self.files.problems.values())
-        }
-
-    def problems(self) -> list[FileProblem]:
-        """The directory's and its files' problems, as /debug/kv lists them (bounded)."""
-        return self.files.shown_problems() if self.files is not None else []
-
-    @property
-    def error_counts(self) -> dict[str, int]:
-        """Files refused so far, per reason (each version of a file counted once)."""
-        return dict(self.files.error_counts) if self.files is not None else {}
-
-    @property
-    def parses(self) -> int:
-        return self.files.parses if self.files is not None else 0
-
     # -- reading ---------------------------------------------------------------------------
-    def read(self) -> list[SourceView]:
-        """Every source's latest snapshot, sorted by source id."""
+    def read(self) -> Scan:
+        """Every source's latest snapshot, sorted by source id, with what went wrong."""
         with self._lock:
             now = self._clock()
-            files = self.files.scan(now) if self.files is not None else []
-            published = [p for _, _, p in files]
+            files: FileScan[Published] = (
+                self.files.scan(now) if self.files is not None else FileScan()
+            )
+            published = [f.value for f in files.served]
             for name, ledger in self._ledgers.items():
-                snap = ledger.snapshot()
-                published.append(
-                    Published.from_snapshot(
-                        snap, source=name, pid=os.getpid(), host=self._host, sequence=snap.epoch
+                try:
+                    snap = ledger.snapshot()
+                    published.append(
+                        Published.from_snapshot(
+                            snap, source=name, pid=os.getpid(), host=self._host, sequence=snap.epoch
+                        )
                     )
-                )
+                except Exception as e:  # this ledger only; the others are served
+                    self._failures.failed("snapshot", name, e)
             now = self._clock()
             views = [self._view(p, now) for p in published]
-            idents = {p.source: (name, ident) for name, ident, p in files}
+            idents = {f.value.source: (f.name, f.ident) for f in files.served}
             views = self._settle(views, idents)
+            source_errors = dict(self._failures.counts)
         if self.forget_after is not None:
             limit = self.forget_after
             views = [v for v in views if v.up or v.heartbeat_age_seconds <= limit]
         views.sort(key=lambda v: v.source)
-        return views
+        return Scan(tuple(views), files, source_errors)
 
     def _settle(
         self, views: list[SourceView], idents: dict[str, tuple[str, Ident]]
     ) -> list[SourceView]:
         """Conflicts and successions between sources with the same engine labels."""
-        groups: dict[tuple[tuple[str, str], ...], list[SourceView]] = {}
+        groups: dict[EngineKey, list[SourceView]] = {}
         for v in views:
             groups.setdefault(engine_key(v.labels), []).append(v)
         out: list[SourceView] = []

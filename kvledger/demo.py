@@ -37,8 +37,8 @@ from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import Account, Ledger
-from accounting.publisher import Publisher
 from accounting.reconcile import host_memfd_truth
+from accounting.snapfile.publisher import Publisher
 from accounting.units import format_size
 from allocator import BackgroundMapper, HostBackend, SlotLayout, SwaPool
 from kvledger import hostmem

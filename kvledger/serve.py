@@ -53,8 +53,8 @@ DAY = 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from accounting.publisher import MAX_INTERVAL_S, MIN_INTERVAL_S
-    from accounting.snapdir import default_snapshot_dir
+    from accounting.snapfile.directory import default_snapshot_dir
+    from accounting.snapfile.envelope import MAX_INTERVAL_S, MIN_INTERVAL_S
     from kvledger import demo
 
     one_line_errors(p)
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from accounting.snapdir import default_snapshot_dir
+    from accounting.snapfile.directory import default_snapshot_dir
     from exporter import html
     from exporter.app import create_app
     from exporter.sources import Sources
@@ -401,12 +401,11 @@ def _report(sources: Any, source: Any, interval: float, stop: threading.Event) -
 
 def status_line(sources: Any, source: Any, elapsed: float) -> str:
     """One line: sources, the workload, and per-figure totals across live sources."""
-    views = sources.read()
+    views = sources.read().views
     up = [v for v in views if v.up]
-    totals = {"physical_bytes": 0, "mapped_bytes": 0, "occupied_bytes": 0}
-    for v in up:
-        for name in totals:
-            totals[name] += v.summary["totals"][name]
+    physical = sum(v.summary.totals.physical_bytes for v in up)
+    mapped = sum(v.summary.totals.mapped_bytes for v in up)
+    occupied = sum(v.summary.totals.occupied_bytes for v in up)
     parts = [f"t={elapsed:.0f}s", f"sources {len(up)}/{len(views)} up"]
     if source is not None:
         s = source.workload.stats()
@@ -418,18 +417,13 @@ def status_line(sources: Any, source: Any, elapsed: float) -> str:
         parts.append(f"swa slots {swa.occupied_slots}/{swa.capacity_slots}")
     # Each figure with its own unit; the headline gauge (physical, in GiB) is named as such.
     parts.append(
-        "physical {} (sglang:kv_cache_memory_usage_gb {:.3f}) mapped {} occupied {}".format(
-            format_size(totals["physical_bytes"]),
-            totals["physical_bytes"] / 2**30,
-            format_size(totals["mapped_bytes"]),
-            format_size(totals["occupied_bytes"]),
-        )
+        f"physical {format_size(physical)} (sglang:kv_cache_memory_usage_gb {physical / 2**30:.3f}) mapped {format_size(mapped)} occupied {format_size(occupied)}"
     )
     unattributed = [
-        r.get("unattributed_bytes")
+        r.unattributed_bytes
         for v in up
-        for r in v.summary["reconciliation"]
-        if r.get("unattributed_bytes") is not None
+        for r in v.summary.reconciliation
+        if r.unattributed_bytes is not None
     ]
     if unattributed:
         parts.append(f"unattributed {sum(unattributed)} B")

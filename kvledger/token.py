@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import stat
 
-from accounting.snapdir import trusted_owners
+from accounting.snapfile.directory import trusted_owners
 
 ENV = "KVLEDGER_TOKEN"
 MAX_BYTES = 4096

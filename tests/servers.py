@@ -1,4 +1,5 @@
-"""Real servers for tests, on 127.0.0.1 only: uvicorn in a thread, Debian's Prometheus as a process.
+"""Real servers for tests, on 127.0.0.1 only: uvicorn in a thread, Debian's Prometheus as a process,
+`kvledger serve` as a process.
 
 Each is a context manager that stops what it started.
 """
@@ -18,6 +19,8 @@ from typing import Any
 
 import httpx
 import uvicorn
+
+from kvledger.bench.serve_child import ServeChild
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
@@ -147,6 +150,15 @@ def repo_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+class ServeProcess(ServeChild):
+    """`python -m kvledger serve ARGS` as deployed, importing this worktree's packages
+    (`repo_env`): the bench's starter (`kvledger.bench.serve_child`) in the tests'
+    environment. `.url`, `.proc`; `close()` returns the exit status."""
+
+    def __init__(self, args: list[str], *, stderr: Any = subprocess.DEVNULL) -> None:
+        super().__init__(args, stderr=stderr, env=repo_env())
 
 
 def stop(proc: subprocess.Popen[Any], timeout: float = 10) -> None:

@@ -36,11 +36,12 @@ from typing import Any
 from accounting.buffers import Owner
 from accounting.events import PoolEvent
 from accounting.ledger import Ledger
-from accounting.publisher import MAX_INTERVAL_S, MIN_INTERVAL_S, Publisher
-from accounting.snapdir import SnapshotDir
+from accounting.snapfile.directory import SnapshotDir
+from accounting.snapfile.envelope import MAX_INTERVAL_S, MIN_INTERVAL_S
+from accounting.snapfile.publisher import Publisher
 from kvledger.argtypes import number, one_line_errors, size
 from kvledger.bench.overhead import bench_overhead, report
-from kvledger.serve_process import ServeProcess
+from kvledger.bench.serve_child import ServeChild
 from kvledger.sglang.dsv4 import Knobs, load_config, plan
 
 GIB = 1 << 30
@@ -191,7 +192,7 @@ def _snapshot_versions(pub: Publisher, ledger: Ledger) -> tuple[bytes, bytes]:
 
 
 def _replace(path: str, data: bytes) -> None:
-    """Write `data` to `path` the way a publisher does (accounting.snapdir)."""
+    """Write `data` to `path` the way a publisher does (accounting.snapfile.directory)."""
     with SnapshotDir(os.path.dirname(path), create=False) as d:
         d.write_replace(os.path.basename(path), data)
 
@@ -264,14 +265,15 @@ def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
             "exposition_bytes": len(body),
         }
         results["in_process_cached"] = timed(lambda: renderer.render(accept))
-        parses = sources.parses
+        parses = sources.read().files.parses  # files unchanged since: this read parses none
         results["in_process_republished"] = timed(lambda: renderer.render(accept), republish)
-        results["files_parsed_per_republished_scrape"] = (sources.parses - parses) / scrapes
+        parsed = sources.read().files.parses - parses
+        results["files_parsed_per_republished_scrape"] = parsed / scrapes
 
         # No background scanning: every republished file is parsed by the scrape itself (the
         # worst case; the concurrent part runs `serve` as deployed).
         server = stack.enter_context(
-            ServeProcess(
+            ServeChild(
                 [
                     "--no-demo",
                     "--port",
@@ -321,7 +323,7 @@ def _stats(ms: list[float]) -> dict[str, float]:
 
 
 def _many_clients(
-    server: ServeProcess,
+    server: ServeChild,
     host: str,
     port: int,
     republish: Callable[[], None],
@@ -412,7 +414,7 @@ def bench_concurrent(
     with contextlib.ExitStack() as stack:
         directory, _, republish = _rank_files(stack, ranks, budget)
         server = stack.enter_context(
-            ServeProcess(
+            ServeChild(
                 ["--no-demo", "--port", "0", "--snapshot-dir", directory, "--log-interval", "3600"]
             )
         )

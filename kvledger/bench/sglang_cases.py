@@ -21,7 +21,7 @@ from typing import Any
 
 from accounting.buffers import Owner
 from accounting.ledger import Account, Ledger
-from accounting.publisher import Publisher
+from accounting.snapfile.publisher import Publisher
 from kvledger.bench.sglang_engine import PAGE, WINDOW, Engine, Request, Shape, published
 
 # The counter of allocations that waited for a driver map (Bridge.stats(), docs/sglang-bridge.md).

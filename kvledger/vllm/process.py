@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from accounting.ledger import Ledger
-from accounting.publisher import Publisher, check_interval
+from accounting.snapfile.envelope import check_interval
+from accounting.snapfile.publisher import Publisher
 from kvledger.vllm import ENV_INTERVAL, ENV_SNAPSHOT_DIR
 
 
@@ -18,7 +19,7 @@ def snapshot_dir(env: Mapping[str, str] | None = None) -> str:
     value = (os.environ if env is None else env).get(ENV_SNAPSHOT_DIR, "")
     if value:
         return value
-    from accounting.snapdir import default_snapshot_dir
+    from accounting.snapfile.directory import default_snapshot_dir
 
     return default_snapshot_dir()
 

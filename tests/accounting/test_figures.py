@@ -67,3 +67,17 @@ def test_the_four_figures_of_a_known_pool_are_the_hand_computed_numbers() -> Non
 def test_unknown_figure_names_the_choices() -> None:
     with pytest.raises(KeyError, match="tensor_bytes"):
         figure("allocated_bytes")
+
+
+def test_the_table_is_the_fields_of_figures_and_figures_add_up() -> None:
+    import dataclasses
+
+    from accounting.figures import FIGURE_NAMES, Figures
+
+    assert tuple(f.name for f in dataclasses.fields(Figures)) == FIGURE_NAMES
+    assert [f.name for f in FIGURES] == list(FIGURE_NAMES)
+    one = Figures.of({name: i + 1 for i, name in enumerate(FIGURE_NAMES)})
+    assert one.values() == tuple(range(1, len(FIGURE_NAMES) + 1))
+    assert one.to_dict() == {name: i + 1 for i, name in enumerate(FIGURE_NAMES)}
+    assert Figures.sum([one, one]).physical_bytes == 2 * one.physical_bytes
+    assert Figures.sum([]) == Figures(*(0,) * len(FIGURE_NAMES))

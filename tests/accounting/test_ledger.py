@@ -12,6 +12,7 @@ import torch
 from accounting.buffers import Owner, runtime_buffer
 from accounting.events import PoolEvent
 from accounting.ledger import MAP_SECONDS_BUCKETS, Ledger, LedgerError
+from accounting.tp_status import TpStatus
 from tests.accounting.helpers import PAGE, runtime_specs, vmm_account, vmm_specs
 
 
@@ -193,35 +194,51 @@ def test_map_latency_histogram_is_per_page_id() -> None:
 
 
 def test_snapshot_is_taken_at_one_moment_under_concurrent_events() -> None:
-    """Events from another thread never land half way through a snapshot: every buffer row
-    agrees with its account row, and no relation is broken at any moment."""
+    """An event reported while a snapshot is being taken waits for it: the snapshot is the
+    ledger as of one moment. The TP status source (read under the lock, before the rows)
+    has another thread report page events while the snapshot is half taken, and gives it
+    up to 0.5 s: with the lock held they cannot land, and every figure, the epoch and
+    every buffer row are those of before; they land once the snapshot is done."""
     ledger = Ledger()
     acc = vmm_account(ledger)
-    stop = threading.Event()
+    acc.on_pool_event(PoolEvent.HANDLES_CREATED, 2)
+    acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1)
+    before, epoch = ledger.snapshot(), ledger.epoch
+    landed = threading.Event()
 
     def churn() -> None:
-        while not stop.is_set():
-            acc.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
-            acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1)
-            acc.on_pool_event(PoolEvent.SLOTS_OCCUPIED, 3)
-            acc.on_pool_event(PoolEvent.SLOTS_FREED, 3)
-            acc.on_pool_event(PoolEvent.PAGES_UNMAPPED, 1)
-            acc.on_pool_event(PoolEvent.HANDLES_RELEASED, 1)
+        acc.on_pool_event(PoolEvent.HANDLES_CREATED, 1)
+        acc.on_pool_event(PoolEvent.PAGES_MAPPED, 2)
+        acc.on_pool_event(PoolEvent.SLOTS_OCCUPIED, 3)
+        landed.set()
 
-    t = threading.Thread(target=churn)
-    t.start()
+    racer = threading.Thread(target=churn)
+    waited: list[bool] = []
+
+    def tp_status() -> TpStatus:
+        if not racer.is_alive() and not waited:
+            racer.start()
+            waited.append(landed.wait(0.5))  # False: the events waited for the lock
+        return TpStatus(rank=0, size=1, exchanges_total=0, page_ops_total=0,
+                        divergences_total=0, peer_failures_total=0)  # fmt: skip
+
+    ledger.set_tp_status(tp_status)
+    epoch += 1  # set_tp_status is a change of its own
     try:
-        for _ in range(300):
-            snap = ledger.snapshot()
-            assert snap.violations == ()
-            row = snap.accounts[0]
-            for b in snap.buffers:  # buffer rows derive from the same counters as the account row
-                assert b.physical_bytes == row.handle_pages * PAGE
-                assert b.mapped_bytes == row.mapped_pages * PAGE
-                assert b.occupied_slots == row.occupied_slots
+        snap = ledger.snapshot()
     finally:
-        stop.set()
-        t.join()
+        racer.join(10)
+    assert waited == [False], "events landed while the snapshot was being taken"
+    assert snap.epoch == epoch
+    assert snap.accounts[0] == before.accounts[0]
+    assert snap.violations == ()
+    row = snap.accounts[0]
+    for b in snap.buffers:  # buffer rows derive from the same counters as the account row
+        assert b.physical_bytes == row.handle_pages * PAGE
+        assert b.mapped_bytes == row.mapped_pages * PAGE
+        assert b.occupied_slots == row.occupied_slots
+    after = ledger.snapshot().accounts[0]  # then they landed, all three
+    assert (after.handle_pages, after.mapped_pages, after.occupied_slots) == (3, 3, 3)
 
 
 def test_reconciliation_readers_run_per_snapshot_with_the_snapshot() -> None:
@@ -284,7 +301,27 @@ def test_one_allocator_attaches_to_an_account_and_the_snapshot_flushes_it() -> N
     with pytest.raises(LedgerError, match="still attached"):
         ledger.remove_account(acc)
     acc.detach(lambda: None)  # not the attached one: ignored
-    assert acc._flush is flush
+    pending.append(2)
+    assert ledger.snapshot().accounts[0].occupied_slots == 2  # still flushed by `flush`
     acc.on_slots(0, 0)
     acc.detach(flush)
     ledger.remove_account(acc)
+
+
+def test_clear_event_hook_removes_only_the_hook_it_is_given() -> None:
+    ledger = Ledger()
+    calls: list[str] = []
+
+    def mine() -> None:
+        calls.append("mine")
+
+    def theirs() -> None:
+        calls.append("theirs")
+
+    ledger.set_event_hook(mine, every=1)
+    assert ledger.clear_event_hook(theirs) is False and ledger.event_hook is mine
+    assert ledger.clear_event_hook(mine) is True and ledger.event_hook is None
+    assert ledger.clear_event_hook(mine) is False
+    acc = vmm_account(ledger)
+    acc.occupy(1)
+    assert calls == []  # cleared: no hook runs

@@ -10,9 +10,8 @@ from typing import Any
 
 import httpx
 
-from kvledger.serve_process import ServeProcess
 from tests.dashboards import names
-from tests.servers import Prometheus, wait_until
+from tests.servers import Prometheus, ServeProcess, wait_until
 
 SERVE_ARGS = ("--interval", "0.2", "--rate", "40", "--step-ms", "5", "--seed", "7")
 

@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from accounting.figures import FIGURES
-from accounting.publisher import Publisher
+from accounting.snapfile.publisher import Publisher
 from exporter import metrics as m
 from exporter.app import create_app
 from exporter.sources import Sources
@@ -295,7 +295,7 @@ def test_accepts_gzip(header, expected):
 def test_ready_only_while_a_source_is_up_and_refused_files_are_listed(tmp_path, small):
     import json
 
-    from accounting.publisher import parse
+    from accounting.snapfile.envelope import parse
 
     src = Sources(tmp_path, stale_after=60, clock=lambda: 2e9)  # every heartbeat is old
     client = TestClient(create_app(src))
@@ -350,7 +350,7 @@ def test_a_failed_buffer_map_is_that_sources_only_and_counted(tmp_path, small):
     source and counted, its metrics and the other source's buffer map stay."""
     import json
 
-    from accounting.publisher import parse
+    from accounting.snapfile.envelope import parse
 
     with Publisher(small.ledger, tmp_path, interval=1000, source="good") as pub:
         envelope, _ = parse(Path(pub.path).read_bytes())
@@ -379,3 +379,40 @@ def test_a_failed_buffer_map_is_that_sources_only_and_counted(tmp_path, small):
             "bad": False,
             "good": True,
         }
+
+
+def test_metrics_and_healthz_are_declared_once_documented_and_served_when_included(small):
+    """One declaration each: documented in the schema (GET only), answered by the plain ASGI
+    app before FastAPI in create_app, and through FastAPI's routing in an engine's app that
+    includes the router, HEAD included."""
+    from exporter.app import AsgiRoute, create_router
+    from exporter.serving import HealthEndpoint, MetricsEndpoint
+
+    src = Sources()
+    src.add_ledger(small.ledger)
+    app = create_app(src)
+    paths = TestClient(app).get("/openapi.json").json()["paths"]
+    assert set(paths["/metrics"]) == {"get"} and set(paths["/healthz"]) == {"get"}
+    assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
+    assert not paths["/metrics"]["get"].get("parameters")
+    assert {p: type(a) for p, a in app.hot_paths.items()} == {
+        "/metrics": MetricsEndpoint,
+        "/healthz": HealthEndpoint,
+    }
+    engine = FastAPI()
+    router = create_router(src)
+    engine.include_router(router, prefix="/kv")
+    routed = [r for r in router.routes if isinstance(r, AsgiRoute)]
+    assert sorted((r.path, sorted(r.methods or ())) for r in routed) == [
+        ("/healthz", ["GET"]),
+        ("/healthz", ["HEAD"]),
+        ("/metrics", ["GET"]),
+        ("/metrics", ["HEAD"]),
+    ]
+    client = TestClient(engine)
+    r = client.get("/kv/metrics")
+    assert r.status_code == 200 and m.HEADLINE in r.text
+    assert client.head("/kv/metrics").status_code == 200
+    assert client.get("/kv/healthz").json() == {"status": "ok"}
+    assert client.head("/kv/healthz").status_code == 200
+    assert client.post("/kv/metrics").status_code == 405

@@ -5,8 +5,9 @@ import dataclasses
 from accounting.figures import FIGURES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from exporter import metrics as m
-from exporter.collector import GIB, build_families, engine_labels, registry_for
-from exporter.sources import Published, Sources
+from exporter.collector import GIB, build_families, registry_for
+from exporter.metrics import engine_labels
+from exporter.sources import Published, Scan, Sources
 from tests.ledgers import small_ledger
 
 ENG = {
@@ -64,7 +65,7 @@ def test_histogram_buckets_are_cumulative():
         src = Sources()
         src.add_ledger(sl.ledger)
         sl.allocate(1500)
-        [view] = src.read()
+        [view] = src.read().views
         acc = next(a for a in view.snapshot.accounts if a.family == "swa_kv")
         counts = list(acc.map_bucket_counts)
         counts[0] += 2
@@ -78,7 +79,7 @@ def test_histogram_buckets_are_cumulative():
         view = dataclasses.replace(view, published=published)
         samples = [
             (lab["le"], v)
-            for name, lab, v in _samples(build_families([view]))
+            for name, lab, v in _samples(build_families(Scan((view,))))
             if name == "kvledger_map_page_seconds_bucket" and lab["family"] == "swa_kv"
         ]
         assert [le for le, _ in samples][-1] == "+Inf"
@@ -92,17 +93,18 @@ def test_stale_source_exports_service_metrics_only():
     with small_ledger() as sl:
         src = Sources()
         src.add_ledger(sl.ledger)
-        [view] = src.read()
+        [view] = src.read().views
         stale = dataclasses.replace(view, up=False, stale_reason="pid 1 has exited")
-        names = {name for name, _, _ in _samples(build_families([stale]))}
+        names = {name for name, _, _ in _samples(build_families(Scan((stale,))))}
         assert names == {
             "kvledger_up",
             "kvledger_snapshot_age_seconds",
             "kvledger_snapshot_epoch",
             "kvledger_publish_interval_seconds",
             "kvledger_sources_unreadable",
+            "kvledger_source_errors_total",
         }
-        up = [v for name, _, v in _samples(build_families([stale])) if name == "kvledger_up"]
+        up = [v for name, _, v in _samples(build_families(Scan((stale,)))) if name == "kvledger_up"]
         assert up == [0]
 
 
@@ -126,7 +128,7 @@ def test_two_live_views_with_the_same_engine_labels_give_the_last_published_one_
         src = Sources()
         src.add_ledger(old.ledger, source="a")
         src.add_ledger(new.ledger, source="b")
-        views = {v.source: v for v in src.read()}
+        views = {v.source: v for v in src.read().views}
         physical = {s: v.snapshot.total("physical_bytes") for s, v in views.items()}
         assert physical["a"] != physical["b"]
         for winner, loser in (("a", "b"), ("b", "a")):
@@ -137,7 +139,7 @@ def test_two_live_views_with_the_same_engine_labels_give_the_last_published_one_
                 )
                 for s, v in sorted(views.items(), key=lambda kv: kv[0] == winner)
             ]
-            samples = _samples(build_families(timed))
+            samples = _samples(build_families(Scan(tuple(timed))))
             headline = [v for name, _, v in samples if name == m.HEADLINE]
             assert headline == [physical[winner] / GIB], winner
             swa = [
@@ -178,7 +180,7 @@ def test_render_writes_what_prometheus_clients_own_writer_writes(tmp_path):
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
     from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-    from accounting.publisher import Publisher
+    from accounting.snapfile.publisher import Publisher
     from exporter.collector import KvLedgerCollector
 
     def parsed(families):
@@ -217,3 +219,50 @@ def test_render_writes_what_prometheus_clients_own_writer_writes(tmp_path):
             if step == 1:
                 a.allocate(10)
                 pa.publish()
+
+
+def test_a_source_that_fails_to_render_is_left_out_named_and_counted(caplog):
+    """An exception while building one source's series (here: bucket counts of the wrong
+    length, which the histogram refuses) costs that source only: the other source's series
+    are served, the failure is logged with its name and counted once per published
+    snapshot, whatever the number of renders of it."""
+    from exporter.collector import KvLedgerCollector
+
+    with (
+        small_ledger({"model_name": "m", "tp_rank": "0"}) as a,
+        small_ledger({"model_name": "m", "tp_rank": "1"}) as b,
+    ):
+        a.allocate(300)
+        b.allocate(300)
+        src = Sources()
+        src.add_ledger(a.ledger, source="good")
+        src.add_ledger(b.ledger, source="bad")
+        views = {v.source: v for v in src.read().views}
+
+        def broken() -> Published:
+            snap = views["bad"].snapshot
+            accounts = tuple(
+                dataclasses.replace(x, map_bucket_counts=(1, 2)) if x.owner.value == "vmm" else x
+                for x in snap.accounts
+            )
+            return Published.from_snapshot(
+                dataclasses.replace(snap, accounts=accounts), source="bad", pid=1, host="h",
+                sequence=1,
+            )  # fmt: skip
+
+        def scan(bad: Published) -> Scan:
+            return Scan((views["good"], dataclasses.replace(views["bad"], published=bad)))
+
+        fast = KvLedgerCollector(src)
+        first = scan(broken())
+        for accept in ("text/plain", "application/openmetrics-text", "text/plain"):
+            text = fast.render(accept, first)[0].decode()
+            assert 'source="good"' in text and 'tp_rank="0"' in text
+            assert 'source="bad"' not in text and 'tp_rank="1"' not in text
+        assert 'kvledger_source_errors_total{reason="render"} 1\n' in text
+        assert 'kvledger_source_errors_total{reason="snapshot"} 0\n' in text
+        # another snapshot of it: tried again, failed again, counted again
+        text = fast.render("text/plain", scan(broken()))[0].decode()
+        assert 'kvledger_source_errors_total{reason="render"} 2\n' in text
+    logged = [r.getMessage() for r in caplog.records if "source bad left out" in r.getMessage()]
+    assert len(logged) == 1 and "render failed" in logged[0]  # the second one held back

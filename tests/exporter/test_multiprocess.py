@@ -10,8 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvledger.serve_process import ServeProcess
-from tests.servers import repo_env, stop, wait_until
+from tests.servers import ServeProcess, repo_env, stop, wait_until
 
 pytestmark = pytest.mark.slow
 INTERVAL = 1.0

@@ -4,14 +4,16 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from accounting.ledger import Ledger
-from accounting.publisher import Publisher, parse
-from accounting.snapdir import SnapshotDirError
+from accounting.snapfile.directory import SnapshotDirError
+from accounting.snapfile.envelope import parse
+from accounting.snapfile.publisher import Publisher
 from exporter.sources import BufferMapError, Sources
 from tests.hostile import nobody_uid
 from tests.ledgers import small_ledger
@@ -30,20 +32,21 @@ def test_reads_published_files_and_caches_by_file_identity(tmp_path):
         with Publisher(sl.ledger, tmp_path, interval=1000) as pub:
             pub.publish()
             src = Sources(tmp_path)
-            [v] = src.read()
+            scan = src.read()
+            [v] = scan.views
             assert v.up and v.source == pub.source
             assert v.snapshot.epoch == sl.ledger.epoch
-            assert src.parses == 1
+            assert scan.files.parses == 1
             src.read()
-            src.read()
-            assert src.parses == 1  # unchanged file: no parse
+            assert src.read().files.parses == 1  # unchanged file: no parse
             sl.allocate(10)
             pub.publish()
-            [v] = src.read()
-            assert src.parses == 2
-            assert v.summary["totals"]["occupied_slots"] == 10
+            scan = src.read()
+            [v] = scan.views
+            assert scan.files.parses == 2
+            assert v.summary.totals.occupied_slots == 10
             assert v.snapshot.rollup("family")[("swa_kv",)]["occupied_slots"] == 10
-        assert src.read() == []  # closed publisher: its file and its source are gone
+        assert src.read().views == ()  # closed publisher: its file and its source are gone
 
 
 def test_in_process_ledger_is_read_live(tmp_path):
@@ -51,11 +54,11 @@ def test_in_process_ledger_is_read_live(tmp_path):
         src = Sources()
         name = src.add_ledger(sl.ledger)
         sl.allocate(5)
-        [v] = src.read()
+        [v] = src.read().views
         assert v.source == name and v.up and v.published.interval == 0
         assert v.snapshot.epoch == sl.ledger.epoch
         src.remove_ledger(name)
-        assert src.read() == []
+        assert src.read().views == ()
 
 
 def test_old_heartbeat_marks_stale_with_reason(tmp_path):
@@ -65,10 +68,10 @@ def test_old_heartbeat_marks_stale_with_reason(tmp_path):
         d, _ = parse(Path(pub.path).read_bytes())
         src = Sources(tmp_path, stale_after=5, clock=lambda: now[0])
         now[0] = d["published_at"] + 4
-        [v] = src.read()
+        [v] = src.read().views
         assert v.up
         now[0] = d["published_at"] + 6
-        [v] = src.read()
+        [v] = src.read().views
         assert not v.up
         assert "heartbeat" in (v.stale_reason or "") and "5.0 s" in (v.stale_reason or "")
         assert v.age_seconds >= 6
@@ -81,10 +84,10 @@ def test_stale_sources_are_forgotten_after_the_bound(tmp_path):
         d, _ = parse(Path(pub.path).read_bytes())
         src = Sources(tmp_path, stale_after=5, forget_after=60, clock=lambda: now[0])
         now[0] = d["published_at"] + 30
-        [v] = src.read()
+        [v] = src.read().views
         assert not v.up
         now[0] = d["published_at"] + 61
-        assert src.read() == []
+        assert src.read().views == ()
         assert os.path.exists(pub.path)  # forgotten, not deleted
 
 
@@ -97,12 +100,12 @@ def test_dead_pid_is_listed_down_until_a_restart_takes_its_place(tmp_path):
         # A crashed rank: its file stays, its pid is gone; nothing has replaced it yet.
         dead = _plant(tmp_path, "dead", envelope, rows, pid=child.pid)
         src = Sources(tmp_path)
-        [v] = src.read()
+        [v] = src.read().views
         assert not v.up and f"pid {child.pid} has exited" in (v.stale_reason or "")
         assert dead.exists()
         # The restart publishes with the same engine labels: the dead one goes, file and all.
         with Publisher(sl.ledger, tmp_path, interval=1000) as pub:
-            [v] = src.read()
+            [v] = src.read().views
             assert v.source == pub.source and v.up
             assert not dead.exists() and src.removed == 1
 
@@ -112,7 +115,7 @@ def test_reused_pid_marks_stale(tmp_path):
         envelope, rows = parse(Path(pub.path).read_bytes())
         _plant(tmp_path, "reused", envelope, rows, process_start=envelope["process_start"] - 1)
         os.unlink(pub.path)  # alone, so no live source takes its place
-        [v] = Sources(tmp_path).read()
+        [v] = Sources(tmp_path).read().views
         assert v.source == "reused" and "another process" in (v.stale_reason or "")
 
 
@@ -122,13 +125,13 @@ def test_two_live_sources_with_the_same_engine_labels_are_both_a_conflict(tmp_pa
     with small_ledger(labels) as sl, Publisher(sl.ledger, tmp_path, source="real") as real:
         envelope, rows = parse(Path(real.path).read_bytes())
         _plant(tmp_path, "imitation", envelope, rows)
-        views = {v.source: v for v in Sources(tmp_path).read()}
+        views = {v.source: v for v in Sources(tmp_path).read().views}
         assert set(views) == {"real", "imitation"}
         assert not views["real"].up and not views["imitation"].up
         assert "conflict: imitation" in (views["real"].stale_reason or "")
         assert "conflict: real" in (views["imitation"].stale_reason or "")
         os.unlink(tmp_path / "imitation.json")
-        [v] = Sources(tmp_path).read()
+        [v] = Sources(tmp_path).read().views
         assert v.source == "real" and v.up
 
 
@@ -138,22 +141,22 @@ def test_files_that_are_not_snapshots_are_refused_once_per_version(tmp_path):
     (tmp_path / ".x.tmp").write_text("partial")
     (tmp_path / "notes.txt").write_text("hi")
     src = Sources(tmp_path)
-    assert src.read() == []
-    assert {p.name: p.reason for p in src.problems()} == {
+    scan = src.read()
+    assert scan.views == ()
+    assert {p.name: p.reason for p in scan.files.problems} == {
         "junk.json": "parse",
         "other.json": "schema",
     }
-    parses = src.parses
+    parses = scan.files.parses
     for _ in range(3):
-        src.read()
-    assert src.parses == parses  # refused files are not read again while unchanged
-    assert src.error_counts["parse"] == 1 and src.error_counts["schema"] == 1
+        scan = src.read()
+    assert scan.files.parses == parses  # refused files are not read again while unchanged
+    assert scan.files.error_counts["parse"] == 1 and scan.files.error_counts["schema"] == 1
     os.unlink(tmp_path / "junk.json")
-    src.read()
-    assert set(src.unreadable) == {str(tmp_path / "other.json")}
+    scan = src.read()
+    assert scan.files.unreadable == 1 and [p.name for p in scan.files.problems] == ["other.json"]
     (tmp_path / "other.json").write_text("[1]\n[]")  # a new version is read again
-    src.read()
-    assert src.error_counts["schema"] == 2
+    assert src.read().files.error_counts["schema"] == 2
 
 
 def test_bad_buffer_rows_fail_that_buffer_map_only_and_are_counted_once(tmp_path):
@@ -169,22 +172,24 @@ def test_bad_buffer_rows_fail_that_buffer_map_only_and_are_counted_once(tmp_path
             snap = {**envelope["snapshot"], "labels": labels}
             _plant(tmp_path, "bad", {**envelope, "snapshot": snap}, json.dumps(buffers).encode())
             src = Sources(tmp_path)
-            views = {v.source: v for v in src.read()}
-            assert views["bad"].up and views["good"].up and src.parses == 2
-            assert src.problems() == [] and src.error_counts["buffers"] == 0  # not parsed yet
-            assert views["bad"].summary["totals"] == views["good"].summary["totals"]
+            scan = src.read()
+            views = {v.source: v for v in scan.views}
+            assert views["bad"].up and views["good"].up and scan.files.parses == 2
+            assert scan.files.problems == () and scan.files.error_counts["buffers"] == 0
+            assert views["bad"].summary.totals == views["good"].summary.totals
             for _ in range(2):
                 snap_, error = views["bad"].published.buffer_map()
                 assert snap_ is None and error is not None
                 assert error.startswith("schema: buffers[0]: physical_bytes")
-            assert src.error_counts["buffers"] == 1
+            assert src.read().files.error_counts["buffers"] == 1  # counted once, in the next scan
             with pytest.raises(BufferMapError, match="source bad: buffer map not served"):
                 _ = views["bad"].snapshot
             good, error = views["good"].published.buffer_map()
             assert error is None and good is not None and len(good.buffers) == len(buffers)
-            [bad] = [v for v in src.read() if v.source == "bad"]
+            scan = src.read()
+            [bad] = [v for v in scan.views if v.source == "bad"]
             assert bad.published is views["bad"].published  # same version: not parsed again
-            assert src.parses == 2 and src.error_counts["buffers"] == 1
+            assert scan.files.parses == 2 and scan.files.error_counts["buffers"] == 1
 
 
 def test_links_fifos_devices_and_big_files_are_refused_without_reading(tmp_path):
@@ -208,9 +213,9 @@ def test_links_fifos_devices_and_big_files_are_refused_without_reading(tmp_path)
     if os.geteuid() == 0:
         os.mknod(d / "null.json", 0o600 | 0o020000, os.makedev(1, 3))  # /dev/null's numbers
         expected["null.json"] = "not_regular"
-    src = Sources(d)
-    assert src.read() == []
-    assert {p.name: p.reason for p in src.problems()} == expected
+    scan = Sources(d).read()
+    assert scan.views == ()
+    assert {p.name: p.reason for p in scan.files.problems} == expected
     assert canary.read_bytes() == b"x"
 
 
@@ -222,9 +227,9 @@ def test_a_file_owned_by_another_user_is_refused(tmp_path):
     uid = nobody_uid()
     assert uid is not None
     os.chown(planted, uid, -1)
-    src = Sources(tmp_path)
-    assert src.read() == []
-    [p] = src.problems()
+    scan = Sources(tmp_path).read()
+    assert scan.views == ()
+    [p] = scan.files.problems
     assert p.reason == "owner" and f"uid {nobody_uid()}" in p.detail
 
 
@@ -235,24 +240,25 @@ def test_caps_on_files_and_parses_per_scan(tmp_path):
     files = src.files
     assert files is not None
     files.max_files, files.max_parses = 20, 8
+    assert src.read().files.parses == 8 and files.skipped == 10
     src.read()
-    assert src.parses == 8 and files.skipped == 10
-    src.read()
-    src.read()
-    assert src.parses == 20  # the rest of the first 20, 8 per scan
-    [first, *_] = src.problems()
+    scan = src.read()
+    assert scan.files.parses == 20  # the rest of the first 20, 8 per scan
+    [first, *_] = scan.files.problems
     assert first.reason == "too_many_files" and "10 files" in first.detail
-    assert src.error_counts["too_many_files"] == 1
+    assert scan.files.error_counts["too_many_files"] == 1
 
 
 def test_missing_directory_reads_empty_until_it_exists(tmp_path):
     src = Sources(tmp_path / "nope")
-    assert src.read() == []
-    assert "does not exist" in src.problems()[0].detail
+    scan = src.read()
+    assert scan.views == ()
+    assert "does not exist" in scan.files.problems[0].detail
     with Publisher(Ledger({"tp_rank": "0"}), tmp_path / "nope", interval=1000):
-        [v] = src.read()
-        assert v.up
-    assert src.problems() == []
+        scan = src.read()
+        [v] = scan.views
+        assert v.up and scan.files.problems == ()
+    assert src.read().files.problems == ()
 
 
 def test_an_existing_bad_directory_is_refused_at_once(tmp_path):
@@ -265,12 +271,13 @@ def test_a_directory_replaced_later_serves_nothing_and_says_why(tmp_path):
     d = tmp_path / "snap"
     with Publisher(Ledger({"tp_rank": "0"}), d, interval=1000) as pub:
         src = Sources(d)
-        assert len(src.read()) == 1
+        assert len(src.read().views) == 1
         os.rename(d, tmp_path / "old")
         d.mkdir()
         os.chmod(d, 0o777)
-        assert src.read() == []
-        assert "writable by others" in src.problems()[0].detail
+        scan = src.read()
+        assert scan.views == ()
+        assert "writable by others" in scan.files.problems[0].detail
         pub.close()
     src.close()
     src.close()
@@ -282,16 +289,41 @@ def test_background_scanning_parses_files_before_anyone_reads(tmp_path):
         src.start_scanning(0.02)
         with pytest.raises(RuntimeError, match="already"):
             src.start_scanning(0.02)
+        files = src.files
+        assert files is not None
         deadline = time.monotonic() + 5
-        while src.parses == 0 and time.monotonic() < deadline:
+        while files.parses == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert src.parses == 1
+        assert files.parses == 1
         pub.publish()
-        while src.parses == 1 and time.monotonic() < deadline:
+        while files.parses == 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert src.parses == 2
-        [v] = src.read()
-        assert src.parses == 2 and v.published.sequence == pub.sequence  # parsed already
+        assert files.parses == 2
+        scan = src.read()
+        [v] = scan.views
+        assert scan.files.parses == 2 and v.published.sequence == pub.sequence  # parsed already
         src.close()
-        assert src._scanner is None
+        assert "kvledger-scan" not in {t.name for t in threading.enumerate()}
         src.close()  # idempotent
+
+
+def test_an_in_process_ledger_whose_snapshot_fails_is_left_out_named_and_counted(tmp_path, caplog):
+    """One ledger that cannot be snapshotted costs that source only: the others are read."""
+    with (
+        small_ledger({"model_name": "m", "tp_rank": "0"}) as good,
+        small_ledger({"model_name": "m", "tp_rank": "1"}) as bad,
+    ):
+
+        def broken(snap):
+            raise RuntimeError("device gone")
+
+        bad.ledger.add_truth(broken)
+        src = Sources()
+        src.add_ledger(good.ledger, source="good")
+        src.add_ledger(bad.ledger, source="bad")
+        for _ in range(3):
+            scan = src.read()
+            assert [v.source for v in scan.views] == ["good"]
+        assert scan.source_errors == {"snapshot": 3}
+        lines = [r for r in caplog.records if "source bad left out" in r.getMessage()]
+        assert len(lines) == 1 and "device gone" in lines[0].getMessage()  # rate-limited

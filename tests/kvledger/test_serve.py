@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from accounting.publisher import Publisher
+from accounting.snapfile.publisher import Publisher
 from exporter import metrics as m
 from kvledger.demo import DEFAULT_HOST_GRANULARITY
 from kvledger.sglang.dsv4 import FAMILIES

@@ -25,11 +25,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.ledger import Ledger
-from accounting.publisher import Publisher, parse
+from accounting.snapfile.envelope import parse
+from accounting.snapfile.publisher import Publisher
 from exporter import metrics as m
-from kvledger.serve_process import ServeProcess
 from tests.hostile import as_nobody, nobody_uid, shared_tmp
-from tests.servers import repo_env, stop, wait_until
+from tests.servers import ServeProcess, repo_env, stop, wait_until
 
 pytestmark = pytest.mark.slow
 GOOD = "good-model"

@@ -12,6 +12,6 @@ def snapshot_dir(env: Mapping[str, str] | None = None) -> str:
     value = (os.environ if env is None else env).get(ENV_SNAPSHOT_DIR, "")
     if value:
         return value
-    from accounting.snapdir import default_snapshot_dir
+    from accounting.snapfile.directory import default_snapshot_dir
 
     return default_snapshot_dir()

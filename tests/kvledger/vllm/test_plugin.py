@@ -141,21 +141,21 @@ def test_worker_and_scheduler_publish_what_serve_reads(snapdir) -> None:
     assert schedule(sched) == "out"
 
     with Sources(snapdir) as sources:
-        views = {v.labels["engine_type"]: v for v in sources.read()}
+        views = {v.labels["engine_type"]: v for v in sources.read().views}
     assert set(views) == {"vllm_worker", "vllm_scheduler"}
     assert all(v.up for v in views.values()), [v.stale_reason for v in views.values()]
     w, s = views["vllm_worker"], views["vllm_scheduler"]
     assert w.labels["model_name"] == s.labels["model_name"] == "tiny"
     assert w.labels["engine"] == s.labels["engine"] == "0"
     assert (w.labels["tp_rank"], w.labels["pp_rank"]) == ("0", "0")
-    assert w.summary["totals"]["physical_bytes"] == storage
-    fams = {f["family"]: f for f in s.summary["families"]}
+    assert w.summary.totals.physical_bytes == storage
+    fams = {f.family: f.figures for f in s.summary.families}
     used = manager.block_pool.num_gpu_blocks - manager.block_pool.get_num_free_blocks()
-    assert fams["kv_pool"]["occupied_slots"] == used
+    assert fams["kv_pool"].occupied_slots == used
     g0 = next(f for name, f in fams.items() if name.startswith("g0_"))
-    assert g0["occupied_slots"] == 7 * vs.BLOCK  # 100 tokens: 7 blocks of 16
+    assert g0.occupied_slots == 7 * vs.BLOCK  # 100 tokens: 7 blocks of 16
     kinds = [vs.kind_of(g.kv_cache_spec) for g in config.kv_cache_groups]
-    assert {f["family"] for f in w.summary["families"]} == {"kv_pool"} | {
+    assert {f.family for f in w.summary.families} == {"kv_pool"} | {
         f"g{i}_{k}" for i, k in enumerate(kinds)
     }
 

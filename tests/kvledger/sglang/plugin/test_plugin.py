@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from allocator.backend import DEFAULT_GRANULARITY
-from kvledger.serve_process import ServeProcess
 from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
 from tests.kvledger.sglang import rig
 from tests.kvledger.sglang.plugin import dist
+from tests.servers import ServeProcess
 
 pytestmark = pytest.mark.sglang
 
@@ -176,7 +176,7 @@ def test_sglang_discovers_kvledger_and_off_registers_nothing() -> None:
     assert proc.wait() == 0
     assert proc.first["hooks"] == [] and proc.first["patched"] == []
     # SGLang ran the entry point (kvledger.sglang.plugin imported), and nothing more of kvledger.
-    assert proc.first["modules"] == ["kvledger", "kvledger.sglang.plugin"]
+    assert proc.first["modules"] == ["kvledger", "kvledger.sglang", "kvledger.sglang.plugin"]
 
 
 def test_on_applies_the_hooks_to_sglang_real_targets() -> None:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from accounting.publisher import parse
+from accounting.snapfile.envelope import parse
 from kvledger.sglang.plugin import register, switch
 from kvledger.sglang.plugin.rank import RankLedger
 from kvledger.sglang.plugin.snapdir import snapshot_dir
@@ -77,7 +77,7 @@ def test_register_off_in_this_process_registers_nothing(monkeypatch: pytest.Monk
 
 
 def test_snapshot_dir_from_the_environment_or_the_shared_default() -> None:
-    from accounting.snapdir import default_snapshot_dir
+    from accounting.snapfile.directory import default_snapshot_dir
 
     assert snapshot_dir({"KVLEDGER_SNAPSHOT_DIR": "/x/y"}) == "/x/y"
     assert snapshot_dir({}) == default_snapshot_dir()

@@ -9,14 +9,10 @@ from pathlib import Path
 import pytest
 
 from accounting.ledger import Ledger
-from accounting.publisher import (
-    ENVELOPE_SCHEMA,
-    Publisher,
-    parse,
-    proc_stat,
-    snapshot_of,
-    source_id,
-)
+from accounting.snapfile.directory import SnapshotDirError
+from accounting.snapfile.envelope import ENVELOPE_SCHEMA, parse, snapshot_of, source_id
+from accounting.snapfile.process import proc_stat
+from accounting.snapfile.publisher import Publisher
 from accounting.snapshot import Snapshot
 from tests.ledgers import small_ledger
 
@@ -118,7 +114,8 @@ def test_publisher_thread_survives_a_failing_snapshot(tmp_path):
         while pub.errors < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pub.errors >= 2
-        assert pub._thread.is_alive()
+        alive = {t.name for t in threading.enumerate() if t.is_alive()}
+        assert f"kvledger-publisher-{pub.source}" in alive
 
 
 @pytest.mark.parametrize(
@@ -203,7 +200,7 @@ def test_a_busy_engine_publishes_from_its_allocating_thread_and_an_idle_one_from
         time.sleep(0.4)  # idle: no events, so the thread keeps the heartbeat going
         assert pub.sequence > seq
         assert any(name.startswith("kvledger-publisher") for name in who[len(busy) :])
-    assert ledger._event_hook is None  # close() removed its hook
+    assert ledger.event_hook is None  # close() removed its hook
 
 
 def test_links_planted_at_every_name_are_never_followed(tmp_path):
@@ -237,8 +234,6 @@ def test_close_removes_only_the_file_it_wrote(tmp_path):
 
 
 def test_a_directory_writable_by_others_is_refused(tmp_path):
-    from accounting.snapdir import SnapshotDirError
-
     d = tmp_path / "snap"
     d.mkdir()
     os.chmod(d, 0o777)
@@ -251,3 +246,15 @@ def test_fsync_option_publishes_the_same_bytes(tmp_path):
     with small_ledger() as sl, Publisher(sl.ledger, tmp_path / "a", interval=1000, fsync=True) as a:
         envelope, _ = parse(Path(a.path).read_bytes())
         assert envelope["snapshot"]["epoch"] == sl.ledger.epoch
+
+
+def test_close_leaves_an_event_hook_someone_installed_since(tmp_path):
+    ledger = Ledger({"tp_rank": "0"})
+
+    def theirs() -> None:
+        pass
+
+    with Publisher(ledger, tmp_path, interval=1000):
+        assert ledger.event_hook is not None
+        ledger.set_event_hook(theirs)
+    assert ledger.event_hook is theirs

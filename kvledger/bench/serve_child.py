@@ -1,7 +1,6 @@
-"""`kvledger serve` in a child process, as deployed: started, its URL read, stopped cleanly.
+"""`kvledger serve` in a child process, for the benchmarks that measure it as deployed.
 
-Used by `kvledger bench scrape` and by the tests that need the exporter in a process of
-its own. The child imports the same kvledger as the caller, installed or not.
+The child imports the same kvledger as the caller, installed or not.
 """
 
 from __future__ import annotations
@@ -10,38 +9,45 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
-from typing import IO, Any
+from collections.abc import Mapping, Sequence
+from typing import IO, Any, TypeVar
 
 _URL_PREFIX = "kvledger serve: http://"
+_Self = TypeVar("_Self", bound="ServeChild")
 
 
-class ServeProcess:
+class ServeChild:
     """`python -m kvledger serve ARGS`; `.url` is its base URL (no `/metrics`), `.proc` the child.
 
-    Raises RuntimeError, with what the child printed, when it does not announce its URL.
-    `close()` (idempotent, also the context manager's exit) sends SIGINT, waits, and kills
-    it if it does not stop; it returns the exit status.
+    `env`: the child's environment (default: this one, with the directory holding
+    `kvledger` first on PYTHONPATH). Raises RuntimeError, with what the child printed,
+    when it does not announce its URL. `close()` (idempotent, also the context
+    manager's exit) sends SIGINT, waits, and kills it if it does not stop; it returns
+    the exit status.
     """
 
     def __init__(
-        self, args: Sequence[str], *, stderr: int | IO[Any] | None = subprocess.DEVNULL
+        self,
+        args: Sequence[str],
+        *,
+        stderr: int | IO[Any] | None = subprocess.DEVNULL,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        import kvledger
+        if env is None:
+            import kvledger
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(kvledger.__file__)))
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
-        }
+            root = os.path.dirname(os.path.dirname(os.path.abspath(kvledger.__file__)))
+            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+            env = {**os.environ, "PYTHONPATH": path}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvledger", "serve", *args],
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
-            env=env,
+            env=dict(env),
         )
-        assert self.proc.stdout is not None  # stdout=PIPE above
+        if self.proc.stdout is None:  # pragma: no cover - stdout=PIPE above
+            raise RuntimeError("kvledger serve: no pipe to read its URL from")
         line = self.proc.stdout.readline()
         if not line.startswith(_URL_PREFIX):
             self.close()
@@ -68,7 +74,7 @@ class ServeProcess:
             self.proc.stdout.close()
         return self.proc.returncode
 
-    def __enter__(self) -> ServeProcess:
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,20 +1,22 @@
-"""Reading the snapshot directory: which files are read, how, and what a refused one costs.
+"""The reader: a scan of the snapshot directory, which files are read, how, and what a
+refused one costs.
 
 `SnapshotFiles.scan()` lists the directory through its descriptor
-(`accounting.snapdir.SnapshotDir`) and returns the files that are served. A
-file is read only if it is named `<source>.json` (no leading dot), is a regular
-file (lstat before opening, fstat after), is owned by this process's user or
-root (in group mode: any member of the directory's group), is at most
-`max_bytes` long, and its first line passes `exporter.validate.load` (the buffer
-rows are kept as bytes for `exporter.validate.buffer_map`, run when someone asks
-for the buffer map). It is opened with O_NOFOLLOW and O_NONBLOCK, so a link
-planted in its place fails and a FIFO cannot hang the read; devices are refused
-by the lstat before any open.
+(`accounting.snapfile.directory.SnapshotDir`) and returns a `FileScan`: the files
+served and what went wrong, together. A file is read only if it is named
+`<source>.json` (no leading dot), is a regular file (lstat before opening, fstat
+after), is owned by this process's user or root (in group mode: any member of the
+directory's group), is at most `max_bytes` long, and its first line passes
+`accounting.snapfile.head.load` (the buffer rows are kept as bytes for
+`accounting.snapfile.buffermap`, run when someone asks for the buffer map). It is
+opened with O_NOFOLLOW and O_NONBLOCK, so a link planted in its place fails and a
+FIFO cannot hang the read; devices are refused by the lstat before any open.
 
 Every refusal is kept per file (`problems`: name -> reason and a one-line detail,
 shown in /debug/kv) and counted per reason (`error_counts`, a small fixed set of
-reasons: `exporter.validate.REASONS`; `count` adds a served file whose buffer rows
-failed later). A file is identified by (st_dev, st_ino, st_size, st_mtime_ns);
+reasons: `accounting.snapfile.refusal.REASONS`; `count` adds a served file whose
+buffer rows failed later). Each scan hands back a copy of both with the files it
+serves. A file is identified by (st_dev, st_ino, st_size, st_mtime_ns);
 one that was parsed, or refused, is not read again until that identity changes.
 A scan looks at most `max_files` names and parses at most `max_parses` changed
 files (the others wait for the next scan), so its cost is bounded whatever the
@@ -29,13 +31,14 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from accounting.publisher import SUFFIX
-from accounting.snapdir import SnapshotDir, SnapshotDirError, trusted_owners
-from exporter.validate import REASONS, Head, Refused, load
+from accounting.snapfile.directory import SnapshotDir, SnapshotDirError, trusted_owners
+from accounting.snapfile.envelope import SUFFIX
+from accounting.snapfile.head import Head, load
+from accounting.snapfile.refusal import REASONS, Refused
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,27 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class FileProblem:
     name: str
-    reason: str  # one of exporter.validate.REASONS
+    reason: str  # one of accounting.snapfile.refusal.REASONS, or "directory"
     detail: str
+
+
+@dataclass(frozen=True)
+class ServedFile(Generic[T]):
+    name: str
+    ident: Ident  # (st_dev, st_ino, st_size, st_mtime_ns) of the version read
+    value: T  # what `make` made of it
+
+
+@dataclass(frozen=True)
+class FileScan(Generic[T]):
+    """One scan of the directory: the files served, in name order, and what went wrong,
+    as of that scan."""
+
+    served: tuple[ServedFile[T], ...] = ()
+    problems: tuple[FileProblem, ...] = ()  # as /debug/kv lists them (bounded)
+    unreadable: int = 0  # files in the directory not served now
+    error_counts: Mapping[str, int] = field(default_factory=dict)  # refusals so far, by reason
+    parses: int = 0  # files parsed so far
 
 
 _KIND = {
@@ -122,8 +144,8 @@ class SnapshotFiles(Generic[T]):
         return True
 
     # -- scanning ----------------------------------------------------------------------------
-    def scan(self, now: float) -> list[tuple[str, Ident, T]]:
-        """(name, identity, made value) of every file served now, in name order."""
+    def scan(self, now: float) -> FileScan[T]:
+        """The files served now and what went wrong, as of this scan."""
         with self._lock:
             if self._dir is not None and self._dir.moved():
                 self._dir.close()
@@ -131,11 +153,19 @@ class SnapshotFiles(Generic[T]):
             if self._dir is None and not self._open_dir(raise_errors=False):
                 self._cache.clear()
                 self.problems.clear()
-                return []
-            assert self._dir is not None
-            return self._scan(self._dir, now)
+                served: list[ServedFile[T]] = []
+            else:
+                assert self._dir is not None
+                served = self._scan(self._dir, now)
+            return FileScan(
+                served=tuple(served),
+                problems=tuple(self._shown_problems()),
+                unreadable=len(self.problems),
+                error_counts=dict(self.error_counts),
+                parses=self.parses,
+            )
 
-    def _scan(self, d: SnapshotDir, now: float) -> list[tuple[str, Ident, T]]:
+    def _scan(self, d: SnapshotDir, now: float) -> list[ServedFile[T]]:
         names = [
             e.name for e in d.names() if not e.name.startswith(".") and e.name.endswith(SUFFIX)
         ]  # dot files are temporaries of a write in progress; other names are not ours
@@ -144,7 +174,7 @@ class SnapshotFiles(Generic[T]):
         names.sort(key=lambda n: (not self._served(n), n))
         skipped = max(0, len(names) - self.max_files)
         names = names[: self.max_files]
-        out: list[tuple[str, Ident, T]] = []
+        out: list[ServedFile[T]] = []
         parses = 0
         for name in names:
             try:
@@ -156,13 +186,13 @@ class SnapshotFiles(Generic[T]):
             if cached is None or cached[0] != ident:
                 if parses >= self.max_parses:
                     if cached is not None and cached[1] is not None:
-                        out.append((name, cached[0], cached[1]))  # the older version, for now
+                        out.append(ServedFile(name, cached[0], cached[1]))  # the older version
                     continue
                 parses += 1
                 cached = (ident, self._load(d, name, st, now))
                 self._cache[name] = cached
             if cached[1] is not None:
-                out.append((name, ident, cached[1]))
+                out.append(ServedFile(name, ident, cached[1]))
         seen = set(names)
         for name in set(self._cache) - seen:
             del self._cache[name]
@@ -177,7 +207,7 @@ class SnapshotFiles(Generic[T]):
             )
             self.error_counts["too_many_files"] += 1
         self.skipped = skipped
-        out.sort(key=lambda x: x[0])
+        out.sort(key=lambda x: x.name)
         return out
 
     def _served(self, name: str) -> bool:
@@ -251,8 +281,9 @@ class SnapshotFiles(Generic[T]):
         self.problems[name] = FileProblem(name, e.reason, e.detail)
 
     def count(self, path: str, e: Refused) -> None:
-        """A served file's buffer rows failed (`exporter.validate.buffer_map`): logged and
-        counted under `e.reason`; the file stays served (its first line is good)."""
+        """A served file's buffer rows failed (`accounting.snapfile.buffermap`): logged and
+        counted under `e.reason` (in the next scan's counts); the file stays served (its
+        first line is good)."""
         log.warning("snapshot file %s: buffer map not served: %s", path, e)
         with self._lock:
             self.error_counts[e.reason] += 1
@@ -273,10 +304,9 @@ class SnapshotFiles(Generic[T]):
                 self._cache.pop(name, None)
             return removed
 
-    def shown_problems(self) -> list[FileProblem]:
+    def _shown_problems(self) -> list[FileProblem]:
         """Up to MAX_PROBLEMS_SHOWN problems, the directory's own first."""
-        with self._lock:
-            out = sorted(self.problems.values(), key=lambda p: p.name)[:MAX_PROBLEMS_SHOWN]
+        out = sorted(self.problems.values(), key=lambda p: p.name)[:MAX_PROBLEMS_SHOWN]
         if self.skipped:
             detail = f"{self.skipped} files past the first {self.max_files} were not read"
             out.insert(0, FileProblem("", "too_many_files", detail))

@@ -5,8 +5,8 @@ import stat
 
 import pytest
 
-from accounting import snapdir
-from accounting.snapdir import SnapshotDir, SnapshotDirError, default_snapshot_dir
+from accounting.snapfile import directory
+from accounting.snapfile.directory import SnapshotDir, SnapshotDirError, default_snapshot_dir
 from tests.hostile import as_nobody, nobody_uid, shared_tmp
 
 
@@ -114,7 +114,7 @@ def test_a_directory_another_user_created_first_is_refused(monkeypatch):
     with shared_tmp() as tmp:
         d = tmp / f"kvledger-{os.geteuid()}"
         as_nobody(f"import os; os.mkdir({str(d)!r}, 0o700)")
-        monkeypatch.setattr(snapdir.tempfile, "gettempdir", lambda: str(tmp))
+        monkeypatch.setattr(directory.tempfile, "gettempdir", lambda: str(tmp))
         monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
         assert default_snapshot_dir() == str(d)
         with pytest.raises(SnapshotDirError) as e:

@@ -1,24 +1,37 @@
-"""The schema of a published snapshot file, field by field: what `exporter.validate` checks.
+"""The schema of a snapshot file: every JSON value and every part of it checked and typed.
 
-Each checker takes the parsed JSON of one part (a buffer row, an account row, a
-reconciliation entry, the TP status, the labels) and returns it typed, or raises
-`Refused` with a reason from `REASONS` and a one-line detail naming the field, the
-value (cut to 60 characters) and what was expected: finite, non-negative figures,
-integers within 64 bits, names of bounded length, lists of bounded size.
+Parts: the buffer rows, account rows, per-family rows, violations, reconciliation
+entries, the TP status, the labels. A checker takes the parsed JSON of one part and
+returns accounting's record of it (`BufferRow`, `AccountRow`, `FamilyRow`,
+`Violation`, `Reconciliation`, `TpStatus`), or raises `Refused` ("schema") naming the
+row, the field, the value (cut to 60 characters) and what was expected: finite,
+non-negative figures, integers within 64 bits, names of bounded length, lists of
+bounded size. The fields a row must have are read from its dataclass, so a field
+added there is checked here. The common case, every row well formed, is checked a
+whole list at a time with C-level builtins (`plain_*`); a list that fails it is
+checked row by row to name the first fault. `parse_json` refuses bytes that are not
+JSON ("parse") or nested deeper than the parser allows ("nesting").
+
+Whether the parts agree with each other is `accounting.snapfile.checks`' business.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import operator
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
+from accounting.figures import FIGURE_NAMES, Figures
 from accounting.ledger import MAP_SECONDS_BUCKETS
+from accounting.relations import Violation
+from accounting.snapfile.refusal import Refused, fail
+from accounting.snapfile.summary import FamilyRow, Reconciliation
 from accounting.snapshot import AccountRow, BufferRow
-from accounting.tp_status import TP_COUNTERS, TpStatus
+from accounting.tp_status import TpStatus
 
 MAX_NAME = 256  # characters in a name, label or dtype
 MAX_TEXT = 4096  # characters in a free-text field (reasons, errors)
@@ -28,33 +41,18 @@ MAX_DIMS = 8
 MAX_INT = 2**63 - 1
 OWNERS = frozenset(o.value for o in Owner)
 
-# Why a file, or its buffer map, is not served: a small fixed set, so a metric labelled by it
-# stays bounded.
-REASONS = (
-    "symlink",  # a symbolic link
-    "not_regular",  # a FIFO, device, socket or directory
-    "owner",  # owned by a user the directory rules do not trust
-    "too_large",  # over the size cap
-    "open",  # the operating system refused to open or read it
-    "parse",  # not UTF-8 JSON in the envelope-then-rows layout
-    "nesting",  # nested deeper than the parser allows
-    "schema",  # parsed, but a field is missing, of the wrong type or out of range
-    "too_many_files",  # over the cap on files per directory
-    "buffers",  # the buffer rows, checked when the buffer map is asked for, failed (the
-    # source's metrics, from the first line, are still served)
-)
+INT = {int}
+STR = {str}
+DICT = {dict}
 
 
-class Refused(ValueError):
-    def __init__(self, reason: str, detail: str) -> None:
-        assert reason in REASONS, reason
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason}: {detail}")
-
-
-def fail(where: str, what: str) -> Refused:
-    return Refused("schema", f"{where}: {what}")
+def parse_json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise Refused("nesting", "JSON nested deeper than the parser allows") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Refused("parse", f"not JSON: {e}") from None
 
 
 def as_dict(d: Any, where: str) -> dict[str, Any]:
@@ -120,6 +118,49 @@ def labels_of(d: Any) -> dict[str, str]:
     return dict(labels)
 
 
+def scalars_of(d: Any, where: str) -> dict[str, Any]:
+    """A flat object of short strings, finite numbers, booleans and nulls."""
+    d = as_dict(d, where)
+    if len(d) > MAX_LABELS:
+        raise fail(where, f"{len(d)} entries, expected at most {MAX_LABELS}")
+    for k, v in d.items():
+        ok = v is None or isinstance(v, (bool, int)) or (isinstance(v, str) and len(v) <= MAX_TEXT)
+        ok = ok or (isinstance(v, float) and math.isfinite(v))
+        if not ok or len(k) > MAX_NAME:
+            raise fail(where, f"{k!r:.60}: expected a string, finite number, boolean or null")
+    return dict(d)
+
+
+# -- the common case, checked a whole list at a time with C-level builtins ----------------------
+def plain_rows(rows: list[Any], keys: frozenset[str]) -> bool:
+    """Every row a dict with as many keys as `keys` (the caller's itemgetters over all of
+    `keys` then raise KeyError unless each row has exactly those)."""
+    return set(map(type, rows)) == DICT and set(map(len, rows)) == {len(keys)}
+
+
+def plain_ints(values: list[Any]) -> bool:
+    """Every value an int in [0, MAX_INT] (C-level builtins over the whole list)."""
+    return not values or (
+        set(map(type, values)) == INT and min(values) >= 0 and max(values) <= MAX_INT
+    )
+
+
+def plain_strs(values: list[Any], limit: int = MAX_NAME) -> bool:
+    """Every value a string of at most `limit` characters."""
+    return not values or (set(map(type, values)) == STR and max(map(len, values)) <= limit)
+
+
+# -- the parts of a snapshot ------------------------------------------------------------------
+MAX_FAMILIES = 4096  # rows of the per-family rollup
+MAX_TRUTHS = 16  # reconciliation entries
+_chain = itertools.chain.from_iterable
+
+
+def _int_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.type in ("int", int))
+
+
+# -- buffer rows (the second line) ------------------------------------------------------------
 _ROW_INTS = (
     "slot_bytes",
     "capacity_slots",
@@ -144,24 +185,19 @@ def _row_is_plain(d: Any) -> bool:
     except (KeyError, TypeError):
         return False
     return (
-        set(map(type, ints)) == _INT
+        set(map(type, ints)) == INT
         and min(ints) >= 0
         and max(ints) <= MAX_INT
-        and set(map(type, strs)) == _STR
+        and set(map(type, strs)) == STR
         and max(map(len, strs)) <= MAX_NAME
         and type(owner) is str
         and owner in OWNERS
         and (layer is None or (type(layer) is int and 0 <= layer <= MAX_INT))
         and type(shape) is list
         and len(shape) <= MAX_DIMS
-        and set(map(type, shape)) <= _INT
+        and set(map(type, shape)) <= INT
         and (not shape or (min(shape) >= 0 and max(shape) <= MAX_INT))
     )
-
-
-_INT = {int}
-_STR = {str}
-_DICT = {dict}
 
 
 def buffer_row(d: Any, i: int) -> BufferRow:
@@ -204,48 +240,16 @@ def buffer_row(d: Any, i: int) -> BufferRow:
     )
 
 
-def _plain_strs(values: tuple[Any, ...], limit: int = MAX_NAME) -> bool:
-    return set(map(type, values)) == _STR and max(map(len, values)) <= limit
-
-
+# -- account rows ------------------------------------------------------------------------------
 # The integer figures of an account row: AccountRow's int fields, declared there once.
-_ACCOUNT_INTS = tuple(f.name for f in dataclasses.fields(AccountRow) if f.type in ("int", int))
-_account_ints = operator.itemgetter(*_ACCOUNT_INTS)
-_account_rest = operator.itemgetter(
-    "key",
-    "family",
-    "pool",
-    "owner",
-    "map_seconds_total",
-    "unmap_seconds_total",
-    "map_bucket_counts",
-)
+_ACCOUNT_INTS = _int_fields(AccountRow)
+_ACCOUNT_KEYSET = frozenset(f.name for f in dataclasses.fields(AccountRow))
 _BUCKETS = len(MAP_SECONDS_BUCKETS) + 1
-_NUM = {int, float}
-
-
-_ACCOUNT_KEYS = tuple(f.name for f in dataclasses.fields(AccountRow))
-_ACCOUNT_KEYSET = frozenset(_ACCOUNT_KEYS)
-
-
+_account_ints = operator.itemgetter(*_ACCOUNT_INTS)
 _account_strs = operator.itemgetter("key", "family", "pool")
 _account_seconds = operator.itemgetter("map_seconds_total", "unmap_seconds_total")
 _account_owner = operator.itemgetter("owner")
 _account_buckets = operator.itemgetter("map_bucket_counts")
-_chain = itertools.chain.from_iterable
-
-
-def plain_rows(rows: list[Any], keys: frozenset[str]) -> bool:
-    """Every row a dict with as many keys as `keys` (the caller's itemgetters over all of
-    `keys` then raise KeyError unless each row has exactly those)."""
-    return set(map(type, rows)) == _DICT and set(map(len, rows)) == {len(keys)}
-
-
-def plain_ints(values: list[Any]) -> bool:
-    """Every value an int in [0, MAX_INT] (C-level builtins over the whole list)."""
-    return not values or (
-        set(map(type, values)) == _INT and min(values) >= 0 and max(values) <= MAX_INT
-    )
 
 
 def _plain_accounts(rows: list[Any]) -> bool:
@@ -266,8 +270,7 @@ def _plain_accounts(rows: list[Any]) -> bool:
         and set(map(type, buckets)) == {list}
         and set(map(len, buckets)) == {_BUCKETS}
         and plain_ints(list(_chain(buckets)))
-        and set(map(type, strs)) == _STR
-        and max(map(len, strs)) <= MAX_NAME
+        and plain_strs(strs)
         and owners <= OWNERS
         and set(map(type, seconds)) == {float}
         and all(map(math.isfinite, seconds))
@@ -275,17 +278,36 @@ def _plain_accounts(rows: list[Any]) -> bool:
     )
 
 
-def accounts_of(rows: list[Any]) -> list[dict[str, Any]]:
-    """The account rows checked, each as `AccountRow.to_dict()` has it (exactly its fields;
-    seconds as floats); `AccountRow.from_dict` of each cannot fail. In the common case the
-    rows themselves."""
-    if rows and _plain_accounts(rows):
-        return rows
-    return [account_fields(d, i) for i, d in enumerate(rows)]
+def accounts_of(d: Any) -> tuple[AccountRow, ...]:
+    """The account rows, checked: exactly AccountRow's fields (seconds as floats)."""
+    rows = as_list(d, "accounts")
+    if not (rows and _plain_accounts(rows)):
+        rows = [account_fields(row, i) for i, row in enumerate(rows)]
+    return tuple(map(_account_row, rows))
+
+
+_OWNER_OF = {o.value: o for o in Owner}
+# A frozen dataclass's __init__ sets each of AccountRow's 18 fields through
+# object.__setattr__: ~9 us a row, 7 rows a rank, on every new version of a file. A row
+# checked above has exactly AccountRow's fields, so its dict becomes the instance's
+# __dict__ instead (~2 us); this holds while AccountRow has no __post_init__ nor slots.
+if hasattr(AccountRow, "__post_init__") or hasattr(AccountRow, "__slots__"):  # pragma: no cover
+    raise RuntimeError("accounting.snapfile.schema: AccountRow must be built through __init__")
+
+
+def _account_row(d: dict[str, Any]) -> AccountRow:
+    """`AccountRow.from_dict` of a checked row (exactly its fields), without __init__."""
+    row = object.__new__(AccountRow)
+    fields = row.__dict__
+    fields.update(d)
+    fields["owner"] = _OWNER_OF[d["owner"]]
+    fields["map_bucket_counts"] = tuple(d["map_bucket_counts"])
+    return row
 
 
 def account_fields(d: Any, i: int) -> dict[str, Any]:
-    """One account row checked field by field, naming the first fault."""
+    """One account row checked field by field, naming the first fault; as
+    `AccountRow.to_dict()` writes it (other keys dropped)."""
     where = f"accounts[{i}]"
     d = as_dict(d, where)
     buckets = as_list(get_field(d, "map_bucket_counts", where), f"{where}.map_bucket_counts", 64)
@@ -305,7 +327,74 @@ def account_fields(d: Any, i: int) -> dict[str, Any]:
     }
 
 
-def reconciliation_entry(d: Any, i: int) -> dict[str, Any]:
+# -- per-family rows ---------------------------------------------------------------------------
+_FAMILY_KEYS = frozenset(("family", "owner", *FIGURE_NAMES))
+_family_names = operator.itemgetter("family")
+_family_owners = operator.itemgetter("owner")
+_family_figures = operator.itemgetter(*FIGURE_NAMES)
+
+
+def _plain_families(rows: list[Any]) -> bool:
+    """The common case, every row at once with C-level builtins: exactly the keys, each
+    of its type and range. False to take the row-by-row path."""
+    if not rows or not plain_rows(rows, _FAMILY_KEYS):
+        return not rows
+    try:
+        names = list(map(_family_names, rows))
+        owners = set(map(_family_owners, rows))
+        figures = list(_chain(map(_family_figures, rows)))
+    except (KeyError, TypeError):  # a key missing (so another one there), or unhashable
+        return False
+    return plain_strs(names) and owners <= OWNERS and plain_ints(figures)
+
+
+def family_rows_of(d: Any) -> list[FamilyRow]:
+    """The per-family rows as listed, each checked (their sums: `accounting.snapfile.checks`)."""
+    rows = as_list(d, "families", MAX_FAMILIES)
+    if _plain_families(rows):
+        return [
+            FamilyRow(row["family"], Owner(row["owner"]), Figures(*_family_figures(row)))
+            for row in rows
+        ]
+    return [_family_row(row, i) for i, row in enumerate(rows)]
+
+
+def _family_row(row: Any, i: int) -> FamilyRow:
+    """One per-family row checked field by field, naming the first fault."""
+    where = f"families[{i}]"
+    row = as_dict(row, where)
+    return FamilyRow(
+        family=str_of(row, "family", where),
+        owner=owner_of(row, where),
+        figures=Figures(*(int_of(row, name, where) for name in FIGURE_NAMES)),
+    )
+
+
+# -- violations, reconciliation, TP status -----------------------------------------------------
+def violations_of(d: Any) -> list[Violation]:
+    """The listed violations, each checked (whether the list is complete: `checks`)."""
+    out = []
+    for i, v in enumerate(as_list(d, "violations")):
+        where = f"violations[{i}]"
+        v = as_dict(v, where)
+        out.append(
+            Violation(
+                subject=str_of(v, "subject", where, 2 * MAX_NAME + 1),
+                relation=str_of(v, "relation", where),
+                detail=str_of(v, "detail", where, MAX_TEXT),
+            )
+        )
+    return out
+
+
+def reconciliation_of(d: Any) -> tuple[Reconciliation, ...]:
+    return tuple(
+        reconciliation_entry(r, i)
+        for i, r in enumerate(as_list(d or [], "reconciliation", MAX_TRUTHS))
+    )
+
+
+def reconciliation_entry(d: Any, i: int) -> Reconciliation:
     where = f"reconciliation[{i}]"
     d = as_dict(d, where)
     device = opt_int_of(d, "device_bytes", where)
@@ -313,39 +402,26 @@ def reconciliation_entry(d: Any, i: int) -> dict[str, Any]:
     available = d.get("available", False)
     if not isinstance(available, bool):
         raise fail(where, "available: expected true or false")
-    detail = scalars_of(d.get("detail") or {}, f"{where}.detail")
-    return {
-        "source": str_of(d, "source", where) if "source" in d else "unknown",
-        "basis": str_of(d, "basis", where) if "basis" in d else "",
-        "available": available and device is not None,
-        "reason": str_of(d, "reason", where, MAX_TEXT) if "reason" in d else "",
+    checked: dict[str, Any] = {
         "device_bytes": device,
         "ledger_bytes": ledger,
-        "unattributed_bytes": device - ledger
-        if device is not None and ledger is not None
-        else None,
-        "detail": detail,
+        "available": available,
+        "detail": scalars_of(d.get("detail") or {}, f"{where}.detail"),
     }
+    for key, limit in (("source", MAX_NAME), ("basis", MAX_NAME), ("reason", MAX_TEXT)):
+        if key in d:
+            checked[key] = str_of(d, key, where, limit)
+    return Reconciliation.of(checked)
 
 
-def scalars_of(d: Any, where: str) -> dict[str, Any]:
-    """A flat object of short strings, finite numbers, booleans and nulls."""
-    d = as_dict(d, where)
-    if len(d) > MAX_LABELS:
-        raise fail(where, f"{len(d)} entries, expected at most {MAX_LABELS}")
-    for k, v in d.items():
-        ok = v is None or isinstance(v, (bool, int)) or (isinstance(v, str) and len(v) <= MAX_TEXT)
-        ok = ok or (isinstance(v, float) and math.isfinite(v))
-        if not ok or len(k) > MAX_NAME:
-            raise fail(where, f"{k!r:.60}: expected a string, finite number, boolean or null")
-    return dict(d)
+_TP_INTS = _int_fields(TpStatus)
 
 
 def tp_status(d: Any) -> TpStatus | None:
     if d is None:
         return None
     d = as_dict(d, "tp")
-    ints = {k: int_of(d, k, "tp") for k in ("rank", "size", *TP_COUNTERS)}
+    ints = {k: int_of(d, k, "tp") for k in _TP_INTS}
     try:
         return TpStatus(last_error=str_of(d, "last_error", "tp", MAX_TEXT), **ints)
     except ValueError as e:

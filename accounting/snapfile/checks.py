@@ -1,0 +1,150 @@
+"""The relations a snapshot file's figures must satisfy, recomputed rather than believed.
+
+Within the first line (`accounting.snapfile.head.load`): each family's slot figures
+are the sum of its accounts' (slots are counted per index space, bytes per buffer),
+the totals the sum of the families, every relation an account breaks (recomputed by
+`accounting.relations.check_account`) is listed, and a family whose sums break a
+relation that holds buffer by buffer lists a violation of it. Between the two lines
+(`accounting.snapfile.buffermap`): the rollups and violations rebuilt from the buffer
+rows equal the first line's. A file that breaks one is refused ("schema") with the
+relation and the figures that broke it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from accounting.buffers import Owner
+from accounting.figures import FIGURE_NAMES, Figures
+from accounting.relations import Violation, check_account
+from accounting.snapfile.refusal import fail
+from accounting.snapfile.summary import FamilyRow, Summary
+from accounting.snapshot import AccountRow
+
+Key = tuple[str, Owner]
+
+
+def _name(key: Key) -> str:
+    return f"{key[0]}/{key[1].value}"
+
+
+def families_match_accounts(
+    rows: Sequence[FamilyRow], accounts: Sequence[AccountRow]
+) -> tuple[FamilyRow, ...]:
+    """The per-family rows sorted by (family, owner): each listed once, one for every
+    account's family, each with the slot figures its accounts sum to."""
+    slots: dict[Key, list[int]] = {}
+    for a in accounts:
+        s = slots.setdefault((a.family, a.owner), [0, 0])
+        s[0] += a.occupied_slots
+        s[1] += a.capacity_slots
+    out: dict[Key, FamilyRow] = {}
+    for i, row in enumerate(rows):
+        key = (row.family, row.owner)
+        if key in out:
+            raise fail(f"families[{i}]", f"{_name(key)} listed twice")
+        occupied, capacity = slots.get(key, (0, 0))
+        figs = row.figures
+        if (figs.occupied_slots, figs.capacity_slots) != (occupied, capacity):
+            raise fail(
+                f"families[{i}]",
+                f"occupied_slots={figs.occupied_slots} capacity_slots="
+                f"{figs.capacity_slots}, but the accounts of {_name(key)} sum to "
+                f"{occupied} and {capacity}",
+            )
+        out[key] = row
+    missing = sorted(set(slots) - set(out))
+    if missing:
+        raise fail("families", f"no row for the accounts of {_name(missing[0])}")
+    return tuple(out[k] for k in sorted(out))
+
+
+def totals_match(claimed: dict[str, Any], totals: Figures) -> None:
+    """The totals a file claims, each equal to the sum of its families."""
+    for figure, total in zip(FIGURE_NAMES, totals.values(), strict=True):
+        if claimed.get(figure) != total:
+            raise fail(
+                "totals", f"{figure}={claimed.get(figure)!r:.60}, but the families sum to {total}"
+            )
+
+
+def account_may_break(a: AccountRow) -> bool:
+    """Whether `check_account` can find a violation in a checked account row (figures
+    already >= 0): only then is it asked."""
+    return a.mapped_pages > a.handle_pages or a.occupied_slots > a.capacity_slots
+
+
+# Relations of one buffer that hold for a family's sums whenever they hold for each buffer,
+# per owner: (smaller, larger, their places in `Figures.values()`, the relation's name).
+_PAIRS = (
+    ("tensor_bytes", "reserved_bytes"),
+    ("mapped_bytes", "reserved_bytes"),
+    ("mapped_bytes", "physical_bytes"),
+)
+_SUMMED = {
+    owner: tuple(
+        (lo, hi, FIGURE_NAMES.index(lo), FIGURE_NAMES.index(hi), f"{lo} <= {hi}")
+        for lo, hi in (
+            *_PAIRS,
+            ("occupied_bytes", "mapped_bytes" if owner is Owner.VMM else "tensor_bytes"),
+        )
+    )
+    for owner in Owner
+}
+
+
+def violations_complete(
+    violations: Sequence[Violation],
+    accounts: Sequence[AccountRow],
+    families: Sequence[FamilyRow],
+) -> None:
+    """Each account's violations (recomputed) listed, and for a family whose sums break a
+    relation, a violation of that relation listed."""
+    listed = Counter(violations)
+    for a in accounts:
+        if not account_may_break(a):
+            continue
+        for v in check_account(a):
+            if listed[v] <= 0:
+                raise fail("violations", f"account {a.key!r:.60} breaks {v.relation}; not listed")
+            listed[v] -= 1
+    relations = {v.relation for v in violations}
+    for row in families:
+        figs = row.figures.values()
+        for lo, hi, lo_at, hi_at, relation in _SUMMED[row.owner]:
+            small, large = figs[lo_at], figs[hi_at]
+            if small > large and relation not in relations:
+                raise fail(
+                    "violations",
+                    f"family {row.family}/{row.owner.value} sums to {lo}={small} > "
+                    f"{hi}={large}; no violation of {relation} listed",
+                )
+
+
+def rows_agree(rows: Summary, head: Summary) -> None:
+    """The summary rebuilt from the buffer rows against the first line's."""
+    by_key = {(r.family, r.owner): r for r in head.families}
+    for r in rows.families:
+        h = by_key.pop((r.family, r.owner), None)
+        where = f"families {r.family}/{r.owner.value}"
+        if h is None:
+            raise fail(where, "in the buffer rows, not in the first line")
+        for name, got, said in zip(
+            FIGURE_NAMES, r.figures.values(), h.figures.values(), strict=True
+        ):
+            if got != said:
+                raise fail(where, f"{name}: the rows sum to {got}, the first line says {said}")
+    if by_key:
+        raise fail(f"families {_name(min(by_key))}", "in the first line, not in the buffer rows")
+    listed, found = Counter(head.violations), Counter(rows.violations)
+    extra, missing = found - listed, listed - found
+    if extra or missing:
+        v = next(iter(extra or missing))
+        where = (
+            "found in the buffer rows, not listed in the first line"
+            if extra
+            else "listed in the first line, not found in the buffer rows"
+        )
+        raise fail("violations", f"{v.subject}: {v.relation} {where}")

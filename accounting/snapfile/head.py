@@ -1,0 +1,126 @@
+"""A file's first line, read by the exporter: checked once per file version, typed.
+
+`load(data, name, now)` runs when a new version of a file is read. It parses and
+checks the first line only (O(families + accounts), never O(buffers)) and returns a
+`Head`: the `Envelope` and the `Summary` a scrape exports, with the buffer rows kept
+as bytes for `accounting.snapfile.buffermap`. Checked: the envelope (schema version,
+`source` equal to the file's name, pid, host, process start, `interval` within
+[MIN_INTERVAL_S, MAX_INTERVAL_S], a finite heartbeat no more than MAX_SKEW_S in the
+future, a sequence number); every account, family row, violation and reconciliation
+entry (`accounting.snapfile.schema`); then the relations between them
+(`accounting.snapfile.checks`), recomputed: a file whose own figures disagree is
+refused.
+
+JSON nested deeper than the parser allows is refused as "nesting"; anything nested
+deeper than the schema is a "schema" refusal.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from accounting.figures import Figures
+from accounting.snapfile import checks, schema
+from accounting.snapfile.envelope import ENVELOPE_SCHEMA, SUFFIX, Envelope, check_interval
+from accounting.snapfile.refusal import Refused, fail
+from accounting.snapfile.schema import (
+    MAX_NAME,
+    as_dict,
+    get_field,
+    int_of,
+    labels_of,
+    num_of,
+    opt_int_of,
+    parse_json,
+    str_of,
+)
+from accounting.snapfile.summary import Summary
+from accounting.snapshot import SCHEMA_VERSION
+
+MAX_SKEW_S = 5.0  # how far in the future a heartbeat or snapshot time may be (clock skew)
+
+
+@dataclass(frozen=True)
+class Head:
+    """A file's first line, checked: all a scrape reads, and what the buffer rows are
+    held against when someone asks for them."""
+
+    envelope: Envelope
+    summary: Summary
+    rows: bytes  # the second line, unparsed
+
+
+def load(data: bytes, name: str, now: float) -> Head:
+    """The checked first line of file `name`'s bytes; the buffer rows are kept unparsed."""
+    head, sep, rest = data.partition(b"\n")
+    if not sep:
+        raise Refused("parse", "one line; expected the envelope, a newline, the buffer rows")
+    env = as_dict(parse_json(head), "envelope")
+    envelope = _envelope(env, name, now)
+    snap = as_dict(get_field(env, "snapshot", "envelope"), "snapshot")
+    return Head(envelope, _summary(snap, now), rest)
+
+
+def _envelope(env: dict[str, Any], name: str, now: float) -> Envelope:
+    if env.get("kvledger_publish") != ENVELOPE_SCHEMA:
+        raise fail(
+            "envelope",
+            f"kvledger_publish={env.get('kvledger_publish')!r:.60}, expected {ENVELOPE_SCHEMA}",
+        )
+    source = str_of(env, "source", "envelope")
+    if source + SUFFIX != name:
+        raise fail("envelope", f"source={source!r:.60} does not match the file name {name!r}")
+    try:
+        interval = check_interval(get_field(env, "interval", "envelope"), "interval")
+    except ValueError as e:
+        raise fail("envelope", str(e)) from None
+    published_at = num_of(env, "published_at", "envelope")
+    if published_at > now + MAX_SKEW_S:
+        raise fail("envelope", f"published_at is {published_at - now:.0f} s in the future")
+    host = env.get("host")
+    if host is not None and (not isinstance(host, str) or len(host) > MAX_NAME):
+        raise fail("envelope", "host: expected a short string or null")
+    return Envelope(
+        source=source,
+        pid=opt_int_of(env, "pid", "envelope", lo=1),
+        host=host,
+        process_start=opt_int_of(env, "process_start", "envelope"),
+        interval=interval,
+        published_at=published_at,
+        sequence=int_of(env, "sequence", "envelope"),
+    )
+
+
+def _summary(snap: dict[str, Any], now: float) -> Summary:
+    if snap.get("schema") != SCHEMA_VERSION:
+        raise fail("snapshot", f"schema={snap.get('schema')!r:.60}, expected {SCHEMA_VERSION}")
+    taken_at = num_of(snap, "taken_at", "snapshot")
+    if taken_at > now + MAX_SKEW_S:
+        raise fail("snapshot", f"taken_at is {taken_at - now:.0f} s in the future")
+    accounts = schema.accounts_of(get_field(snap, "accounts", "snapshot"))
+    if len({a.key for a in accounts}) < len(accounts):
+        key = Counter(a.key for a in accounts).most_common(1)[0][0]
+        raise fail("accounts", f"key {key!r:.60} listed twice")
+    families = checks.families_match_accounts(
+        schema.family_rows_of(get_field(snap, "families", "snapshot")), accounts
+    )
+    totals = Figures.sum([f.figures for f in families])
+    checks.totals_match(as_dict(get_field(snap, "totals", "snapshot"), "totals"), totals)
+    tp = schema.tp_status(snap.get("tp"))
+    epoch = int_of(snap, "epoch", "snapshot")
+    labels = labels_of(get_field(snap, "labels", "snapshot"))
+    violations = schema.violations_of(get_field(snap, "violations", "snapshot"))
+    checks.violations_complete(violations, accounts, families)
+    return Summary(
+        epoch=epoch,
+        taken_at=taken_at,
+        labels=labels,
+        totals=totals,
+        families=families,
+        accounts=accounts,
+        violations=tuple(violations),
+        reconciliation=schema.reconciliation_of(snap.get("reconciliation")),
+        tp=tp,
+    )

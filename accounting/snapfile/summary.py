@@ -1,0 +1,112 @@
+"""What a scrape reads of one snapshot: everything but the buffer rows, typed.
+
+A `Summary` is built once per snapshot: from a published file's first line when
+it is checked (`accounting.snapfile.head.load`), or from a whole `Snapshot` by
+`summary_of` (a ledger read in-process, or a file's buffer rows when someone asks
+for its buffer map and they are held against the first line). The collector and
+the debug view read its fields by name; nothing downstream reads the JSON.
+
+The rows reuse accounting's own records (`AccountRow`, `Violation`, `TpStatus`,
+`Figures`); what only a summary has is declared here: a family's rollup row and a
+reconciliation result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from accounting.buffers import Owner
+from accounting.figures import Figures
+from accounting.relations import Violation
+from accounting.snapshot import AccountRow, Snapshot
+from accounting.tp_status import TpStatus
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    """One (family, owner)'s figures: bytes summed over its buffers, slots over its accounts."""
+
+    family: str
+    owner: Owner
+    figures: Figures
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    """The ledger held against one device truth (`accounting.reconcile` says what each
+    field means). `available` only with a device figure; `unattributed_bytes` is
+    device_bytes - ledger_bytes, recomputed, never taken as given."""
+
+    source: str = "unknown"
+    basis: str = ""
+    available: bool = False
+    reason: str = ""
+    device_bytes: int | None = None
+    ledger_bytes: int | None = None
+    unattributed_bytes: int | None = None
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, result: Mapping[str, Any]) -> Reconciliation:
+        """A truth reader's result (`accounting.reconcile.result`'s keys; missing ones take
+        their defaults)."""
+        device, ledger = result.get("device_bytes"), result.get("ledger_bytes")
+        return cls(
+            source=str(result.get("source", "unknown")),
+            basis=result.get("basis", ""),
+            available=bool(result.get("available", False)) and device is not None,
+            reason=result.get("reason", ""),
+            device_bytes=device,
+            ledger_bytes=ledger,
+            unattributed_bytes=device - ledger
+            if device is not None and ledger is not None
+            else None,
+            detail=dict(result.get("detail") or {}),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """As `accounting.reconcile.result` writes it."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One snapshot without its buffer rows: all a scrape reads."""
+
+    epoch: int  # changes the ledger had applied when the snapshot was taken
+    taken_at: float  # Unix time
+    labels: Mapping[str, str]  # the ledger's labels as published
+    totals: Figures  # the sum of `families`
+    families: tuple[FamilyRow, ...]  # sorted by (family, owner)
+    accounts: tuple[AccountRow, ...]
+    violations: tuple[Violation, ...]
+    reconciliation: tuple[Reconciliation, ...]
+    tp: TpStatus | None  # present for a pool under tensor parallelism
+
+
+def family_rows(snap: Snapshot) -> tuple[FamilyRow, ...]:
+    """The per-(family, owner) rollup of a whole snapshot, sorted."""
+    return tuple(
+        FamilyRow(family, Owner(owner), Figures.of(figs))
+        for (family, owner), figs in sorted(snap.rollup("family", "owner").items())
+    )
+
+
+def summary_of(snap: Snapshot) -> Summary:
+    """`snap` without its buffer rows (and without building their dicts). The totals are
+    the sum of the per-family rollup."""
+    families = family_rows(snap)
+    return Summary(
+        epoch=snap.epoch,
+        taken_at=snap.taken_at,
+        labels=dict(snap.labels),
+        totals=Figures.sum(f.figures for f in families),
+        families=families,
+        accounts=snap.accounts,
+        violations=snap.violations,
+        reconciliation=tuple(Reconciliation.of(r) for r in snap.reconciliation),
+        tp=snap.tp,
+    )

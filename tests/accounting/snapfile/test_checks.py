@@ -1,0 +1,82 @@
+"""accounting.snapfile.checks: figures the first line can recompute are recomputed, not believed."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from accounting.buffers import Owner
+from accounting.ledger import MAP_SECONDS_BUCKETS
+from accounting.relations import check_account
+from accounting.snapfile.checks import account_may_break
+from accounting.snapshot import AccountRow
+from tests.accounting.snapfile.files import copy_of, file_bytes, load_s, refused, rows_refused
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda s: s["totals"].update(physical_bytes=80 << 30), "totals: physical_bytes"),
+        (lambda s: s["families"][0].update(occupied_slots=10**9), "sum to"),
+        (lambda s: s["families"].pop(), "no row for the accounts"),
+        (lambda s: s["families"].append(dict(s["families"][0])), "listed twice"),
+        (lambda s: s["accounts"].append(dict(s["accounts"][0])), "listed twice"),
+        (
+            lambda s: s["accounts"][0].update(mapped_pages=s["accounts"][0]["handle_pages"] + 1),
+            "breaks mapped_pages <= handle_pages; not listed",
+        ),
+    ],
+)
+def test_figures_the_first_line_can_recompute_are_not_trusted(published, change, needle):
+    envelope, rows = copy_of(published)
+    change(envelope["snapshot"])
+    e = refused(file_bytes(envelope, rows))
+    assert e.reason == "schema" and needle in e.detail, e.detail
+
+
+def test_a_family_whose_sums_break_a_relation_must_list_a_violation(published):
+    envelope, rows = copy_of(published)
+    snap = envelope["snapshot"]
+    fam = next(f for f in snap["families"] if f["owner"] == "vmm")
+    grown = fam["mapped_bytes"] + 1 - fam["occupied_bytes"]
+    fam["occupied_bytes"] += grown
+    snap["totals"]["occupied_bytes"] += grown
+    e = refused(file_bytes(envelope, rows))
+    assert "no violation of occupied_bytes <= mapped_bytes listed" in e.detail
+    snap["violations"].append(
+        {"subject": "p/x", "relation": "occupied_bytes <= mapped_bytes", "detail": "d"}
+    )
+    head = load_s(file_bytes(envelope, rows))
+    assert len(head.summary.violations) == 1  # exported as listed
+    # ... and the rows, read later, do not bear the first line out: that buffer map only.
+    assert "the rows sum to" in rows_refused(file_bytes(envelope, rows)).detail
+
+
+@given(
+    st.fixed_dictionaries(
+        {
+            k: st.integers(0, 20)
+            for k in ("handle_pages", "mapped_pages", "occupied_slots", "capacity_slots")
+        }
+    )
+)
+def test_account_may_break_knows_every_relation_check_account_checks(figs):
+    """load asks check_account only when account_may_break says it could find something."""
+    row = AccountRow(
+        key="p/f",
+        family="f",
+        pool="p",
+        owner=Owner.VMM,
+        page_bytes=4096,
+        peak_occupied_slots=0,
+        peak_handle_pages=0,
+        pages_mapped_total=0,
+        pages_unmapped_total=0,
+        map_seconds_total=0.0,
+        unmap_seconds_total=0.0,
+        map_calls=0,
+        map_bucket_counts=(0,) * (len(MAP_SECONDS_BUCKETS) + 1),
+        **figs,
+    )
+    assert bool(check_account(row)) == account_may_break(row)

@@ -1,0 +1,155 @@
+"""accounting.snapfile.head: a file's first line, checked field by field and typed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from accounting.snapfile.buffermap import buffer_map
+from accounting.snapfile.head import MAX_SKEW_S
+from accounting.snapfile.refusal import Refused
+from accounting.snapshot import AccountRow
+from tests.accounting.snapfile.files import copy_of, file_bytes, load_s, refused
+
+
+@pytest.mark.parametrize(
+    "where, key, value, needle",
+    [
+        ("account", "map_seconds_total", float("inf"), "map_seconds_total"),
+        ("account", "unmap_seconds_total", float("nan"), "unmap_seconds_total"),
+        ("account", "owner", ["vmm"], "owner"),
+        ("account", "mapped_pages", 2**63, "mapped_pages"),
+        ("account", "map_bucket_counts", [1, 2], "map_bucket_counts"),
+        ("family", "physical_bytes", float("nan"), "physical_bytes"),
+        ("family", "mapped_bytes", -1, "mapped_bytes"),
+        ("family", "owner", "nobody", "owner"),
+        ("family", "family", 7, "family"),
+        ("violation", "subject", 7, "subject"),
+        ("envelope", "interval", 0, "interval"),
+        ("envelope", "interval", float("nan"), "interval"),
+        ("envelope", "interval", 1e9, "interval"),
+        ("envelope", "sequence", -1, "sequence"),
+        ("envelope", "pid", 0, "pid"),
+        ("envelope", "source", "other", "file name"),
+        ("envelope", "kvledger_publish", 2, "kvledger_publish"),
+        ("snapshot", "labels", {"model_name": 7}, "labels"),
+        ("snapshot", "accounts", {}, "accounts"),
+        ("snapshot", "families", None, "families"),
+        ("snapshot", "violations", "none", "violations"),
+        ("snapshot", "epoch", 1.5, "epoch"),
+    ],
+)
+def test_wrong_types_and_out_of_range_figures_in_the_first_line_arerefused(
+    published, where, key, value, needle
+):
+    envelope, rows = copy_of(published)
+    snap = envelope["snapshot"]
+    snap["violations"].append({"subject": "p/x", "relation": "r", "detail": "d"})
+    target = {
+        "account": snap["accounts"][0],
+        "family": snap["families"][0],
+        "violation": snap["violations"][-1],
+        "envelope": envelope,
+        "snapshot": snap,
+    }[where]
+    target[key] = value
+    e = refused(file_bytes(envelope, rows))
+    assert e.reason == "schema" and needle in e.detail
+
+
+def test_a_heartbeat_in_the_future_isrefused(published):
+    envelope, rows, _ = published
+    now = envelope["published_at"]
+    load_s(file_bytes(envelope, rows), now - MAX_SKEW_S + 0.5)  # within the skew
+    e = refused(file_bytes(envelope, rows), now=now - 3600)
+    assert "future" in e.detail
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b'{"kvledger_publish": 1}', "parse"),
+        (b"\xff\xfe\n[]", "parse"),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n[]", "nesting"),
+        (b"[1]\n[]", "schema"),
+    ],
+)
+def test_unparseable_and_deeply_nested_first_lines_arerefused(data, reason):
+    assert refused(data).reason == reason
+
+
+def test_reconciliation_keeps_every_key_a_truth_reader_writes(published):
+    """The exporter passes on what accounting.reconcile.result says (basis included), with
+    the difference recomputed rather than taken from the file."""
+    from accounting.reconcile import result
+
+    envelope, rows = copy_of(published)
+    entry = result("nvml", ledger_bytes=100, device_bytes=164, basis="process", detail={"a": 1})
+    envelope["snapshot"]["reconciliation"] = [{**entry, "unattributed_bytes": 0}]
+    (got,) = load_s(file_bytes(envelope, rows)).summary.reconciliation
+    assert got.to_dict() == entry
+
+
+def test_an_account_row_with_more_keys_or_whole_seconds_loads_as_its_fields(published):
+    envelope, rows = copy_of(published)
+    acc = envelope["snapshot"]["accounts"][0]
+    acc["extra"] = "x"
+    acc["map_seconds_total"] = 3
+    head = load_s(file_bytes(envelope, rows))
+    got = head.summary.accounts[0].to_dict()
+    assert set(got) == {f.name for f in dataclasses.fields(AccountRow)}
+    assert got["map_seconds_total"] == 3.0 and type(got["map_seconds_total"]) is float
+    assert buffer_map(head).accounts[0].map_seconds_total == 3.0
+
+
+_ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    where=st.sampled_from(["row", "account", "family", "violation"]),
+    index=st.integers(0, 1),
+    key=st.sampled_from(
+        [f.name for f in dataclasses.fields(AccountRow)]
+        + ["family", "owner", "name", "pool", "layer", "shape", "dtype", "account", "slot_bytes"]
+        + ["tensor_bytes", "reserved_bytes", "physical_bytes", "mapped_bytes", "subject"]
+        + ["relation", "detail", "occupied_bytes"]
+    ),
+    value=_ANY_JSON | st.just(_MISSING := object()),
+)
+def test_any_value_anywhere_is_served_or_refused_never_an_error(
+    published, where, index, key, value
+):
+    envelope, rows = copy_of(published)
+    snap = envelope["snapshot"]
+    snap["violations"] = [{"subject": "p/x", "relation": "r", "detail": "d"}] * 2
+    target = {
+        "row": rows,
+        "account": snap["accounts"],
+        "family": snap["families"],
+        "violation": snap["violations"],
+    }[where][index]
+    target = dict(target)
+    {"row": rows, "account": snap["accounts"], "family": snap["families"]}.get(
+        where, snap["violations"]
+    )[index] = target
+    if value is _MISSING:
+        target.pop(key, None)
+    else:
+        target[key] = value
+    try:
+        head = load_s(file_bytes(envelope, rows))
+    except Refused as e:
+        assert e.reason == "schema"
+        return
+    try:
+        buffer_map(head)
+    except Refused as e:
+        assert e.reason == "buffers"

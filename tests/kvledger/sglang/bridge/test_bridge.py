@@ -87,19 +87,19 @@ def _row_pages(row: int) -> set[int]:
 
 
 def held(rg: Rig) -> int:
-    """Rows the follower holds once the hooks' journal is replayed."""
+    """Rows the follower holds once the policy's journal is replayed."""
     rg.bridge.flush()
     return int(rg.bridge.follower.held_rows)
 
 
 def check(rg: Rig) -> Any:
     """Pages, ledger figures and host reconciliation agree with SGLang's allocator (after
-    the hooks' journal is replayed)."""
+    the policy's journal is replayed)."""
     br, alloc = rg.bridge, rg.alloc
     br.flush()
     if br.mapper is not None:
         assert br.mapper.wait_idle()
-    engine = br.hooks.held_by_engine()
+    engine = br.policy.held_by_engine()
     assert br.follower.held().tolist() == engine
     assert br.follower.divergences == 0
     need = set().union(*(_row_pages(p) for p in [0, *engine]))
@@ -421,7 +421,7 @@ def test_detach_restores_native_buffers_and_leaves_nothing_mapped(r: Rig) -> Non
     b = r.sched.prefill(rig.PAGE)
     again = r.attach(pool_options=EXACT)
     assert again is not br and again.active
-    assert again.follower.held().tolist() == r.bridge.hooks.held_by_engine() != []
+    assert again.follower.held().tolist() == r.bridge.policy.held_by_engine() != []
     check(r)
     r.sched.finish(b)
     check(r)
@@ -617,25 +617,25 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
 
     monkeypatch.setattr(bridge_mod, "reader_for", lambda device: Reader())
     br = r.attach(pool_options=EXACT)
-    reader = br.hooks.reader
+    reader = br.policy.reader
     a = r.sched.prefill(2 * rig.PAGE)
-    rows = br.hooks.held_by_engine()
+    rows = br.policy.held_by_engine()
     r.sched.finish(a)
-    br.hooks.flush(wait=False)  # the read starts; the ids are not there yet
+    br.policy.flush(wait=False)  # the read starts; the ids are not there yet
     assert br.follower.held_rows == 0  # the follower has not heard of `a` ...
     assert all(br.store.is_mapped(p) for p in br.follower.pages_of(rows))  # ... its pages stay
     assert set(br.follower.pages_of(rows)) <= set(br.store.pinned)
     for ev in events:
         ev.complete = True
-    br.hooks.flush(wait=False)  # the copies landed: replayed without waiting
+    br.policy.flush(wait=False)  # the copies landed: replayed without waiting
     assert reader.waits == 0 and br.follower.held_rows == 0  # taken and released: netted
     b = r.sched.prefill(rig.PAGE)
-    br.hooks.flush(wait=True)  # b's read has not landed: the replay waits, and counts it
+    br.policy.flush(wait=True)  # b's read has not landed: the replay waits, and counts it
     assert reader.waits == 1 and br.follower.held_rows == 1
     assert br.stats()["readback_waits"] == 1
     check(r)
     r.sched.finish(b)
-    br.hooks.flush(wait=False)  # the read of b's release starts ...
+    br.policy.flush(wait=False)  # the read of b's release starts ...
     for ev in events:
         ev.complete = True  # ... and lands before the next replay: no wait
     check(r)
@@ -701,7 +701,7 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
                 s.decode([req])
             elif req is not None:
                 s.evict_window(req)
-        held = br.hooks.held_by_engine()  # SGLang's truth, read without a replay
+        held = br.policy.held_by_engine()  # SGLang's truth, read without a replay
         unmapped = [p for p in br.follower.pages_of([0, *held]) if not br.store.is_mapped(p)]
         assert unmapped == [], f"after move {moves}: rows {held} use unmapped pages {unmapped}"
         if options != "exact":
@@ -713,29 +713,43 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
     assert br.stats()["held_pages"] == 0
 
 
-def test_a_reader_thread_closes_a_batch_only_between_sglang_calls(r: Rig) -> None:
+def test_a_reader_thread_closes_a_batch_only_between_sglang_calls(
+    r: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`stats()` from another thread replays what was recorded, but closes a batch (reads
-    SGLang's front) only when no hooked call is running on the allocator's thread."""
+    SGLang's front) only when no hooked call is running on the allocator's thread: here one
+    runs inside SGLang's own `_release_page_ids`, called through the hooks."""
     import threading
 
-    br = r.attach()
-    br.mapper.on_idle = None  # no idle replay from the mapper: this is about reader threads
-    a = r.sched.prefill(rig.PAGE)
-    r.sched.finish(a)
-    recorded = len(br.hooks.journal.raw)
-    assert recorded > 0
+    sub = r.alloc.swa_attn_allocator
+    release = type(sub)._release_page_ids
+    inside: list[int] = []  # what was recorded and not drained, seen from inside the call
+    stall = [False]
 
     def read() -> None:
-        t = threading.Thread(target=br.stats)
+        t = threading.Thread(target=r.bridge.stats)
         t.start()
         t.join()
 
-    br.hooks._calls += 1  # as if SGLang were inside a hooked call on its own thread
-    read()
-    assert len(br.hooks.journal.raw) == recorded  # nothing closed mid-call
-    br.hooks._calls += 1  # the call ended
-    read()
-    assert len(br.hooks.journal.raw) == 0 and br.follower.held_rows == 0
+    def release_with_a_reader(self: Any, *page_ids: Any) -> Any:
+        if self is sub and stall[0]:
+            read()
+            inside.append(len(r.bridge.policy.journal.raw))
+        return release(self, *page_ids)
+
+    monkeypatch.setattr(type(sub), "_release_page_ids", release_with_a_reader)
+    br = r.attach()  # the hooks wrap the method as patched above
+    br.mapper.on_idle = None  # no idle replay from the mapper: this is about reader threads
+    a, b = r.sched.prefill(rig.PAGE), r.sched.prefill(rig.PAGE)
+    r.sched.finish(a)
+    recorded = len(br.policy.journal.raw)
+    assert recorded > 0
+    stall[0] = True
+    r.sched.finish(b)
+    stall[0] = False
+    assert inside and inside[0] == recorded  # nothing closed mid-call
+    read()  # between calls: everything recorded is closed and replayed
+    assert len(br.policy.journal.raw) == 0 and br.follower.held_rows == 0
     check(r)
 
 
@@ -747,9 +761,9 @@ def test_the_mapper_replays_a_journal_sglang_left_alone(r: Rig) -> None:
     br = r.attach()
     a = r.sched.prefill(2 * rig.PAGE)
     r.sched.finish(a)
-    assert len(br.hooks.journal) > 0  # recorded, not replayed
+    assert len(br.policy.journal) > 0  # recorded, not replayed
     deadline = time.monotonic() + 5.0
-    while (len(br.hooks.journal) or br.follower.held_rows) and time.monotonic() < deadline:
+    while (len(br.policy.journal) or br.follower.held_rows) and time.monotonic() < deadline:
         time.sleep(0.01)  # the mapper's replay: the journal empties, then the follower moves
-    assert len(br.hooks.journal) == 0 and br.follower.held_rows == 0
+    assert len(br.policy.journal) == 0 and br.follower.held_rows == 0
     check(r)

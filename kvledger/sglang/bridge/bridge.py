@@ -45,7 +45,6 @@ from allocator.mapper import BackgroundMapper
 from allocator.rows import RowFollower
 from allocator.store import PageStore
 from kvledger.sglang.bridge import registry
-from kvledger.sglang.bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation
 from kvledger.sglang.bridge.allocator_hooks import AllocatorHooks
 from kvledger.sglang.bridge.compat import (
     SwaFacts,
@@ -57,6 +56,7 @@ from kvledger.sglang.bridge.follow import TokenObserver
 from kvledger.sglang.bridge.front_policy import AHEAD_PAGES, AHEAD_ROWS, FrontPolicy
 from kvledger.sglang.bridge.readback import reader_for
 from kvledger.sglang.bridge.swa_buffers import FAMILY, native_copy, swa_specs
+from kvledger.sglang.switches import BRIDGE_ENABLE, BRIDGE_REQUIRE, BridgeActivation
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def attach(
     activation = BridgeActivation.from_env(env, require=require)
     bridge = Bridge(pool, ledger, pool_name=pool_name, reason="")
     if not activation.enabled:
-        bridge.reason = f"bridge off (set {ENV_ENABLE}=1)"
+        bridge.reason = f"bridge off (set {BRIDGE_ENABLE}=1)"
         _register_native(bridge)
         _BRIDGES[pool] = bridge
         return bridge
@@ -330,7 +330,7 @@ def _make_backend(source: BackendSource, device: str) -> tuple[Backend, bool]:
 def _refuse(bridge: Bridge, activation: BridgeActivation, reason: str) -> Bridge:
     if activation.require:
         raise IncompatibleError(
-            f"kvledger SGLang DSV4 bridge required ({ENV_REQUIRE}=1) but unusable: {reason}"
+            f"kvledger SGLang DSV4 bridge required ({BRIDGE_REQUIRE}=1) but unusable: {reason}"
         )
     log.warning("kvledger: SGLang DSV4 SWA buffers stay native: %s", reason)
     bridge.reason = reason

@@ -175,8 +175,16 @@ def test_sglang_discovers_kvledger_and_off_registers_nothing() -> None:
     proc = Proc(_env())  # KVLEDGER_SGLANG unset
     assert proc.wait() == 0
     assert proc.first["hooks"] == [] and proc.first["patched"] == []
-    # SGLang ran the entry point (kvledger.sglang.plugin imported), and nothing more of kvledger.
-    assert proc.first["modules"] == ["kvledger", "kvledger.sglang.plugin"]
+    # SGLang ran the entry point (kvledger.sglang.plugin imported) and it read its switch
+    # (kvledger.sglang.switches, accounting.switches), and nothing more of kvledger.
+    assert proc.first["modules"] == [
+        "accounting",
+        "accounting.switches",
+        "kvledger",
+        "kvledger.sglang",
+        "kvledger.sglang.plugin",
+        "kvledger.sglang.switches",
+    ]
 
 
 def test_on_applies_the_hooks_to_sglang_real_targets() -> None:

@@ -1,4 +1,4 @@
-"""The plugin's pieces that need no SGLang: the switch, what the entry point imports, and one
+"""The plugin's pieces that need no SGLang: what the entry point imports, and one
 process's RankLedger over duck-typed pools (main venv)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from accounting.publisher import parse
-from kvledger.sglang.plugin import register, switch
+from kvledger.sglang.plugin import register
 from kvledger.sglang.plugin.rank import RankLedger
 from kvledger.sglang.plugin.snapdir import snapshot_dir
 
@@ -36,18 +36,6 @@ def _runner(pool: NS, **kw) -> NS:
     return NS(token_to_kv_pool=pool, token_to_kv_pool_allocator=None, **kw)
 
 
-@pytest.mark.parametrize(
-    ("raw", "want"), [("", False), ("0", False), ("off", False), ("1", True), (" Yes ", True)]
-)
-def test_switch_values(raw: str, want: bool) -> None:
-    assert switch("X", {"X": raw}) is want
-
-
-def test_a_malformed_switch_names_the_variable_and_value() -> None:
-    with pytest.raises(ValueError, match=r"KVLEDGER_SGLANG='maybe', expected one of 1/0"):
-        switch("KVLEDGER_SGLANG", {"KVLEDGER_SGLANG": "maybe"})
-
-
 def test_the_entry_point_off_imports_nothing_more() -> None:
     code = (
         "import sys, kvledger.sglang.plugin as p; p.register(); "
@@ -62,10 +50,15 @@ def test_the_entry_point_off_imports_nothing_more() -> None:
         text=True,
         check=True,
     ).stdout
+    # The switch it reads: the wing's names and the one parser (accounting's `__init__`
+    # imports nothing eagerly, so nothing else of accounting comes with it).
     assert json.loads(out.replace("'", '"')) == [
+        "accounting",
+        "accounting.switches",
         "kvledger",
         "kvledger.sglang",
         "kvledger.sglang.plugin",
+        "kvledger.sglang.switches",
     ]
 
 

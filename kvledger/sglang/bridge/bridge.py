@@ -52,7 +52,6 @@ from kvledger.sglang.bridge.compat import (
     pool_reasons,
     read_facts,
 )
-from kvledger.sglang.bridge.follow import TokenObserver
 from kvledger.sglang.bridge.front_policy import AHEAD_PAGES, AHEAD_ROWS, FrontPolicy
 from kvledger.sglang.bridge.readback import reader_for
 from kvledger.sglang.bridge.swa_buffers import FAMILY, native_copy, swa_specs
@@ -367,6 +366,7 @@ def _activate(
             swa_specs(pool, facts, pool_name=bridge.pool_name, layout=layout),
             page_bytes=layout.page_bytes,
             capacity_slots=facts.rows * facts.page_tokens,
+            slots_per_count=facts.page_tokens,  # the follower counts rows, the ledger tokens
         )
         undo.callback(ledger.remove_account, account)
         store = PageStore(
@@ -374,7 +374,7 @@ def _activate(
             layers=facts.layers,
             page_bytes=layout.page_bytes,
             num_pages=layout.num_pages,
-            observer=TokenObserver(account, facts.page_tokens),
+            observer=account,
             name=f"{bridge.pool_name}/{FAMILY}",
             **options,
         )

@@ -252,7 +252,8 @@ def attach(
     facts = read_facts(pool, swa_alloc, dsv4_pool_class=DeepSeekV4TokenToKVPool)
     bridge.facts = facts
     reasons = pool_reasons(facts)
-    if not reasons and getattr(allocator, "_kvcache", pool) is not pool:
+    get_kvcache = getattr(allocator, "get_kvcache", None)  # SGLang's public accessor
+    if not reasons and get_kvcache is not None and get_kvcache() is not pool:
         reasons.append("the allocator serves another pool, expected the one being attached")
     if not reasons and swa_alloc is None:
         reasons.append(

@@ -185,7 +185,7 @@ def test_attach_replaces_each_swa_buffer_in_place(r: Rig) -> None:
     assert set(vars(r.alloc.swa_attn_allocator)) >= set(WRAPPED_METHODS)
     # The full-token index space is logical: no buffer behind it, its allocator unwrapped.
     assert getattr(r.pool, "full_kv_pool", None) is None
-    assert r.alloc.full_attn_allocator._kvcache is None
+    assert r.alloc.full_attn_allocator.get_kvcache() is None
     assert not set(vars(r.alloc.full_attn_allocator)) & set(WRAPPED_METHODS)
     snap = check(r)
     # Only SGLang's padding page (row 0) is backed: one VMM page per layer.
@@ -538,6 +538,20 @@ def test_require_is_read_from_the_environment() -> None:
 def test_a_pool_of_another_kind_is_refused(r: Rig) -> None:
     with pytest.raises(IncompatibleError, match="expected SGLang's DeepSeekV4TokenToKVPool"):
         attach(r.pool.swa_kv_pool, r.ledger, allocator=r.alloc, env=ON, require=True)
+
+
+def test_an_allocator_serving_another_pool_is_refused(r: Rig) -> None:
+    """SGLang's `get_kvcache()` names the pool an allocator serves: another pool's is refused
+    (its page ids would not be this pool's rows), and nothing of it is wrapped."""
+    other = Rig()
+    try:
+        assert other.alloc.get_kvcache() is other.pool
+        with pytest.raises(IncompatibleError, match="serves another pool"):
+            attach(r.pool, r.ledger, allocator=other.alloc, env=ON, require=True)
+        assert not set(vars(other.alloc.swa_attn_allocator)) & set(WRAPPED_METHODS)
+        assert r.ledger.accounts() == ()
+    finally:
+        other.close()
 
 
 # -- data written by SGLang's own store path -------------------------------------------------------

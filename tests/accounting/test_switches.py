@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from accounting.switches import switch
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.imports import imported_after
 
 
 @pytest.mark.parametrize(
@@ -50,16 +44,5 @@ def test_os_environ_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_importing_it_imports_no_other_module_of_the_package() -> None:
-    code = (
-        "import sys, accounting.switches; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'accounting'))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert json.loads(out.replace("'", '"')) == ["accounting", "accounting.switches"]
+    got = imported_after("import accounting.switches", ("accounting",))
+    assert got == ["accounting", "accounting.switches"]

@@ -8,53 +8,27 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from allocator.host import HostBackend
-from allocator.rows import RowFollower
-from allocator.store import PageStore
 from kvledger.sglang.bridge.allocator_hooks import AllocatorHooks
-from kvledger.sglang.bridge.compat import WRAPPED_METHODS, expected_row_bytes
+from kvledger.sglang.bridge.compat import WRAPPED_METHODS
 from kvledger.sglang.bridge.front_policy import NO_ROWS, FrontPolicy
 from kvledger.sglang.bridge.journal import MERGE, RELEASE, TAKE
-from tests.kvledger.sglang.bridge.freelist import FreeList
+from tests.kvledger.sglang.bridge.fakes import FreeList, PolicyRig
 
-ROW = expected_row_bytes(256)
-GRAN = 48 * 4096
-PAGES = 16  # pages handed out; rows = PAGES + 1 (row 0 the padding page)
-FAR = 1 << 40  # a budget no test reaches: only a full batch replays
-
-
-class Rig:
-    def __init__(self, *, need_sort: bool = False, batch: int = 64) -> None:
-        self.backend = HostBackend(granularity=GRAN)
-        rows = PAGES + 1
-        self.store = PageStore(
-            self.backend, layers=1, page_bytes=GRAN, num_pages=-(-rows * ROW // GRAN) + 1
-        )
-        self.follower = RowFollower(self.store, rows=rows, row_bytes=ROW)
-        self.alloc = FreeList(PAGES, need_sort=need_sort)
-        self.policy = FrontPolicy(self.alloc, self.follower, ahead_rows=0)
-        self.hooks = AllocatorHooks(self.alloc, self.policy, batch=batch)
-
-    def install_without_budget_replays(self) -> None:
-        self.hooks.install()
-        self.policy.set_budget(FAR, FAR, "test: only a full batch replays")
-
-    def close(self) -> None:
-        self.hooks.remove()
-        self.store.close()
-        self.backend.close()
+PAGES = 16
 
 
 @pytest.fixture
-def r() -> Iterator[Rig]:
-    rg = Rig()
+def r() -> Iterator[PolicyRig]:
+    rg = PolicyRig(pages=PAGES)
+    rg.without_budget_replays()
     yield rg
     rg.close()
 
 
-def test_install_shadows_the_six_methods_on_the_instance_and_remove_restores_them(r: Rig) -> None:
-    r.install_without_budget_replays()
-    r.hooks.install()  # idempotent
+def test_install_shadows_the_six_methods_on_the_instance_and_remove_restores_them(
+    r: PolicyRig,
+) -> None:
+    r.hooks.install()  # installed by the rig already: idempotent
     assert set(vars(r.alloc)) >= set(WRAPPED_METHODS)
     assert not set(vars(FreeList(2))) & set(WRAPPED_METHODS)  # the class is untouched
     taken = r.alloc.alloc_decode(2)
@@ -68,14 +42,14 @@ def test_install_shadows_the_six_methods_on_the_instance_and_remove_restores_the
     assert len(r.policy.journal) == 0
 
 
-def test_the_context_manager_installs_and_removes(r: Rig) -> None:
+def test_the_context_manager_installs_and_removes(r: PolicyRig) -> None:
+    r.hooks.remove()
     with r.hooks as hooks:
         assert hooks.installed and "alloc" in vars(r.alloc)
     assert not r.hooks.installed and "alloc" not in vars(r.alloc)
 
 
-def test_each_wrapper_records_what_sglang_did(r: Rig) -> None:
-    r.install_without_budget_replays()
+def test_each_wrapper_records_what_sglang_did(r: PolicyRig) -> None:
     raw = r.policy.journal.raw
     assert r.alloc.alloc_decode(0) is not None and raw == []  # no page taken: nothing
     fp0 = r.alloc.free_pages
@@ -88,9 +62,9 @@ def test_each_wrapper_records_what_sglang_did(r: Rig) -> None:
 
 
 def test_a_full_batch_replays_on_the_allocating_thread() -> None:
-    rg = Rig(batch=2)
+    rg = PolicyRig(pages=PAGES, batch=2)
     try:
-        rg.install_without_budget_replays()
+        rg.without_budget_replays()
         rg.alloc.alloc(1)
         assert rg.follower.held_rows == 0
         rg.alloc.alloc(1)  # the second recorded call: a replay
@@ -100,9 +74,9 @@ def test_a_full_batch_replays_on_the_allocating_thread() -> None:
 
 
 def test_a_merge_voids_the_budget_and_the_next_allocation_replays() -> None:
-    rg = Rig(need_sort=True)
+    rg = PolicyRig(pages=PAGES, need_sort=True)
     try:
-        rg.install_without_budget_replays()
+        rg.without_budget_replays()
         everything = rg.alloc.alloc(PAGES)
         rg.alloc._release_page_ids(everything[:4])  # staged: not in front of the list
         assert rg.policy.journal.net == PAGES
@@ -120,8 +94,7 @@ def test_a_merge_voids_the_budget_and_the_next_allocation_replays() -> None:
         rg.close()
 
 
-def test_clear_re_reads_the_allocator(r: Rig) -> None:
-    r.hooks.install()
+def test_clear_re_reads_the_allocator(r: PolicyRig) -> None:
     r.alloc.alloc(5)
     r.policy.flush()
     assert r.follower.held_rows == 5
@@ -129,7 +102,7 @@ def test_clear_re_reads_the_allocator(r: Rig) -> None:
     assert r.follower.held_rows == 0 and r.policy.resyncs == 1 and len(r.policy.journal) == 0
 
 
-def test_refuses_an_allocator_it_cannot_wrap(r: Rig) -> None:
+def test_refuses_an_allocator_it_cannot_wrap(r: PolicyRig) -> None:
     class Partial:
         free_pages = torch.zeros(0)
 
@@ -138,9 +111,8 @@ def test_refuses_an_allocator_it_cannot_wrap(r: Rig) -> None:
 
     with pytest.raises(TypeError, match=r"Partial lacks alloc_extend, .*expected SGLang"):
         AllocatorHooks(Partial(), r.policy)
-    r.alloc.alloc = lambda n: None  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="already overrides alloc"):
-        AllocatorHooks(r.alloc, r.policy)
+        AllocatorHooks(r.alloc, r.policy)  # the rig's hooks are installed on it
     other = FreeList(PAGES)
     with pytest.raises(ValueError, match="expected the allocator being hooked"):
         AllocatorHooks(other, r.policy)

@@ -22,10 +22,11 @@ from kvledger.sglang.bridge import ENV_ENABLE, ENV_REQUIRE, attach, bridge_of, d
 from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
 from kvledger.sglang.bridge.compat import WRAPPED_METHODS, expected_row_bytes
 from tests.kvledger.sglang import rig
+from tests.kvledger.sglang.bridge.fakes import GRAN, LateReader, row_pages
 
 pytestmark = pytest.mark.sglang
 
-GRAN = 48 * 4096  # >= one 149,760-byte SWA row; 7 VMM pages per 9-row layer buffer
+# GRAN (fakes): >= one 149,760-byte SWA row; 7 VMM pages per 9-row layer buffer
 ROW = expected_row_bytes(rig.PAGE)
 ON = {ENV_ENABLE: "1"}
 # Pages go back as soon as they empty, on the freeing thread (no background mapper).
@@ -81,11 +82,6 @@ def r() -> Iterator[Rig]:
     rg.close()
 
 
-def _row_pages(row: int) -> set[int]:
-    start = row * ROW
-    return set(range(start // GRAN, (start + ROW - 1) // GRAN + 1))
-
-
 def held(rg: Rig) -> int:
     """Rows the follower holds once the policy's journal is replayed."""
     rg.bridge.flush()
@@ -102,7 +98,7 @@ def check(rg: Rig) -> Any:
     engine = br.policy.held_by_engine()
     assert br.follower.held().tolist() == engine
     assert br.follower.divergences == 0
-    need = set().union(*(_row_pages(p) for p in [0, *engine]))
+    need = set().union(*(row_pages(p) for p in [0, *engine]))
     sp = br.store
     mapped = {p for p in range(sp.num_pages) if sp.is_mapped(p)}
     assert need <= mapped
@@ -590,19 +586,6 @@ def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
     }
 
 
-class _FakeEvent:
-    """A CUDA event stand-in for the read-back path: not complete until the test says."""
-
-    def __init__(self) -> None:
-        self.complete = False
-
-    def query(self) -> bool:
-        return self.complete
-
-    def synchronize(self) -> None:
-        self.complete = True
-
-
 def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_needed(
     r: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -610,26 +593,10 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
     event). Until then the follower has not heard of the rows, and their pages stay mapped
     and pinned; a replay after the copy landed reads them without waiting; one that needs
     them sooner waits, and is counted."""
-    import torch
-
     from kvledger.sglang.bridge import bridge as bridge_mod
-    from kvledger.sglang.bridge.readback import CudaRead
 
-    events: list[_FakeEvent] = []
-
-    class Reader:
-        waits = 0
-
-        def read_many(self, items: list[tuple[Any, int | None]]) -> Any:
-            events.append(_FakeEvent())
-            lists = [t.reshape(-1)[:n].tolist() for t, n in items]  # copied now, read later
-            flat = [x for one in lists for x in one]
-            return CudaRead(torch.tensor(flat), [len(x) for x in lists], events[-1], self)
-
-        def fence_now(self) -> Any:
-            return None
-
-    monkeypatch.setattr(bridge_mod, "reader_for", lambda device: Reader())
+    late = LateReader()
+    monkeypatch.setattr(bridge_mod, "reader_for", lambda device: late)
     br = r.attach(pool_options=EXACT)
     reader = br.policy.reader
     a = r.sched.prefill(2 * rig.PAGE)
@@ -639,8 +606,7 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
     assert br.follower.held_rows == 0  # the follower has not heard of `a` ...
     assert all(br.store.is_mapped(p) for p in br.follower.pages_of(rows))  # ... its pages stay
     assert set(br.follower.pages_of(rows)) <= set(br.store.pinned)
-    for ev in events:
-        ev.complete = True
+    late.land_all()
     br.policy.flush(wait=False)  # the copies landed: replayed without waiting
     assert reader.waits == 0 and br.follower.held_rows == 0  # taken and released: netted
     b = r.sched.prefill(rig.PAGE)
@@ -650,38 +616,9 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
     check(r)
     r.sched.finish(b)
     br.policy.flush(wait=False)  # the read of b's release starts ...
-    for ev in events:
-        ev.complete = True  # ... and lands before the next replay: no wait
+    late.land_all()  # ... and lands before the next replay: no wait
     check(r)
     assert reader.waits == 1 and br.follower.held_rows == 0
-
-
-class LaggingReader:
-    """The CUDA read-back on CPU, late: a batch's ids land only after a random number of later
-    reads (some replays then stop short of it), and a replay that needs them waits."""
-
-    def __init__(self, rng: Any) -> None:
-        import torch
-
-        from kvledger.sglang.bridge.readback import CudaRead
-
-        self._torch, self._read, self.rng = torch, CudaRead, rng
-        self.waits = 0
-        self.pending: list[tuple[int, _FakeEvent]] = []
-
-    def read_many(self, items: list[tuple[Any, int | None]]) -> Any:
-        for k, (left, ev) in enumerate(self.pending):
-            self.pending[k] = (left - 1, ev)
-            ev.complete = ev.complete or left <= 1
-        ev = _FakeEvent()
-        self.pending = [p for p in self.pending if not p[1].complete]
-        self.pending.append((self.rng.randint(0, 3), ev))
-        lists = [t.reshape(-1)[:n].tolist() for t, n in items]  # copied now, read later
-        flat = [x for one in lists for x in one]
-        return self._read(self._torch.tensor(flat), [len(x) for x in lists], ev, self)
-
-    def fence_now(self) -> Any:
-        return None
 
 
 @pytest.mark.parametrize("options", ["default", "exact", "lagging"])
@@ -698,7 +635,7 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
 
     rng = random.Random(11)
     if options == "lagging":
-        monkeypatch.setattr(bridge_mod, "reader_for", lambda device: LaggingReader(rng))
+        monkeypatch.setattr(bridge_mod, "reader_for", lambda device: LateReader(rng))
     br = r.attach(pool_options=EXACT if options == "exact" else None)
     s = r.sched
     live: list[Any] = []

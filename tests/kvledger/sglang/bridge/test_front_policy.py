@@ -8,102 +8,24 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 
-from allocator.host import HostBackend
-from allocator.rows import RowFollower
-from allocator.store import PageStore
-from kvledger.sglang.bridge.allocator_hooks import AllocatorHooks
-from kvledger.sglang.bridge.compat import expected_row_bytes
-from kvledger.sglang.bridge.front_policy import IDLE_FLUSH_S, FrontPolicy
-from kvledger.sglang.bridge.readback import CudaRead
-from tests.kvledger.sglang.bridge.freelist import FreeList
+from kvledger.sglang.bridge.front_policy import IDLE_FLUSH_S
+from tests.kvledger.sglang.bridge.fakes import LateReader, PolicyRig
 
-ROW = expected_row_bytes(256)
-GRAN = 48 * 4096  # a row straddles VMM pages now and then
 PAGES = 24
 
 
-class Event:
-    """A CUDA event's two calls, completed by the test (or by waiting on it)."""
-
-    def __init__(self) -> None:
-        self.complete = False
-
-    def query(self) -> bool:
-        return self.complete
-
-    def synchronize(self) -> None:
-        self.complete = True
-
-
-class LateReader:
-    """The CUDA read-back on CPU: ids are copied at the read and land when the test (or a
-    random draw at each later read, with `rng`) completes their event."""
-
-    device = "cpu"
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self.rng = rng
-        self.waits = 0
-        self.events: list[Event] = []
-
-    def read_many(self, items: list[tuple[Any, int | None]]) -> CudaRead:
-        if self.rng is not None:
-            for ev in self.events:
-                ev.complete = ev.complete or self.rng.random() < 0.3
-        lists = [t.reshape(-1)[:n].tolist() for t, n in items]
-        self.events.append(Event())
-        flat = torch.tensor([x for one in lists for x in one], dtype=torch.int64)
-        return CudaRead(flat, [len(x) for x in lists], self.events[-1], self)
-
-    def fence_now(self) -> None:
-        return None
-
-    def stream_fence(self) -> None:
-        return None
-
-
-class Rig:
-    def __init__(self, *, reader: Any = None, **store_options: object) -> None:
-        self.backend = HostBackend(granularity=GRAN)
-        rows = PAGES + 1
-        self.store = PageStore(
-            self.backend,
-            layers=1,
-            page_bytes=GRAN,
-            num_pages=-(-rows * ROW // GRAN) + 1,
-            **store_options,  # type: ignore[arg-type]
-        )
-        self.follower = RowFollower(self.store, rows=rows, row_bytes=ROW)
-        self.alloc = FreeList(PAGES)
-        self.policy = FrontPolicy(self.alloc, self.follower, reader=reader, ahead_rows=0)
-        self.hooks = AllocatorHooks(self.alloc, self.policy)
-        self.hooks.install()
-
-    def unmapped_rows(self) -> list[int]:
-        held = self.alloc.held()
-        return [
-            r for r in held if not all(self.store.is_mapped(p) for p in self.follower.pages_of([r]))
-        ]
-
-    def close(self) -> None:
-        self.hooks.remove()
-        self.store.close()
-        self.backend.close()
-
-
 @pytest.fixture
-def r() -> Iterator[Rig]:
-    rg = Rig(max_spare_pages=1)
+def r() -> Iterator[PolicyRig]:
+    rg = PolicyRig(pages=PAGES, max_spare_pages=1)
     yield rg
     rg.close()
 
 
-def test_start_pins_the_mapped_front_and_says_so(r: Rig) -> None:
+def test_start_pins_the_mapped_front_and_says_so(r: PolicyRig) -> None:
     state = r.policy.debug_state()
     assert state["budget_reason"] == "pin: the mapped front"
     assert state["front"] == list(range(1, PAGES + 1))  # SGLang's whole list, as read
@@ -114,7 +36,7 @@ def test_an_allocation_past_the_pins_is_covered_before_it_returns() -> None:
     """Its ids not read yet (a CUDA read in flight), an allocation past the pinned rows has
     the next rows of the front last read mapped and pinned before SGLang's method returns,
     without waiting for the read."""
-    rg = Rig(reader=LateReader(), max_spare_pages=1)
+    rg = PolicyRig(pages=PAGES, reader=LateReader(), max_spare_pages=1)
     try:
         safe = rg.policy.safe_until
         got = rg.alloc.alloc(safe + 3)  # past the pinned rows
@@ -130,8 +52,8 @@ def test_an_allocation_past_the_pins_is_covered_before_it_returns() -> None:
         rg.close()
 
 
-def test_the_idle_replay_waits_for_the_journal_to_be_left_alone(r: Rig) -> None:
-    r.policy.set_budget(1 << 40, 1 << 40, "test: no budget replay")
+def test_the_idle_replay_waits_for_the_journal_to_be_left_alone(r: PolicyRig) -> None:
+    r.without_budget_replays()
     r.alloc.alloc(1)
     r.policy.idle_flush()  # first look: starts the clock
     r.policy.idle_flush()  # too soon
@@ -153,7 +75,7 @@ def test_every_row_handed_out_is_mapped_when_the_call_returns(
     the cover keep the rows handed out before their replay mapped)."""
     rng = random.Random(seed)
     reader = LateReader(random.Random(seed)) if late else None
-    rg = Rig(reader=reader, max_spare_pages=spares, handle_pool_pages=0)
+    rg = PolicyRig(pages=PAGES, reader=reader, max_spare_pages=spares, handle_pool_pages=0)
     try:
         held: list[int] = []
         for step in range(300):

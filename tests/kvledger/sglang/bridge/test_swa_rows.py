@@ -16,6 +16,7 @@ from allocator.layout import SlotLayout
 from allocator.rows import RowFollower
 from allocator.store import PageStore
 from kvledger.sglang.bridge.compat import V4_TOKEN_BYTES, expected_row_bytes
+from tests.kvledger.sglang.bridge.fakes import row_pages
 
 PAGE_TOKENS = 256
 ROW = expected_row_bytes(PAGE_TOKENS)  # 149,760
@@ -75,11 +76,6 @@ def rig() -> Iterator[Rig]:
     r = Rig(max_spare_pages=0, handle_pool_pages=0)
     yield r
     r.close()
-
-
-def row_pages(row: int) -> set[int]:
-    a = row * ROW
-    return set(range(a // GRAN, (a + ROW - 1) // GRAN + 1))
 
 
 def test_row_zero_is_the_padding_page(rig: Rig) -> None:

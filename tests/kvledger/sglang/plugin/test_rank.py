@@ -3,9 +3,7 @@ process's RankLedger over duck-typed pools (main venv)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +15,7 @@ from accounting.publisher import parse
 from kvledger.sglang.plugin import register
 from kvledger.sglang.plugin.rank import RankLedger
 from kvledger.sglang.plugin.snapdir import snapshot_dir
+from tests.imports import ENTRY_POINT_OFF, imported_after
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -37,29 +36,9 @@ def _runner(pool: NS, **kw) -> NS:
 
 
 def test_the_entry_point_off_imports_nothing_more() -> None:
-    code = (
-        "import sys, kvledger.sglang.plugin as p; p.register(); "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('kvledger', 'accounting', 'allocator', 'exporter', 'torch', 'sglang')))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    # The switch it reads: the wing's names and the one parser (accounting's `__init__`
-    # imports nothing eagerly, so nothing else of accounting comes with it).
-    assert json.loads(out.replace("'", '"')) == [
-        "accounting",
-        "accounting.switches",
-        "kvledger",
-        "kvledger.sglang",
-        "kvledger.sglang.plugin",
-        "kvledger.sglang.switches",
-    ]
+    code = "import kvledger.sglang.plugin as p; p.register()"
+    packages = ("kvledger", "accounting", "allocator", "exporter", "torch", "sglang")
+    assert imported_after(code, packages) == ENTRY_POINT_OFF
 
 
 def test_register_off_in_this_process_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,6 +69,12 @@ class FrontPolicy:
     list pinned, covered, announced ahead and packed. `reader` reads the ids SGLang computed
     (readback: `HostReader` for CPU tensors, `CudaReader` for CUDA ones)."""
 
+    # The budget, set by `set_budget` only: journal.net may reach `safe_until` before a
+    # replay is needed; past `soft_until` the next allocation replays.
+    safe_until: int
+    soft_until: int
+    budget_reason: str
+
     def __init__(
         self,
         allocator: Any,
@@ -91,11 +97,7 @@ class FrontPolicy:
         self.flushes = 0  # replays
         self.forced = 0  # replays that waited to read what an allocation took (CUDA: a wait)
         self.packs = 0  # times SGLang's free list was reordered to pack
-        # The budget (`set_budget` only): journal.net may reach `safe_until` before a replay
-        # is needed; past `soft_until` the next allocation replays.
-        self.safe_until = 0
-        self.soft_until = 0
-        self.budget_reason = "not started"
+        self.set_budget(0, 0, "not started")
         self._owner: int | None = None  # the thread that drives the allocator
         self._front: list[int] = []  # the first rows of SGLang's list at the last pin
         self._since_pack = 0  # releases replayed since the last look at packing

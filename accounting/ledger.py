@@ -44,7 +44,14 @@ class LedgerError(RuntimeError):
 
 
 class Account:
-    """Counters of one index space. Implements `accounting.PoolObserver`."""
+    """Counters of one index space. Implements `accounting.PoolObserver`.
+
+    `slots_per_count`: the slots one reported unit stands for. Every slot count reported to
+    the account (`on_pool_event`'s SLOTS_OCCUPIED / SLOTS_FREED, `on_slots`, `occupy`,
+    `release`) is multiplied by it; page and handle counts are not. An allocator that hands
+    out rows of several slots (an engine page of `page_size` tokens followed by
+    allocator.rows' `RowFollower`) reports rows and the account counts slots. 1 by default.
+    """
 
     def __init__(
         self,
@@ -57,7 +64,16 @@ class Account:
         buffers: tuple[BufferSpec, ...],
         page_bytes: int,
         capacity_slots: int,
+        slots_per_count: int = 1,
     ) -> None:
+        if (
+            isinstance(slots_per_count, bool)
+            or not isinstance(slots_per_count, int)
+            or slots_per_count <= 0
+        ):
+            raise ValueError(
+                f"account {key!r}: slots_per_count={slots_per_count!r}, expected a positive int"
+            )
         self._ledger = ledger
         self.key = key
         self.family = family
@@ -66,6 +82,7 @@ class Account:
         self.buffers = buffers
         self.page_bytes = page_bytes
         self.capacity_slots = capacity_slots
+        self.slots_per_count = slots_per_count
         self.handle_pages = 0
         self.mapped_pages = 0
         self._occupied_slots = 0  # read it through `occupied_slots` (flushes the allocator)
@@ -96,6 +113,7 @@ class Account:
         ledger = self._ledger
         if event is _SLOTS_OCCUPIED or event is _SLOTS_FREED:
             # Reported one change at a time (runtime-owned buffers): kept to the arithmetic.
+            count *= self.slots_per_count
             with ledger._lock:
                 value = self._occupied_slots + (count if event is _SLOTS_OCCUPIED else -count)
                 if value < 0 or value > self.capacity_slots:
@@ -139,7 +157,10 @@ class Account:
             ledger._epoch += 1
 
     def on_slots(self, occupied: int, peak: int) -> None:
-        """The allocator's own slot count (see accounting.events): set, not added."""
+        """The allocator's own slot count (see accounting.events): set, not added; both in
+        units of `slots_per_count`."""
+        occupied *= self.slots_per_count
+        peak *= self.slots_per_count
         with self._ledger._lock:
             if not 0 <= occupied <= peak <= self.capacity_slots:
                 raise LedgerError(
@@ -285,11 +306,14 @@ class Ledger:
         key: str | None = None,
         page_bytes: int = 0,
         capacity_slots: int | None = None,
+        slots_per_count: int = 1,
     ) -> Account:
         """Register the buffers of one index space. All must share family, pool and owner.
 
         VMM accounts need `page_bytes` (the size of one physical page of one buffer).
         Runtime accounts hold their storage as physical bytes from the start.
+        `slots_per_count`: the slots one unit of the reported slot counts stands for
+        (`Account`).
         """
         specs = tuple(buffers)
         if not specs:
@@ -324,6 +348,7 @@ class Ledger:
                 buffers=specs,
                 page_bytes=page_bytes,
                 capacity_slots=capacity,
+                slots_per_count=slots_per_count,
             )
             self._accounts[key] = account
             self._buffer_names.update((s.pool, s.name) for s in specs)

@@ -11,11 +11,11 @@ on, an incompatible shape fails at start with the reason instead.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from accounting.switches import switch
 from allocator.backend import Backend
 from allocator.errors import IncompatibleError, KvAllocatorError
 from allocator.slots.layout import SlotLayout
@@ -25,18 +25,6 @@ log = logging.getLogger(__name__)
 
 ENV_ENABLE = "KVLEDGER_VMM"
 ENV_REQUIRE = "KVLEDGER_VMM_REQUIRE"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
-
-
-def env_flag(env: Mapping[str, str], name: str) -> bool:
-    """A yes/no environment switch; anything else is an error naming the variable."""
-    raw = env.get(name, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{name}={env.get(name)!r}, expected one of 1/0/true/false/yes/no/on/off")
 
 
 @dataclass(frozen=True)
@@ -46,8 +34,8 @@ class Activation:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Activation:
-        env = os.environ if env is None else env
-        return cls(enabled=env_flag(env, ENV_ENABLE), require=env_flag(env, ENV_REQUIRE))
+        """The two switches (accounting.switches) from `env`, default os.environ."""
+        return cls(enabled=switch(ENV_ENABLE, env), require=switch(ENV_REQUIRE, env))
 
 
 def incompatibilities(layout: SlotLayout, *, granularity: int, element_size: int) -> list[str]:

@@ -152,9 +152,32 @@ def decode_step(e: Engine, args: Any) -> None:
     e.sync()
 
 
-def round_trip(e: Engine) -> None:
+def round_trip(e: Engine, args: Any) -> None:
+    """Admit a 4096-token request and finish it, on top of the running batch."""
     e.finish(e.prefill(ROUND_TRIP_TOKENS))
     e.sync()
+
+
+def ramp_up(e: Engine, args: Any) -> None:
+    """Up to `requests` staggered requests, then 64 steps more to settle."""
+    while len(e.running) < args.requests:
+        decode_step(e, args)
+    for _ in range(64):
+        decode_step(e, args)
+
+
+@dataclass(frozen=True)
+class TimedCase:
+    """A case timed step by step: `warm` once per engine, then in each round `step` timed
+    `getattr(args, per_round)` times on each engine in turn."""
+
+    warm: Callable[[Engine, Any], None]
+    step: Callable[[Engine, Any], None]
+    per_round: str  # the argument giving the steps of one round
+
+
+DECODE_STEP = TimedCase(warm=ramp_up, step=decode_step, per_round="steps")
+ROUND_TRIP = TimedCase(warm=round_trip, step=round_trip, per_round="trips")
 
 
 def _settle(v: Variant) -> None:
@@ -172,41 +195,19 @@ def _timed(fn: Callable[..., None], *args: Any) -> float:
     return time.perf_counter() - t0
 
 
-def bench_decode(vs: Variants, args: Any) -> dict[str, Any]:
-    for v in vs:  # ramp up to `requests` staggered requests, then settle
-        while len(v.engine.running) < args.requests:
-            decode_step(v.engine, args)
-        for _ in range(64):
-            decode_step(v.engine, args)
-    times: dict[str, list[float]] = {v.name: [] for v in vs}
-    per_round: dict[str, list[float]] = {v.name: [] for v in vs}
-    bridged = bridged_of(vs)
-    m0, u0 = bridged.map_totals()
-    for _, v in _rounds(vs, args.rounds):
-        gc.collect()
-        got = [_timed(decode_step, v.engine, args) for _ in range(args.steps)]
-        _settle(v)
-        times[v.name] += got
-        per_round[v.name].append(statistics.median(got))
-    m1, u1 = bridged.map_totals()
-    return {
-        **{k: summary(t) for k, t in times.items()},
-        "paired": paired(per_round),
-        "bridged_maps": m1 - m0,
-        "bridged_unmaps": u1 - u0,
-    }
-
-
-def bench_round_trip(vs: Variants, args: Any) -> dict[str, Any]:
+def bench_timed(vs: Variants, args: Any, case: TimedCase) -> dict[str, Any]:
+    """Each engine's step times, the ratios paired by round, and the bridged engine's maps
+    and unmaps over the timed rounds."""
     for v in vs:
-        round_trip(v.engine)  # warm
+        case.warm(v.engine, args)
     times: dict[str, list[float]] = {v.name: [] for v in vs}
+    per_round: dict[str, list[float]] = {v.name: [] for v in vs}
+    steps = getattr(args, case.per_round)
     bridged = bridged_of(vs)
     m0, u0 = bridged.map_totals()
-    per_round: dict[str, list[float]] = {v.name: [] for v in vs}
     for _, v in _rounds(vs, args.rounds):
         gc.collect()
-        got = [_timed(round_trip, v.engine) for _ in range(args.trips)]
+        got = [_timed(case.step, v.engine, args) for _ in range(steps)]
         _settle(v)
         times[v.name] += got
         per_round[v.name].append(statistics.median(got))
@@ -415,8 +416,8 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
         }
         waits_by_case: dict[str, int] = {}
         cases: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-            ("decode_step", lambda: bench_decode(vs, args)),
-            ("round_trip_4096", lambda: bench_round_trip(vs, args)),
+            ("decode_step", lambda: bench_timed(vs, args, DECODE_STEP)),
+            ("round_trip_4096", lambda: bench_timed(vs, args, ROUND_TRIP)),
             ("fill_drain", lambda: bench_fill_drain(vs, args, geometry)),
             ("churn_event", lambda: bench_churn(vs, args, geometry)),
         ]

@@ -325,3 +325,38 @@ def test_clear_event_hook_removes_only_the_hook_it_is_given() -> None:
     acc = vmm_account(ledger)
     acc.occupy(1)
     assert calls == []  # cleared: no hook runs
+
+
+def test_slots_per_count_scales_every_slot_count_and_nothing_else() -> None:
+    """An allocator that hands out rows of 256 slots reports rows; the account counts slots."""
+    ledger = Ledger()
+    acc = ledger.add_account(vmm_specs("swa", "swa_kv", 2), page_bytes=PAGE, slots_per_count=256)
+    assert acc.slots_per_count == 256
+    acc.on_pool_event(PoolEvent.SLOTS_OCCUPIED, 3)
+    acc.on_pool_event(PoolEvent.SLOTS_FREED, 1)
+    acc.on_pool_event(PoolEvent.HANDLES_CREATED, 2)
+    acc.on_pool_event(PoolEvent.PAGES_MAPPED, 2, 0.001)
+    [row] = ledger.snapshot().accounts
+    assert (row.occupied_slots, row.peak_occupied_slots) == (512, 768)
+    assert (acc.handle_pages, acc.mapped_pages, acc.pages_mapped_total) == (2, 2, 2)
+    acc.on_slots(5, 6)
+    [row] = ledger.snapshot().accounts
+    assert (row.occupied_slots, row.peak_occupied_slots) == (5 * 256, 6 * 256)
+    acc.occupy(1)
+    acc.release(6)
+    assert acc.occupied_slots == 0
+    with pytest.raises(LedgerError, match="capacity_slots=4096"):
+        acc.on_slots(16, 17)  # 17 x 256 slots > 4096
+    with pytest.raises(LedgerError, match="capacity_slots=4096"):
+        acc.occupy(17)
+    acc.on_pool_event(PoolEvent.PAGES_UNMAPPED, 2)
+    acc.on_pool_event(PoolEvent.HANDLES_RELEASED, 2)
+    ledger.remove_account(acc)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_slots_per_count_must_be_a_positive_int(bad: Any) -> None:
+    ledger = Ledger()
+    with pytest.raises(ValueError, match=rf"slots_per_count={bad!r}, expected a positive int"):
+        ledger.add_account(vmm_specs("swa", "swa_kv", 1), page_bytes=PAGE, slots_per_count=bad)
+    assert ledger.accounts() == ()

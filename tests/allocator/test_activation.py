@@ -13,7 +13,6 @@ from allocator.activation import (
     NativeSwaBuffers,
     VmmSwaBuffers,
     build_swa_buffers,
-    env_flag,
 )
 from allocator.errors import DriverError
 
@@ -46,7 +45,7 @@ def test_env_flags() -> None:
         True, True
     )
     with pytest.raises(ValueError, match=r"KVLEDGER_VMM='maybe', expected one of"):
-        env_flag({"KVLEDGER_VMM": "maybe"}, "KVLEDGER_VMM")
+        Activation.from_env({"KVLEDGER_VMM": "maybe"})
 
 
 def test_off_by_default_gives_ordinary_tensors_and_makes_no_backend() -> None:

@@ -10,10 +10,13 @@ importing this package needs neither sglang nor a GPU. See docs/sglang-bridge.md
 """
 
 from allocator.rows import RowFollower
-from kvledger.sglang.bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation
 from kvledger.sglang.bridge.bridge import Bridge, attach, bridge_of, detach
 from kvledger.sglang.bridge.compat import SwaFacts, incompatibilities
-from kvledger.sglang.bridge.follow import TokenObserver
+from kvledger.sglang.switches import BRIDGE_ENABLE, BRIDGE_REQUIRE, BridgeActivation
+
+# The bridge's names for its two switches (kvledger.sglang.switches lists every variable).
+ENV_ENABLE = BRIDGE_ENABLE
+ENV_REQUIRE = BRIDGE_REQUIRE
 
 __all__ = [
     "ENV_ENABLE",
@@ -22,7 +25,6 @@ __all__ = [
     "BridgeActivation",
     "RowFollower",
     "SwaFacts",
-    "TokenObserver",
     "attach",
     "bridge_of",
     "detach",

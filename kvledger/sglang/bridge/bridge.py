@@ -15,9 +15,10 @@ What changes on attach (nothing unless `KVLEDGER_SGLANG_DSV4_BRIDGE=1`):
   (its padding page) are copied over. A background mapper (allocator.mapper)
   maps the rows at the front of SGLang's free list ahead and unmaps spares
   behind, unless `pool_options` says `map_ahead=False`.
-- The SWA sub-allocator is hooked (see `hooks`); on CUDA the page ids it frees
-  are read back without a device synchronisation and fence their pages
-  (see `readback`).
+- The SWA sub-allocator is hooked (`allocator_hooks`: what it did recorded in a
+  journal) and followed (`front_policy`: the journal replayed onto the follower, the
+  front of its free list kept mapped); on CUDA the page ids it frees are read back
+  without a device synchronisation and fence their pages (see `readback`).
 - The ledger gets the swa_kv family as a VMM account fed by the pool's events,
   and every other family as runtime-owned (SGLang keeps C4/C128, indexer and
   state pools).
@@ -44,17 +45,17 @@ from allocator.rows import RowFollower
 from allocator.slots import SlotLayout
 from allocator.store import PageStore
 from kvledger.sglang.bridge import registry
-from kvledger.sglang.bridge.activation import ENV_ENABLE, ENV_REQUIRE, BridgeActivation
-from kvledger.sglang.bridge.allocator_hooks import AHEAD_PAGES, AHEAD_ROWS, AllocatorHooks
+from kvledger.sglang.bridge.allocator_hooks import AllocatorHooks
 from kvledger.sglang.bridge.compat import (
     SwaFacts,
     incompatibilities,
     pool_reasons,
     read_facts,
 )
-from kvledger.sglang.bridge.follow import TokenObserver
+from kvledger.sglang.bridge.front_policy import AHEAD_PAGES, AHEAD_ROWS, FrontPolicy
 from kvledger.sglang.bridge.readback import reader_for
 from kvledger.sglang.bridge.swa_buffers import FAMILY, native_copy, swa_specs
+from kvledger.sglang.switches import BRIDGE_ENABLE, BRIDGE_REQUIRE, BridgeActivation
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ class Bridge:
         self.tensors: list[Any] = []  # the VMM views now in SGLang's kv_buffer
         self.follower: RowFollower | None = None
         self.mapper: BackgroundMapper | None = None
-        self.hooks: AllocatorHooks | None = None
+        self.hooks: AllocatorHooks | None = None  # the six methods shadowed on SGLang's allocator
+        self.policy: FrontPolicy | None = None  # the journal replayed, the front kept mapped
         self.swa_account: Account | None = None
         self.runtime_accounts: list[Account] = []
         self.swa_owner: Any = None  # SGLang's SWATokenToKVPoolAllocator (the index mapping)
@@ -110,7 +112,7 @@ class Bridge:
 
     # -- views ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """The page store's stats plus the follower's and the hooks' (empty when not active):
+        """The page store's stats plus the follower's and the policy's (empty when not active):
         `held_pages` (engine pages held), `divergences`, `takes` and `give_backs` (calls
         that moved pages), `waited_allocs` (takes that mapped on the spot, waiting on the
         driver), `readback_waits` (CUDA: reads of freed ids that waited for their copy),
@@ -118,9 +120,10 @@ class Bridge:
         (journal replays, and those an allocation past the pinned rows forced: docs/allocator.md),
         and the store's `pages_mapped_total` / `pages_unmapped_total` and
         `driver_failures`. Replays the journal first (without waiting for reads in flight)."""
-        if self.store is None or self.follower is None or self.hooks is None:
+        if self.store is None or self.follower is None or self.policy is None:
             return {}
-        self.hooks.flush(wait=False)
+        policy = self.policy
+        policy.flush(wait=False)
         f = self.follower
         return {
             **self.store.stats(),
@@ -129,10 +132,10 @@ class Bridge:
             "takes": f.takes,
             "give_backs": f.give_backs,
             "waited_allocs": f.waited,
-            "readback_waits": int(self.hooks.reader.waits),
-            "resyncs": self.hooks.resyncs,
-            "replays": self.hooks.flushes,
-            "forced_replays": self.hooks.forced,
+            "readback_waits": int(policy.reader.waits),
+            "resyncs": policy.resyncs,
+            "replays": policy.flushes,
+            "forced_replays": policy.forced,
             "rows_moved": self.rows_moved,
         }
 
@@ -140,7 +143,7 @@ class Bridge:
         """Move held SWA rows out of sparse VMM pages so those pages unmap; returns the rows
         moved. Only where no batch holds translated SWA ids: see `compact`'s docstring and
         docs/allocator.md#compaction. 0 when not active."""
-        if not self.active or self.hooks is None:
+        if not self.active or self.policy is None:
             return 0
         from kvledger.sglang.bridge.compact import MAX_MOVES, compact
 
@@ -148,16 +151,17 @@ class Bridge:
 
     def flush(self) -> None:
         """Bring the follower (hence the ledger) up to what SGLang's allocator did: replay the
-        hooks' journal, waiting for freed ids still being read (no-op when not active)."""
-        if self.hooks is not None and self.active:
-            self.hooks.flush(wait=True)
+        journal the hooks recorded, waiting for freed ids still being read (no-op when not
+        active)."""
+        if self.policy is not None and self.active:
+            self.policy.flush(wait=True)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Give back the freed pages whose ids are known and wait until the background mapper
         has done what it can (mapped ahead, waited for fences, unmapped spares past their
         grace). For tests and benchmarks; True when idle within `timeout`."""
-        if self.hooks is not None:
-            self.hooks.settle()
+        if self.policy is not None:
+            self.policy.settle()
         return self.mapper.wait_idle(timeout) if self.mapper is not None else True
 
     def physical_bytes(self) -> int:
@@ -237,7 +241,7 @@ def attach(
     activation = BridgeActivation.from_env(env, require=require)
     bridge = Bridge(pool, ledger, pool_name=pool_name, reason="")
     if not activation.enabled:
-        bridge.reason = f"bridge off (set {ENV_ENABLE}=1)"
+        bridge.reason = f"bridge off (set {BRIDGE_ENABLE}=1)"
         _register_native(bridge)
         _BRIDGES[pool] = bridge
         return bridge
@@ -248,7 +252,8 @@ def attach(
     facts = read_facts(pool, swa_alloc, dsv4_pool_class=DeepSeekV4TokenToKVPool)
     bridge.facts = facts
     reasons = pool_reasons(facts)
-    if not reasons and getattr(allocator, "_kvcache", pool) is not pool:
+    get_kvcache = getattr(allocator, "get_kvcache", None)  # SGLang's public accessor
+    if not reasons and get_kvcache is not None and get_kvcache() is not pool:
         reasons.append("the allocator serves another pool, expected the one being attached")
     if not reasons and swa_alloc is None:
         reasons.append(
@@ -325,7 +330,7 @@ def _make_backend(source: BackendSource, device: str) -> tuple[Backend, bool]:
 def _refuse(bridge: Bridge, activation: BridgeActivation, reason: str) -> Bridge:
     if activation.require:
         raise IncompatibleError(
-            f"kvledger SGLang DSV4 bridge required ({ENV_REQUIRE}=1) but unusable: {reason}"
+            f"kvledger SGLang DSV4 bridge required ({BRIDGE_REQUIRE}=1) but unusable: {reason}"
         )
     log.warning("kvledger: SGLang DSV4 SWA buffers stay native: %s", reason)
     bridge.reason = reason
@@ -362,6 +367,7 @@ def _activate(
             swa_specs(pool, facts, pool_name=bridge.pool_name, layout=layout),
             page_bytes=layout.page_bytes,
             capacity_slots=facts.rows * facts.page_tokens,
+            slots_per_count=facts.page_tokens,  # the follower counts rows, the ledger tokens
         )
         undo.callback(ledger.remove_account, account)
         store = PageStore(
@@ -369,20 +375,21 @@ def _activate(
             layers=facts.layers,
             page_bytes=layout.page_bytes,
             num_pages=layout.num_pages,
-            observer=TokenObserver(account, facts.page_tokens),
+            observer=account,
             name=f"{bridge.pool_name}/{FAMILY}",
             **options,
         )
         undo.callback(store.close)  # runs before the account's removal: LIFO
         follower = RowFollower(store, rows=facts.rows, row_bytes=facts.row_bytes, name=store.name)
-        hooks = AllocatorHooks(
+        policy = FrontPolicy(
             swa_alloc,
             follower,
             reader=reader_for(facts.devices[0]),
             ahead_rows=ahead_rows if map_ahead else 0,
             ahead_pages=ahead_pages,
         )
-        live = hooks.held_by_engine()
+        hooks = AllocatorHooks(swa_alloc, policy)
+        live = policy.held_by_engine()
         follower.take(live)
         bufs = pool.swa_kv_pool.kv_buffer
         native = list(bufs)
@@ -401,11 +408,11 @@ def _activate(
         # On CUDA the mapper always runs: it is the thread that waits for the fences of
         # freed pages (a device synchronisation) before unmapping them (readback).
         cuda = facts.devices[0].startswith("cuda")
-        mapper = BackgroundMapper(store, on_idle=hooks.idle_flush) if map_ahead or cuda else None
+        mapper = BackgroundMapper(store, on_idle=policy.idle_flush) if map_ahead or cuda else None
         undo.pop_all()  # every step done: keep them
     bridge.backend, bridge.owns_backend = be, owns
     bridge.store, bridge.tensors, bridge.follower = store, vmm, follower
-    bridge.hooks, bridge.mapper = hooks, mapper
+    bridge.hooks, bridge.policy, bridge.mapper = hooks, policy, mapper
     bridge.swa_account = account
     bridge.runtime_accounts = runtime
     bridge.active = True

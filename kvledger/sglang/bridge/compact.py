@@ -34,20 +34,20 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
     are within ceil(held rows / rows per page) + spares + 1 or `max_moves` rows moved;
     returns the rows moved (0 when the held rows already fill as few pages as they can, or
     nothing fits)."""
-    hooks, f, store = bridge.hooks, bridge.follower, bridge.store
-    if not hooks.on_owner_thread():
+    policy, f, store = bridge.policy, bridge.follower, bridge.store
+    if not policy.on_owner_thread():
         raise RuntimeError(
             f"{store.name}: compact() from another thread than the one driving SGLang's "
             "allocator, expected a call between batches on the scheduler's thread"
         )
     owner = bridge.swa_owner
     mapping = getattr(owner, "full_to_swa_index_mapping", None)
-    sub = hooks.allocator
+    sub = policy.allocator
     if mapping is None or getattr(sub, "staged_pages", None):
         return 0  # no mapping to rewrite, or staged pages: the list is not every free row
-    hooks.flush(wait=True)
+    policy.flush(wait=True)
     moved = 0
-    with hooks.exclusive():
+    with policy.exclusive():
         while moved < max_moves:
             with store.lock:
                 sources, targets = _next_plan(f, store, max_moves - moved)
@@ -56,7 +56,7 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
             _apply(bridge, mapping, sub, sources, targets)
             moved += len(sources)
         if moved:
-            hooks.pack_if_short()  # the moves took free rows the front was counting on
+            policy.pack_if_short()  # the moves took free rows the front was counting on
     bridge.rows_moved += moved
     return moved
 
@@ -94,18 +94,19 @@ def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]
 
 
 def _apply(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list[int]) -> None:
-    hooks, f, store = bridge.hooks, bridge.follower, bridge.store
+    policy, f, store = bridge.policy, bridge.follower, bridge.store
     try:
         _move(bridge, mapping, sub, sources, targets)
     except BaseException:
-        f.give_back(targets, hooks.reader.fence_now())  # SGLang still holds the sources
+        f.give_back(targets, policy.reader.fence_now())  # SGLang still holds the sources
         raise
     # No batch is in flight (the caller's precondition): the copies just queued are the
     # last work reading the source rows, so an event after them fences their pages.
-    fence = hooks.reader.stream_fence()
+    fence = policy.reader.stream_fence()
     f.give_back(sources, fence, trim=False)
     swapped = dict(zip(targets, sources, strict=True))
-    hooks.repin([swapped.get(r, r) for r in hooks.front])
+    # The new front: the spares get no new fence (no batch in flight).
+    policy.pin([swapped.get(r, r) for r in policy.front], fence_spares=False)
     if fence is not None:
         fence.wait()  # the copies: a few rows, microseconds on a GPU
     with store.lock:

@@ -139,7 +139,7 @@ def read_facts(pool: Any, swa_allocator: Any, *, dsv4_pool_class: type | None) -
     sub = getattr(pool, "swa_kv_pool", None)
     if getattr(pool, "request_window", None) is not None:
         storage = "request_window"
-    elif getattr(pool, "_unified_kv", False):
+    elif getattr(pool, "unified_kv_pool", None) is not None:  # set only in unified-KV mode
         storage = "unified"
     elif getattr(pool, "swa_req_ring_size", None) is not None:
         storage = "ring"

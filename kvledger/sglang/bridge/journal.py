@@ -14,7 +14,7 @@ Each entry also records `net` after it: rows taken minus rows released to the fr
 list since attach. SGLang's list is a stack for these calls (a release puts its ids in
 front, an allocation takes from the front), so between two points in time an allocation
 reached `net - net_then` rows deep into the list as it was then, or less: released rows
-are taken first. The hooks bound that depth by the rows they pinned.
+are taken first. The front policy bounds that depth by the rows it pinned.
 
 `drain` turns everything recorded since the last drain into one *batch*: the taken slices,
 the released tensors and the first rows of the free list as it is at that moment (the
@@ -26,7 +26,11 @@ follower's are returned (a row released and taken again never left the engine; o
 and released again never reached the follower).
 
 `net` is written by the scheduler's thread only, `replayed_net` (its value at the end of the
-last batch replayed) under the hooks' lock only, so the hooks compare them without a lock.
+last batch replayed) under the policy's lock only, so the two compare them without a lock.
+The recording side also keeps `calls` (hooked calls begun plus ended: odd while one runs,
+so another thread can tell whether SGLang's list is between two calls) and `widest` (the
+most rows one allocation took since the policy last looked, which sets how far ahead it
+maps).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class Journal:
         self.raw: list[tuple[Any, ...]] = []  # appended by the hooks, lock-free
         self._queue: deque[Batch] = deque()
         self.net = 0  # rows taken - rows released to the front (the scheduler's thread)
+        self.calls = 0  # hooked calls begun + ended: odd while one runs (the scheduler's thread)
+        self.widest = 0  # the most rows one allocation took since the policy last reset it
         self.replayed_net = 0  # `net` at the end of the last batch replayed (under the lock)
         self.releases = 0  # release calls replayed
         self._drained_net = 0  # `net` at the end of the last batch drained

@@ -1,6 +1,6 @@
 """Reading page ids SGLang computed on its device, without a device synchronisation.
 
-The hooks' journal reads page-id tensors in batches (`read_many`: many tensors, one read).
+The journal (journal.py) reads page-id tensors in batches (`read_many`: many tensors, one read).
 On CPU the ids are host memory already: `HostReader` reads their values at once. On CUDA
 they are device tensors; reading one with `.tolist()` would wait for the whole stream.
 `CudaReader` instead concatenates them on the device and copies the result into pinned

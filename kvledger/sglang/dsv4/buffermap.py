@@ -330,6 +330,36 @@ def _check_draft_tokens(shape: Dsv4Shape, knobs: Knobs) -> None:
             )
 
 
+def _per_layer(
+    family: str,
+    layers: tuple[int, ...],
+    *,
+    rows: int,
+    row_elements: int,
+    dtype: str,
+    element_size: int,
+    slot_bytes: int,
+    slots_per_row: int,
+) -> list[Dsv4Buffer]:
+    """One `rows x row_elements` tensor of `dtype` per layer of `family`, each row holding
+    `slots_per_row` slots of `slot_bytes`."""
+    return [
+        Dsv4Buffer(
+            name=f"{family}.L{layer}",
+            family=family,
+            layer=layer,
+            shape=(rows, row_elements),
+            dtype=dtype,
+            element_size=element_size,
+            slot_bytes=slot_bytes,
+            capacity_slots=rows * slots_per_row,
+            slots_per_row=slots_per_row,
+            row_bytes=row_elements * element_size,
+        )
+        for layer in layers
+    ]
+
+
 def _buffers(shape: Dsv4Shape, knobs: Knobs, sizes: planner.PoolSizes) -> tuple[Dsv4Buffer, ...]:
     p = knobs.page_size
     entry = g.kv_entry_bytes(shape.qk_nope_head_dim, shape.qk_rope_head_dim)
@@ -338,43 +368,38 @@ def _buffers(shape: Dsv4Shape, knobs: Knobs, sizes: planner.PoolSizes) -> tuple[
     def paged(
         family: str, layers: tuple[int, ...], size: int, per_page: int, slot: int, row: int
     ) -> None:
+        """A page of `per_page` slots per uint8 row of `row` bytes (the padded page)."""
         pages = g.physical_pages(size, per_page, p)
-        for layer in layers:
-            out.append(
-                Dsv4Buffer(
-                    name=f"{family}.L{layer}",
-                    family=family,
-                    layer=layer,
-                    shape=(pages, row),
-                    dtype="uint8",
-                    element_size=1,
-                    slot_bytes=slot,
-                    capacity_slots=pages * per_page,
-                    slots_per_row=per_page,
-                    row_bytes=row,
-                )
+        out.extend(
+            _per_layer(
+                family,
+                layers,
+                rows=pages,
+                row_elements=row,
+                dtype="uint8",
+                element_size=1,
+                slot_bytes=slot,
+                slots_per_row=per_page,
             )
+        )
 
     def state(family: str, layers: tuple[int, ...], size: int, ratio: int, head_dim: int) -> None:
+        """One compress-state entry per row."""
         ring = g.ring_size(ratio, knobs.speculative)
-        rows = g.state_rows(size, ring, ratio)
         last = g.state_last_dim(head_dim, overlap=ratio == 4)
         es = knobs.state_element_size
-        for layer in layers:
-            out.append(
-                Dsv4Buffer(
-                    name=f"{family}.L{layer}",
-                    family=family,
-                    layer=layer,
-                    shape=(rows, last),
-                    dtype=knobs.state_torch_dtype,
-                    element_size=es,
-                    slot_bytes=last * es,
-                    capacity_slots=rows,
-                    slots_per_row=1,
-                    row_bytes=last * es,
-                )
+        out.extend(
+            _per_layer(
+                family,
+                layers,
+                rows=g.state_rows(size, ring, ratio),
+                row_elements=last,
+                dtype=knobs.state_torch_dtype,
+                element_size=es,
+                slot_bytes=last * es,
+                slots_per_row=1,
             )
+        )
 
     all_layers = tuple(range(shape.num_hidden_layers))
     c4, c128 = shape.layers(4), shape.layers(128)

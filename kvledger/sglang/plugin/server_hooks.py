@@ -33,7 +33,7 @@ import os
 import threading
 from typing import Any
 
-from kvledger.sglang.plugin import ENV_INTERVAL, ENV_REQUIRE, switch
+from kvledger.sglang.switches import PUBLISH_INTERVAL, plugin_required
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +136,13 @@ def _new_rank() -> Any:
     from kvledger.sglang.plugin.rank import RankLedger
     from kvledger.sglang.plugin.snapdir import snapshot_dir
 
-    raw = os.environ.get(ENV_INTERVAL, "") or "1"
+    raw = os.environ.get(PUBLISH_INTERVAL, "") or "1"
     try:
         interval = float(raw)
     except ValueError:
-        raise ValueError(f"{ENV_INTERVAL}={raw!r}, expected a positive number of seconds") from None
+        raise ValueError(
+            f"{PUBLISH_INTERVAL}={raw!r}, expected a positive number of seconds"
+        ) from None
     rank = RankLedger(scheduler_metric_labels(), directory=snapshot_dir(), interval=interval)
     atexit.register(shutdown)
     return rank
@@ -161,14 +163,7 @@ def _guard(what: str, fn: Any, *args: Any) -> None:
     except Exception as e:
         from allocator.errors import IncompatibleError
 
-        if isinstance(e, IncompatibleError) or _require():
+        if isinstance(e, IncompatibleError) or plugin_required():
             raise
         _disabled = f"{what} failed: {type(e).__name__}: {e}"
         log.warning("kvledger: %s; kvledger is off in this process (SGLang carries on)", _disabled)
-
-
-def _require() -> bool:
-    try:
-        return switch(ENV_REQUIRE)
-    except ValueError:
-        return True  # a malformed require switch is not a "no"

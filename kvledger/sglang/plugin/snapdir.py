@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from kvledger.sglang.plugin import ENV_SNAPSHOT_DIR
+from kvledger.sglang.switches import SNAPSHOT_DIR
 
 
 def snapshot_dir(env: Mapping[str, str] | None = None) -> str:
-    value = (os.environ if env is None else env).get(ENV_SNAPSHOT_DIR, "")
+    value = (os.environ if env is None else env).get(SNAPSHOT_DIR, "")
     if value:
         return value
     from accounting.snapfile.directory import default_snapshot_dir

@@ -22,10 +22,11 @@ from kvledger.sglang.bridge import ENV_ENABLE, ENV_REQUIRE, attach, bridge_of, d
 from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
 from kvledger.sglang.bridge.compat import WRAPPED_METHODS, expected_row_bytes
 from tests.kvledger.sglang import rig
+from tests.kvledger.sglang.bridge.fakes import GRAN, LateReader, row_pages
 
 pytestmark = pytest.mark.sglang
 
-GRAN = 48 * 4096  # >= one 149,760-byte SWA row; 7 VMM pages per 9-row layer buffer
+# GRAN (fakes): >= one 149,760-byte SWA row; 7 VMM pages per 9-row layer buffer
 ROW = expected_row_bytes(rig.PAGE)
 ON = {ENV_ENABLE: "1"}
 # Pages go back as soon as they empty, on the freeing thread (no background mapper).
@@ -81,28 +82,23 @@ def r() -> Iterator[Rig]:
     rg.close()
 
 
-def _row_pages(row: int) -> set[int]:
-    start = row * ROW
-    return set(range(start // GRAN, (start + ROW - 1) // GRAN + 1))
-
-
 def held(rg: Rig) -> int:
-    """Rows the follower holds once the hooks' journal is replayed."""
+    """Rows the follower holds once the policy's journal is replayed."""
     rg.bridge.flush()
     return int(rg.bridge.follower.held_rows)
 
 
 def check(rg: Rig) -> Any:
     """Pages, ledger figures and host reconciliation agree with SGLang's allocator (after
-    the hooks' journal is replayed)."""
+    the policy's journal is replayed)."""
     br, alloc = rg.bridge, rg.alloc
     br.flush()
     if br.mapper is not None:
         assert br.mapper.wait_idle()
-    engine = br.hooks.held_by_engine()
+    engine = br.policy.held_by_engine()
     assert br.follower.held().tolist() == engine
     assert br.follower.divergences == 0
-    need = set().union(*(_row_pages(p) for p in [0, *engine]))
+    need = set().union(*(row_pages(p) for p in [0, *engine]))
     sp = br.store
     mapped = {p for p in range(sp.num_pages) if sp.is_mapped(p)}
     assert need <= mapped
@@ -185,7 +181,7 @@ def test_attach_replaces_each_swa_buffer_in_place(r: Rig) -> None:
     assert set(vars(r.alloc.swa_attn_allocator)) >= set(WRAPPED_METHODS)
     # The full-token index space is logical: no buffer behind it, its allocator unwrapped.
     assert getattr(r.pool, "full_kv_pool", None) is None
-    assert r.alloc.full_attn_allocator._kvcache is None
+    assert r.alloc.full_attn_allocator.get_kvcache() is None
     assert not set(vars(r.alloc.full_attn_allocator)) & set(WRAPPED_METHODS)
     snap = check(r)
     # Only SGLang's padding page (row 0) is backed: one VMM page per layer.
@@ -421,7 +417,7 @@ def test_detach_restores_native_buffers_and_leaves_nothing_mapped(r: Rig) -> Non
     b = r.sched.prefill(rig.PAGE)
     again = r.attach(pool_options=EXACT)
     assert again is not br and again.active
-    assert again.follower.held().tolist() == r.bridge.hooks.held_by_engine() != []
+    assert again.follower.held().tolist() == r.bridge.policy.held_by_engine() != []
     check(r)
     r.sched.finish(b)
     check(r)
@@ -540,6 +536,20 @@ def test_a_pool_of_another_kind_is_refused(r: Rig) -> None:
         attach(r.pool.swa_kv_pool, r.ledger, allocator=r.alloc, env=ON, require=True)
 
 
+def test_an_allocator_serving_another_pool_is_refused(r: Rig) -> None:
+    """SGLang's `get_kvcache()` names the pool an allocator serves: another pool's is refused
+    (its page ids would not be this pool's rows), and nothing of it is wrapped."""
+    other = Rig()
+    try:
+        assert other.alloc.get_kvcache() is other.pool
+        with pytest.raises(IncompatibleError, match="serves another pool"):
+            attach(r.pool, r.ledger, allocator=other.alloc, env=ON, require=True)
+        assert not set(vars(other.alloc.swa_attn_allocator)) & set(WRAPPED_METHODS)
+        assert r.ledger.accounts() == ()
+    finally:
+        other.close()
+
+
 # -- data written by SGLang's own store path -------------------------------------------------------
 def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
     """SGLang's SWA store (`set_swa_key_buffer`: its Triton SetKAndS kernel, run by Triton's
@@ -576,19 +586,6 @@ def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
     }
 
 
-class _FakeEvent:
-    """A CUDA event stand-in for the read-back path: not complete until the test says."""
-
-    def __init__(self) -> None:
-        self.complete = False
-
-    def query(self) -> bool:
-        return self.complete
-
-    def synchronize(self) -> None:
-        self.complete = True
-
-
 def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_needed(
     r: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -596,78 +593,32 @@ def test_device_style_readback_gives_pages_back_once_read_and_waits_only_when_ne
     event). Until then the follower has not heard of the rows, and their pages stay mapped
     and pinned; a replay after the copy landed reads them without waiting; one that needs
     them sooner waits, and is counted."""
-    import torch
-
     from kvledger.sglang.bridge import bridge as bridge_mod
-    from kvledger.sglang.bridge.readback import CudaRead
 
-    events: list[_FakeEvent] = []
-
-    class Reader:
-        waits = 0
-
-        def read_many(self, items: list[tuple[Any, int | None]]) -> Any:
-            events.append(_FakeEvent())
-            lists = [t.reshape(-1)[:n].tolist() for t, n in items]  # copied now, read later
-            flat = [x for one in lists for x in one]
-            return CudaRead(torch.tensor(flat), [len(x) for x in lists], events[-1], self)
-
-        def fence_now(self) -> Any:
-            return None
-
-    monkeypatch.setattr(bridge_mod, "reader_for", lambda device: Reader())
+    late = LateReader()
+    monkeypatch.setattr(bridge_mod, "reader_for", lambda device: late)
     br = r.attach(pool_options=EXACT)
-    reader = br.hooks.reader
+    reader = br.policy.reader
     a = r.sched.prefill(2 * rig.PAGE)
-    rows = br.hooks.held_by_engine()
+    rows = br.policy.held_by_engine()
     r.sched.finish(a)
-    br.hooks.flush(wait=False)  # the read starts; the ids are not there yet
+    br.policy.flush(wait=False)  # the read starts; the ids are not there yet
     assert br.follower.held_rows == 0  # the follower has not heard of `a` ...
     assert all(br.store.is_mapped(p) for p in br.follower.pages_of(rows))  # ... its pages stay
     assert set(br.follower.pages_of(rows)) <= set(br.store.pinned)
-    for ev in events:
-        ev.complete = True
-    br.hooks.flush(wait=False)  # the copies landed: replayed without waiting
+    late.land_all()
+    br.policy.flush(wait=False)  # the copies landed: replayed without waiting
     assert reader.waits == 0 and br.follower.held_rows == 0  # taken and released: netted
     b = r.sched.prefill(rig.PAGE)
-    br.hooks.flush(wait=True)  # b's read has not landed: the replay waits, and counts it
+    br.policy.flush(wait=True)  # b's read has not landed: the replay waits, and counts it
     assert reader.waits == 1 and br.follower.held_rows == 1
     assert br.stats()["readback_waits"] == 1
     check(r)
     r.sched.finish(b)
-    br.hooks.flush(wait=False)  # the read of b's release starts ...
-    for ev in events:
-        ev.complete = True  # ... and lands before the next replay: no wait
+    br.policy.flush(wait=False)  # the read of b's release starts ...
+    late.land_all()  # ... and lands before the next replay: no wait
     check(r)
     assert reader.waits == 1 and br.follower.held_rows == 0
-
-
-class LaggingReader:
-    """The CUDA read-back on CPU, late: a batch's ids land only after a random number of later
-    reads (some replays then stop short of it), and a replay that needs them waits."""
-
-    def __init__(self, rng: Any) -> None:
-        import torch
-
-        from kvledger.sglang.bridge.readback import CudaRead
-
-        self._torch, self._read, self.rng = torch, CudaRead, rng
-        self.waits = 0
-        self.pending: list[tuple[int, _FakeEvent]] = []
-
-    def read_many(self, items: list[tuple[Any, int | None]]) -> Any:
-        for k, (left, ev) in enumerate(self.pending):
-            self.pending[k] = (left - 1, ev)
-            ev.complete = ev.complete or left <= 1
-        ev = _FakeEvent()
-        self.pending = [p for p in self.pending if not p[1].complete]
-        self.pending.append((self.rng.randint(0, 3), ev))
-        lists = [t.reshape(-1)[:n].tolist() for t, n in items]  # copied now, read later
-        flat = [x for one in lists for x in one]
-        return self._read(self._torch.tensor(flat), [len(x) for x in lists], ev, self)
-
-    def fence_now(self) -> Any:
-        return None
 
 
 @pytest.mark.parametrize("options", ["default", "exact", "lagging"])
@@ -684,7 +635,7 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
 
     rng = random.Random(11)
     if options == "lagging":
-        monkeypatch.setattr(bridge_mod, "reader_for", lambda device: LaggingReader(rng))
+        monkeypatch.setattr(bridge_mod, "reader_for", lambda device: LateReader(rng))
     br = r.attach(pool_options=EXACT if options == "exact" else None)
     s = r.sched
     live: list[Any] = []
@@ -701,7 +652,7 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
                 s.decode([req])
             elif req is not None:
                 s.evict_window(req)
-        held = br.hooks.held_by_engine()  # SGLang's truth, read without a replay
+        held = br.policy.held_by_engine()  # SGLang's truth, read without a replay
         unmapped = [p for p in br.follower.pages_of([0, *held]) if not br.store.is_mapped(p)]
         assert unmapped == [], f"after move {moves}: rows {held} use unmapped pages {unmapped}"
         if options != "exact":
@@ -713,29 +664,43 @@ def test_every_row_sglang_holds_is_mapped_after_every_call(
     assert br.stats()["held_pages"] == 0
 
 
-def test_a_reader_thread_closes_a_batch_only_between_sglang_calls(r: Rig) -> None:
+def test_a_reader_thread_closes_a_batch_only_between_sglang_calls(
+    r: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`stats()` from another thread replays what was recorded, but closes a batch (reads
-    SGLang's front) only when no hooked call is running on the allocator's thread."""
+    SGLang's front) only when no hooked call is running on the allocator's thread: here one
+    runs inside SGLang's own `_release_page_ids`, called through the hooks."""
     import threading
 
-    br = r.attach()
-    br.mapper.on_idle = None  # no idle replay from the mapper: this is about reader threads
-    a = r.sched.prefill(rig.PAGE)
-    r.sched.finish(a)
-    recorded = len(br.hooks.journal.raw)
-    assert recorded > 0
+    sub = r.alloc.swa_attn_allocator
+    release = type(sub)._release_page_ids
+    inside: list[int] = []  # what was recorded and not drained, seen from inside the call
+    stall = [False]
 
     def read() -> None:
-        t = threading.Thread(target=br.stats)
+        t = threading.Thread(target=r.bridge.stats)
         t.start()
         t.join()
 
-    br.hooks._calls += 1  # as if SGLang were inside a hooked call on its own thread
-    read()
-    assert len(br.hooks.journal.raw) == recorded  # nothing closed mid-call
-    br.hooks._calls += 1  # the call ended
-    read()
-    assert len(br.hooks.journal.raw) == 0 and br.follower.held_rows == 0
+    def release_with_a_reader(self: Any, *page_ids: Any) -> Any:
+        if self is sub and stall[0]:
+            read()
+            inside.append(len(r.bridge.policy.journal.raw))
+        return release(self, *page_ids)
+
+    monkeypatch.setattr(type(sub), "_release_page_ids", release_with_a_reader)
+    br = r.attach()  # the hooks wrap the method as patched above
+    br.mapper.on_idle = None  # no idle replay from the mapper: this is about reader threads
+    a, b = r.sched.prefill(rig.PAGE), r.sched.prefill(rig.PAGE)
+    r.sched.finish(a)
+    recorded = len(br.policy.journal.raw)
+    assert recorded > 0
+    stall[0] = True
+    r.sched.finish(b)
+    stall[0] = False
+    assert inside and inside[0] == recorded  # nothing closed mid-call
+    read()  # between calls: everything recorded is closed and replayed
+    assert len(br.policy.journal.raw) == 0 and br.follower.held_rows == 0
     check(r)
 
 
@@ -747,9 +712,9 @@ def test_the_mapper_replays_a_journal_sglang_left_alone(r: Rig) -> None:
     br = r.attach()
     a = r.sched.prefill(2 * rig.PAGE)
     r.sched.finish(a)
-    assert len(br.hooks.journal) > 0  # recorded, not replayed
+    assert len(br.policy.journal) > 0  # recorded, not replayed
     deadline = time.monotonic() + 5.0
-    while (len(br.hooks.journal) or br.follower.held_rows) and time.monotonic() < deadline:
+    while (len(br.policy.journal) or br.follower.held_rows) and time.monotonic() < deadline:
         time.sleep(0.01)  # the mapper's replay: the journal empties, then the follower moves
-    assert len(br.hooks.journal) == 0 and br.follower.held_rows == 0
+    assert len(br.policy.journal) == 0 and br.follower.held_rows == 0
     check(r)

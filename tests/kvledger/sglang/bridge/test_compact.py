@@ -83,7 +83,7 @@ def test_compaction_moves_rows_and_every_token_reads_the_same_bytes(
             assert bool((t[row] == (before[key] * 7 + i) % 251).all()), (key, row)
     # The follower holds what SGLang holds; fewer pages in use, the emptied ones unmapped.
     held = sorted(set(after.values()))
-    assert bridge.follower.held().tolist() == bridge.hooks.held_by_engine() == held
+    assert bridge.follower.held().tolist() == bridge.policy.held_by_engine() == held
     assert bridge.wait_idle()  # CUDA: the emptied pages go once the device passed the copies
     assert pages_in_use(bridge) < in_use and bridge.stats()["mapped_pages"] < mapped
     assert not packing.fragmented(bridge.follower)
@@ -166,7 +166,7 @@ def test_after_every_compaction_the_mapped_pages_are_within_the_packed_bound(
                         st,
                     )
                 assert bridge.follower.divergences == 0
-                assert bridge.follower.held().tolist() == bridge.hooks.held_by_engine()
+                assert bridge.follower.held().tolist() == bridge.policy.held_by_engine()
             finally:
                 bridge.detach()
     assert any(slides), f"no slide moved a row ({len(slides)} slides): not the case it is for"

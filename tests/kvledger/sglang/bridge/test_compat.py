@@ -100,12 +100,65 @@ def test_pool_reasons_come_alone() -> None:
     assert pool_reasons(GOOD) == []
 
 
-def test_wrapped_methods_are_the_page_free_list_entry_points() -> None:
-    assert WRAPPED_METHODS == (
-        "alloc",
-        "alloc_extend",
-        "alloc_decode",
-        "merge_and_sort_free",
-        "_release_page_ids",
-        "clear",
+def _writes_free_pages(fn: Any) -> bool:
+    """Whether `fn`'s source assigns `self.free_pages` (plainly, in a tuple, augmented, or an
+    item or slice of it) or calls a method on it (an in-place change)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+
+    def is_free_pages(node: ast.AST) -> bool:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr == "free_pages"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        )
+
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and is_free_pages(node.func.value)
+        ):
+            return True
+        for t in targets:
+            parts = t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]
+            if any(is_free_pages(p) for p in parts):
+                return True
+    return False
+
+
+@pytest.mark.sglang
+def test_wrapped_methods_are_every_method_that_moves_pages_on_or_off_the_free_list() -> None:
+    """The claim behind WRAPPED_METHODS, read from SGLang 0.5.23's own class: the methods of
+    PagedTokenToKVPoolAllocator (its own and inherited, as the instance resolves them) that
+    change `self.free_pages` are exactly those wrapped; every other way back to the list goes
+    through `_release_page_ids` (so a release elsewhere is seen there). A SGLang release that
+    adds such a method, or stops funnelling, fails here."""
+    import inspect
+
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator as Paged
+
+    methods = {
+        name: fn
+        for name, fn in inspect.getmembers(Paged, inspect.isfunction)
+        if name != "__init__"  # builds the list (and calls `clear`, which is wrapped)
+    }
+    writers = {name for name, fn in methods.items() if _writes_free_pages(fn)}
+    assert writers == set(WRAPPED_METHODS), (
+        f"methods that change free_pages: {sorted(writers)}, wrapped: {sorted(WRAPPED_METHODS)}"
     )
+    assert len(WRAPPED_METHODS) == len(set(WRAPPED_METHODS))
+    # Pages come back only through the funnel: the frees reach `_release_page_ids`.
+    funnel = {n for n, fn in methods.items() if "self._release_page_ids(" in inspect.getsource(fn)}
+    assert funnel >= {"free", "free_page_ids", "free_group_end"}

@@ -1,5 +1,5 @@
 """kvledger.sglang.bridge.journal on host tensors (no sglang): what a batch reads, how moves
-net out, and the depth bound (`net`, `peak`) the hooks pin against."""
+net out, and the depth bound (`net`, `peak`) the front policy pins against."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Map-ahead after a churn (kvledger.sglang.bridge.allocator_hooks, allocator.rows.front) against SGLang
+"""Map-ahead after a churn (kvledger.sglang.bridge.front_policy, allocator.rows.front) against SGLang
 0.5.23's own DeepSeek-V4 pool and allocator on CPU, with the host VMM backend at 2 MiB (14
 SWA rows per VMM page): the rows SGLang hands out next have their pages mapped or announced
 to the background mapper, even where the free list interleaves a spare's rows with an
@@ -14,7 +14,7 @@ from allocator.host import HostBackend
 from allocator.states import PageState
 from kvledger.bench.sglang_cases import Churn
 from kvledger.bench.sglang_engine import Engine, Shape, published
-from kvledger.sglang.bridge.allocator_hooks import AllocatorHooks
+from kvledger.sglang.bridge.front_policy import FrontPolicy
 from tests.kvledger.sglang.rig import bridged
 
 pytestmark = pytest.mark.sglang
@@ -35,11 +35,11 @@ def test_the_next_rows_pages_are_mapped_or_announced_in_a_fill_after_a_churn(
     driver (CPU diagnostics: 1 to 5 allocations in each of four runs)."""
     misses: list[tuple[int, list[int]]] = []
     checked_pins = 0
-    pin = AllocatorHooks._pin
+    pin = FrontPolicy.pin
     filling = False
     widest = -(-PROMPT // 256)
 
-    def checked(self: AllocatorHooks, front: list[int], **kw: Any) -> None:
+    def checked(self: FrontPolicy, front: list[int], **kw: Any) -> None:
         nonlocal checked_pins
         pin(self, front, **kw)
         if not filling:
@@ -54,7 +54,7 @@ def test_the_next_rows_pages_are_mapped_or_announced_in_a_fill_after_a_churn(
         if missing:
             misses.append((checked_pins, missing))  # (which pin of the fills, pages)
 
-    monkeypatch.setattr(AllocatorHooks, "_pin", checked)
+    monkeypatch.setattr(FrontPolicy, "pin", checked)
     shape = Shape(layers=2, swa_pages=1024, full_pages=1536, requests=300, max_context=4096)
     with published():
         e = Engine(shape, "cpu")
@@ -76,10 +76,10 @@ def test_the_next_rows_pages_are_mapped_or_announced_in_a_fill_after_a_churn(
                         e.finish(req)
                 bridge.flush()
                 filling = False
-                f, hooks = bridge.follower, bridge.hooks
-                assert f is not None and hooks is not None
+                f, policy = bridge.follower, bridge.policy
+                assert f is not None and policy is not None
                 assert f.divergences == 0
-                assert f.held().tolist() == hooks.held_by_engine()
+                assert f.held().tolist() == policy.held_by_engine()
             finally:
                 bridge.detach()
     assert checked_pins >= 10 * CYCLES, f"only {checked_pins} pins checked in the fills"

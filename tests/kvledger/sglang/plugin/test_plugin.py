@@ -23,6 +23,7 @@ import pytest
 
 from allocator.backend import DEFAULT_GRANULARITY
 from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
+from tests.imports import ENTRY_POINT_OFF
 from tests.kvledger.sglang import rig
 from tests.kvledger.sglang.plugin import dist
 from tests.servers import ServeProcess
@@ -175,8 +176,9 @@ def test_sglang_discovers_kvledger_and_off_registers_nothing() -> None:
     proc = Proc(_env())  # KVLEDGER_SGLANG unset
     assert proc.wait() == 0
     assert proc.first["hooks"] == [] and proc.first["patched"] == []
-    # SGLang ran the entry point (kvledger.sglang.plugin imported), and nothing more of kvledger.
-    assert proc.first["modules"] == ["kvledger", "kvledger.sglang", "kvledger.sglang.plugin"]
+    # SGLang ran the entry point (kvledger.sglang.plugin imported) and it read its switch
+    # (kvledger.sglang.switches, accounting.switches), and nothing more of kvledger.
+    assert proc.first["modules"] == ENTRY_POINT_OFF
 
 
 def test_on_applies_the_hooks_to_sglang_real_targets() -> None:

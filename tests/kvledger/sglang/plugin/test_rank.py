@@ -1,11 +1,9 @@
-"""The plugin's pieces that need no SGLang: the switch, what the entry point imports, and one
+"""The plugin's pieces that need no SGLang: what the entry point imports, and one
 process's RankLedger over duck-typed pools (main venv)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,9 +12,10 @@ import pytest
 import torch
 
 from accounting.snapfile.envelope import parse
-from kvledger.sglang.plugin import register, switch
+from kvledger.sglang.plugin import register
 from kvledger.sglang.plugin.rank import RankLedger
 from kvledger.sglang.plugin.snapdir import snapshot_dir
+from tests.imports import ENTRY_POINT_OFF, imported_after
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -36,37 +35,10 @@ def _runner(pool: NS, **kw) -> NS:
     return NS(token_to_kv_pool=pool, token_to_kv_pool_allocator=None, **kw)
 
 
-@pytest.mark.parametrize(
-    ("raw", "want"), [("", False), ("0", False), ("off", False), ("1", True), (" Yes ", True)]
-)
-def test_switch_values(raw: str, want: bool) -> None:
-    assert switch("X", {"X": raw}) is want
-
-
-def test_a_malformed_switch_names_the_variable_and_value() -> None:
-    with pytest.raises(ValueError, match=r"KVLEDGER_SGLANG='maybe', expected one of 1/0"):
-        switch("KVLEDGER_SGLANG", {"KVLEDGER_SGLANG": "maybe"})
-
-
 def test_the_entry_point_off_imports_nothing_more() -> None:
-    code = (
-        "import sys, kvledger.sglang.plugin as p; p.register(); "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('kvledger', 'accounting', 'allocator', 'exporter', 'torch', 'sglang')))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert json.loads(out.replace("'", '"')) == [
-        "kvledger",
-        "kvledger.sglang",
-        "kvledger.sglang.plugin",
-    ]
+    code = "import kvledger.sglang.plugin as p; p.register()"
+    packages = ("kvledger", "accounting", "allocator", "exporter", "torch", "sglang")
+    assert imported_after(code, packages) == ENTRY_POINT_OFF
 
 
 def test_register_off_in_this_process_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

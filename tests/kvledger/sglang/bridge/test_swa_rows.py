@@ -1,5 +1,6 @@
-"""RowFollower (on a page store) and TokenObserver on the host backend, with SGLang's DSV4 SWA
-geometry (no sglang)."""
+"""The bridged swa_kv rows: RowFollower on a page store on the host backend, with SGLang's DSV4
+SWA geometry, reporting rows to an account that counts tokens (`slots_per_count`, as the
+bridge registers it; no sglang)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from allocator.rows import RowFollower
 from allocator.slots.layout import SlotLayout
 from allocator.store import PageStore
 from kvledger.sglang.bridge.compat import V4_TOKEN_BYTES, expected_row_bytes
-from kvledger.sglang.bridge.follow import TokenObserver
+from tests.kvledger.sglang.bridge.fakes import row_pages
 
 PAGE_TOKENS = 256
 ROW = expected_row_bytes(PAGE_TOKENS)  # 149,760
@@ -46,7 +47,7 @@ class Rig:
             for i in range(LAYERS)
         ]
         self.account = self.ledger.add_account(
-            specs, page_bytes=GRAN, capacity_slots=ROWS * PAGE_TOKENS
+            specs, page_bytes=GRAN, capacity_slots=ROWS * PAGE_TOKENS, slots_per_count=PAGE_TOKENS
         )
         self.ledger.add_truth(host_memfd_truth(self.backend.physical_bytes))
         self.pool = PageStore(
@@ -54,7 +55,7 @@ class Rig:
             layers=LAYERS,
             page_bytes=GRAN,
             num_pages=self.layout.num_pages,
-            observer=TokenObserver(self.account, PAGE_TOKENS),
+            observer=self.account,
             **pool_options,  # type: ignore[arg-type]
         )
         self.follower = RowFollower(self.pool, rows=ROWS, row_bytes=ROW)
@@ -75,11 +76,6 @@ def rig() -> Iterator[Rig]:
     r = Rig(max_spare_pages=0, handle_pool_pages=0)
     yield r
     r.close()
-
-
-def row_pages(row: int) -> set[int]:
-    a = row * ROW
-    return set(range(a // GRAN, (a + ROW - 1) // GRAN + 1))
 
 
 def test_row_zero_is_the_padding_page(rig: Rig) -> None:
@@ -200,40 +196,3 @@ def test_follower_refuses_bad_geometry() -> None:
             RowFollower(store, rows=ROWS, row_bytes=ROW)
             with pytest.raises(ValueError, match="already has a user"):
                 RowFollower(store, rows=ROWS, row_bytes=ROW)
-
-
-def test_token_observer_scales_slot_events_only() -> None:
-    seen: list[tuple[object, int, float]] = []
-
-    class Sink:  # a PoolObserver that records page and slot events only
-        def on_pool_event(self, event: object, count: int, seconds: float = 0.0) -> None:
-            seen.append((event, count, seconds))
-
-        def on_slots(self, occupied: int, peak: int) -> None:
-            raise AssertionError("TokenObserver passes no slot report here")
-
-        def attach(self, flush: object) -> None:
-            pass
-
-        def detach(self, flush: object) -> None:
-            pass
-
-        def at_safe_point(self) -> None:
-            pass
-
-    from accounting.events import PoolEvent
-
-    obs = TokenObserver(Sink(), 256)
-    obs.on_pool_event(PoolEvent.SLOTS_OCCUPIED, 2)
-    obs.on_pool_event(PoolEvent.SLOTS_FREED, 1)
-    obs.on_pool_event(PoolEvent.PAGES_MAPPED, 3, 0.5)
-    obs.on_pool_event(PoolEvent.HANDLES_CREATED, 3)
-    assert seen == [
-        (PoolEvent.SLOTS_OCCUPIED, 512, 0.0),
-        (PoolEvent.SLOTS_FREED, 256, 0.0),
-        (PoolEvent.PAGES_MAPPED, 3, 0.5),
-        (PoolEvent.HANDLES_CREATED, 3, 0.0),
-    ]
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="tokens_per_slot"):
-            TokenObserver(Sink(), bad)  # type: ignore[arg-type]

@@ -1,0 +1,66 @@
+"""The SGLang wing's environment: every variable it reads and what it means.
+
+    KVLEDGER_SGLANG=1                      the plugin registers kvledger's hooks in every
+                                           SGLang process (`kvledger.sglang.plugin`)
+    KVLEDGER_SGLANG_REQUIRE=1              a kvledger failure in those hooks fails SGLang's
+                                           start-up instead of being logged
+    KVLEDGER_SGLANG_DSV4_BRIDGE=1          `kvledger.sglang.bridge.attach` puts DeepSeek-V4's
+                                           SWA KV buffers on kvledger's VMM pool
+    KVLEDGER_SGLANG_DSV4_BRIDGE_REQUIRE=1  an incompatible pool fails start-up instead of
+                                           keeping SGLang's own buffers
+    KVLEDGER_SNAPSHOT_DIR=DIR              where each rank publishes (default: the directory
+                                           `kvledger serve` reads)
+    KVLEDGER_PUBLISH_INTERVAL=SECONDS      heartbeat of the published file (default 1)
+
+The yes/no switches are read by `accounting.switches.switch` (the one parser: unset, empty,
+0/false/no/off is off, 1/true/yes/on is on, anything else an error naming the variable). The
+bridge switch alone changes nothing: it takes effect in a call to `attach`, and `attach`
+without it only registers the pool with the ledger.
+
+Imports only `accounting.switches`: the plugin's entry point reads `KVLEDGER_SGLANG` through
+here in every SGLang process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from accounting.switches import switch
+
+PLUGIN_ENABLE = "KVLEDGER_SGLANG"
+PLUGIN_REQUIRE = "KVLEDGER_SGLANG_REQUIRE"
+BRIDGE_ENABLE = "KVLEDGER_SGLANG_DSV4_BRIDGE"
+BRIDGE_REQUIRE = "KVLEDGER_SGLANG_DSV4_BRIDGE_REQUIRE"
+SNAPSHOT_DIR = "KVLEDGER_SNAPSHOT_DIR"
+PUBLISH_INTERVAL = "KVLEDGER_PUBLISH_INTERVAL"
+
+
+def plugin_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """`KVLEDGER_SGLANG` (default env: os.environ); a malformed value raises."""
+    return switch(PLUGIN_ENABLE, env)
+
+
+def plugin_required(env: Mapping[str, str] | None = None) -> bool:
+    """`KVLEDGER_SGLANG_REQUIRE`; a malformed value counts as on (it is not a "no")."""
+    try:
+        return switch(PLUGIN_REQUIRE, env)
+    except ValueError:
+        return True
+
+
+@dataclass(frozen=True)
+class BridgeActivation:
+    """The bridge's two switches."""
+
+    enabled: bool = False
+    require: bool = False
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, require: bool | None = None
+    ) -> BridgeActivation:
+        """Switches from `env` (default os.environ); `require`, when given, overrides the
+        environment's."""
+        req = switch(BRIDGE_REQUIRE, env) if require is None else bool(require)
+        return cls(enabled=switch(BRIDGE_ENABLE, env), require=req)

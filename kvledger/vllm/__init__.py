@@ -4,7 +4,7 @@ vLLM's `load_general_plugins()` runs in every vLLM process (API server, engine c
 workers) and calls every `vllm.general_plugins` entry point once per process
 (`VLLM_PLUGINS` is an allowlist of their names). kvledger's is `register`: with
 `KVLEDGER_VLLM` unset (or 0) it returns at once, having imported nothing beyond
-`kvledger` and this module. With `KVLEDGER_VLLM=1` it patches, once per process:
+`kvledger`, this module and `accounting.switches` (the one yes/no parser). With `KVLEDGER_VLLM=1` it patches, once per process:
 
 - the worker's KV allocation (`GPUModelRunner.initialize_kv_cache_tensors`): each KV-cache
   group's tensors become accounts of the worker's ledger (`kvledger.vllm.groups`);
@@ -24,26 +24,12 @@ See docs/vllm.md.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+from accounting.switches import switch as env_switch
 
 ENV_ENABLE = "KVLEDGER_VLLM"
 ENV_REQUIRE = "KVLEDGER_VLLM_REQUIRE"
 ENV_SNAPSHOT_DIR = "KVLEDGER_SNAPSHOT_DIR"
 ENV_INTERVAL = "KVLEDGER_PUBLISH_INTERVAL"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
-
-
-def env_switch(name: str, env: Mapping[str, str] | None = None) -> bool:
-    """A yes/no environment switch; anything else is a ValueError naming the variable."""
-    raw = (os.environ if env is None else env).get(name, "")
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r}, expected one of 1/0/true/false/yes/no/on/off")
 
 
 def register() -> None:

@@ -41,9 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from allocator.rows import packing
 from allocator.checks import check_count
-from allocator.rows import RowFollower
+from allocator.rows import RowFollower, packing
 from kvledger.sglang.bridge.journal import Journal
 from kvledger.sglang.bridge.readback import HostReader, host_ids
 from kvledger.sglang.bridge.reorder import reorder

@@ -32,7 +32,9 @@ def test_the_entry_point_off_imports_nothing_more() -> None:
         text=True,
         check=True,
     )
-    assert out.stdout.strip() == "['kvledger', 'kvledger.vllm']"
+    assert (
+        out.stdout.strip() == "['accounting', 'accounting.switches', 'kvledger', 'kvledger.vllm']"
+    )
 
 
 def test_a_malformed_switch_is_named() -> None:

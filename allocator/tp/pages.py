@@ -99,8 +99,9 @@ class TpPages:
             store.end_off_lock([job], time.perf_counter() - t0)
 
     def idle(self) -> bool:
-        """Every reserved page mapped."""
-        return all(job.mapped for job in self.reserved.values())
+        """Every reserved page mapped and reported: none still being driven off the lock
+        (a drive sets `mapped` before `end_off_lock` counts it and clears `busy`)."""
+        return all(job.mapped and not job.off_lock for job in self.reserved.values())
 
     def publish_locked(self, pages: list[int]) -> None:
         """Make reserved `pages` allocatable, in order; map here any not mapped yet (raises

@@ -55,6 +55,7 @@ DAY = 86400.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from accounting.snapfile.directory import default_snapshot_dir
     from accounting.snapfile.envelope import MAX_INTERVAL_S, MIN_INTERVAL_S
+    from exporter import connections as conn
     from kvledger import demo
 
     one_line_errors(p)
@@ -83,6 +84,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--insecure-no-token",
         action="store_true",
         help="allow a non-loopback --host without a token (/debug/* open to the network)",
+    )
+    lim = p.add_argument_group("client limits (what one local client may hold; docs/security.md)")
+    lim.add_argument(
+        "--max-connections",
+        type=number(int, 1, 1 << 20),
+        default=None,
+        help="client connections held at most; past it the one waiting longest for its "
+        "request is closed, or the new one refused with 503 when all are being answered "
+        f"(default: what the file-descriptor limit allows, at most {conn.DEFAULT_MAX_CONNECTIONS}; "
+        "the soft limit is raised to the hard one at start)",
+    )
+    lim.add_argument(
+        "--request-timeout",
+        type=number(float, 0, 3600, lo_open=True),
+        default=conn.DEFAULT_REQUEST_TIMEOUT_S,
+        help="seconds a connection has to send a complete request line and headers, from "
+        "its start or its previous response; then it is closed (default: %(default)g)",
+    )
+    lim.add_argument(
+        "--max-header-bytes",
+        type=size(1024, 1 << 24),
+        default=conn.DEFAULT_HEADER_BYTES,
+        help="bytes of request line and headers accepted; a larger head is answered 400 and "
+        f"closed (default: {format_size(conn.DEFAULT_HEADER_BYTES)})",
+    )
+    lim.add_argument(
+        "--max-headers",
+        type=number(int, 1, 10_000),
+        default=conn.DEFAULT_MAX_HEADERS,
+        help="header fields accepted; more are answered 431 and closed (default: %(default)s)",
+    )
+    lim.add_argument(
+        "--keep-alive",
+        type=number(int, 1, 3600),
+        default=conn.DEFAULT_KEEP_ALIVE_S,
+        help="seconds an idle kept-alive connection stays open (default: %(default)s)",
     )
     net.add_argument(
         "--snapshot-dir",
@@ -250,6 +287,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from accounting.snapfile.directory import default_snapshot_dir
+    from exporter import connections as conn
     from exporter import html
     from exporter.app import create_app
     from exporter.sources import Sources
@@ -269,6 +307,17 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     snapshot_dir = args.snapshot_dir or default_snapshot_dir()
     group = args.snapshot_dir_group_writable
+    soft, _ = conn.raise_fd_limit()
+    limits = conn.limits_from(
+        args.max_connections,
+        header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        request_timeout=args.request_timeout,
+        keep_alive=args.keep_alive,
+        soft_limit=soft,
+        in_use=conn.open_fds(),
+        error=UsageError,
+    )
     sock = bind(
         args.host, args.port, token=token is not None, insecure_no_token=args.insecure_no_token
     )
@@ -318,8 +367,16 @@ def _serve(args: argparse.Namespace) -> int:
                 # driver refusal, out of memory): one line, exit 2.
                 raise UsageError(_one_line(e)) from None
         app = create_app(sources, token=token, debug_html=html.page)
+        guard = conn.ConnectionGuard(limits)
         server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                lifespan="off",
+                access_log=False,
+                http=conn.guarded_protocol(guard),
+                **limits.uvicorn_settings(),
+            )
         )
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

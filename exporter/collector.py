@@ -232,6 +232,7 @@ def _build(
         for source in set(cache) - {v.source for v in scan.views if id(v) in live}:
             del cache[source]
     top.add("kvledger_sources_unreadable", {}, scan.files.unreadable)
+    top.add("kvledger_snapshot_dir_usable", {}, 0 if scan.files.directory_problem else 1)
     for reason, count in sorted(scan.files.error_counts.items()):
         top.add("kvledger_snapshot_file_errors_total", {"reason": reason}, count)
     errors = {**scan.source_errors, **failures.counts}

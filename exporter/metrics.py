@@ -300,6 +300,16 @@ METRICS: tuple[MetricSpec, ...] = (
         engine=False,
     ),
     MetricSpec(
+        "kvledger_snapshot_dir_usable",
+        "gauge",
+        "1 while the snapshot directory is open and meets the rules (docs/security.md); 0 "
+        "while it is missing, unreadable or refused (replaced by another user's, say): the "
+        "sources it served are then listed with kvledger_up 0, and /debug/kv and /readyz say "
+        "why. 1 for an exporter with no directory.",
+        (),
+        engine=False,
+    ),
+    MetricSpec(
         "kvledger_snapshot_file_errors_total",
         "counter",
         "Snapshot files refused since the exporter started, per reason (each version of a "

@@ -18,6 +18,8 @@ A source is down (`up` False, with `stale_reason`) when:
   metrics are keyed by). Neither is believed and both are listed with the reason,
   rather than one silently winning: a file that imitates an engine can then hide
   its figures (an alert fires) but never replace them.
+- its directory became unusable (replaced by one the rules refuse): every source
+  it served last is listed down with the directory's problem as the reason.
 A source that is down because its process is gone on this host, while a live
 source with the same engine labels has taken its place (a restart), is dropped
 at once and its file removed. A down source without a successor stays listed
@@ -230,6 +232,7 @@ class Sources:
             )
         self.directory = self.files.path if self.files is not None else None
         self.removed = 0  # files of dead sources removed after a restart took their place
+        self._known: dict[str, Published] = {}  # file sources of the last usable scan
         self._failures = SourceFailures(("snapshot",), log)
         self._stop = threading.Event()
         self._scanner: threading.Thread | None = None
@@ -261,6 +264,7 @@ class Sources:
                 self.files.scan(now) if self.files is not None else FileScan()
             )
             published = [f.value for f in files.served]
+            unusable = self._keep_known(files)
             for name, ledger in self._ledgers.items():
                 try:
                     snap = ledger.snapshot()
@@ -273,6 +277,10 @@ class Sources:
                     self._failures.failed("snapshot", name, e)
             now = self._clock()
             views = [self._view(p, now) for p in published]
+            views += [
+                SourceView(p, False, max(0.0, now - p.taken_at), max(0.0, now - p.published_at), r)
+                for p, r in unusable
+            ]
             idents = {f.value.source: (f.name, f.ident) for f in files.served}
             views = self._settle(views, idents)
             source_errors = dict(self._failures.counts)
@@ -281,6 +289,16 @@ class Sources:
             views = [v for v in views if v.up or v.heartbeat_age_seconds <= limit]
         views.sort(key=lambda v: v.source)
         return Scan(tuple(views), files, source_errors)
+
+    def _keep_known(self, files: FileScan[Published]) -> list[tuple[Published, str]]:
+        """While the directory is usable, remember the sources it serves; while it is not
+        (replaced by one the rules refuse, unreadable), every source it served last is
+        listed down with the reason, until `forget_after`, rather than vanishing."""
+        if files.directory_problem is None:
+            self._known = {f.value.source: f.value for f in files.served}
+            return []
+        reason = f"snapshot directory not usable: {files.directory_problem}"
+        return [(p, reason) for p in self._known.values()]
 
     def _settle(
         self, views: list[SourceView], idents: dict[str, tuple[str, Ident]]

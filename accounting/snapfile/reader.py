@@ -75,6 +75,7 @@ class FileScan(Generic[T]):
     unreadable: int = 0  # files in the directory not served now
     error_counts: Mapping[str, int] = field(default_factory=dict)  # refusals so far, by reason
     parses: int = 0  # files parsed so far
+    directory_problem: str | None = None  # why the directory is not usable now, if it is not
 
 
 _KIND = {
@@ -163,6 +164,7 @@ class SnapshotFiles(Generic[T]):
                 unreadable=len(self.problems),
                 error_counts=dict(self.error_counts),
                 parses=self.parses,
+                directory_problem=self.directory_problem,
             )
 
     def _scan(self, d: SnapshotDir, now: float) -> list[ServedFile[T]]:

@@ -102,6 +102,7 @@ def test_stale_source_exports_service_metrics_only():
             "kvledger_snapshot_epoch",
             "kvledger_publish_interval_seconds",
             "kvledger_sources_unreadable",
+            "kvledger_snapshot_dir_usable",
             "kvledger_source_errors_total",
         }
         up = [v for name, _, v in _samples(build_families(Scan((stale,)))) if name == "kvledger_up"]

@@ -267,17 +267,25 @@ def test_an_existing_bad_directory_is_refused_at_once(tmp_path):
         Sources(tmp_path)
 
 
-def test_a_directory_replaced_later_serves_nothing_and_says_why(tmp_path):
+def test_a_directory_replaced_later_keeps_its_sources_listed_down_and_says_why(tmp_path):
     d = tmp_path / "snap"
     with Publisher(Ledger({"tp_rank": "0"}), d, interval=1000) as pub:
         src = Sources(d)
-        assert len(src.read().views) == 1
+        assert len(src.read().views) == 1 and src.read().files.directory_problem is None
         os.rename(d, tmp_path / "old")
         d.mkdir()
         os.chmod(d, 0o777)
         scan = src.read()
-        assert scan.views == ()
+        (view,) = scan.views  # still listed, down, with the directory's problem
+        assert not view.up and view.stale_reason is not None
+        assert view.stale_reason.startswith("snapshot directory not usable: ")
+        assert "writable by others" in view.stale_reason
         assert "writable by others" in scan.files.problems[0].detail
+        assert scan.files.directory_problem is not None
+        os.rmdir(d)
+        os.rename(tmp_path / "old", d)
+        (view,) = src.read().views
+        assert view.up
         pub.close()
     src.close()
     src.close()

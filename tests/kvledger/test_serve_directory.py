@@ -92,8 +92,10 @@ def test_a_parent_others_can_write_is_refused_at_start(tmp_path, mode):
     parent.mkdir()
     os.chmod(parent, mode)
     proc = subprocess.run(
-        [sys.executable, "-m", "kvledger", "serve", "--port", "0", "--no-demo"]
-        + ["--snapshot-dir", str(parent / "snap")],
+        [
+            *(sys.executable, "-m", "kvledger", "serve", "--port", "0", "--no-demo"),
+            *("--snapshot-dir", str(parent / "snap")),
+        ],
         capture_output=True,
         text=True,
         env=repo_env(),

@@ -42,6 +42,7 @@ from typing import Any
 
 from accounting.ledger import Ledger
 from accounting.snapfile.buffermap import buffer_map
+from accounting.snapfile.directory import TEMP_GRACE_S
 from accounting.snapfile.envelope import Envelope, source_id
 from accounting.snapfile.head import Head
 from accounting.snapfile.process import proc_stat
@@ -199,6 +200,8 @@ class Sources:
     `create`: create the directory (0700) when missing; `group_writable`: accept a
     group-writable directory and files of its group (`accounting.snapfile.directory`). An
     existing directory that breaks the rules raises `SnapshotDirError` from there.
+    `temp_grace`: seconds after which a temporary file of a writer that is gone is removed
+    (`accounting.snapfile.directory.SnapshotDir.remove_stale_temporaries`).
     `close()` (idempotent) closes the directory.
     """
 
@@ -211,6 +214,7 @@ class Sources:
         clock: Callable[[], float] = time.time,
         create: bool = False,
         group_writable: bool = False,
+        temp_grace: float = TEMP_GRACE_S,
     ) -> None:
         for name, value in (("stale_after", stale_after), ("forget_after", forget_after)):
             if value is not None and not (
@@ -228,7 +232,11 @@ class Sources:
         self.files: SnapshotFiles[Published] | None = None
         if directory is not None:
             self.files = SnapshotFiles(
-                directory, self._published, create=create, group_writable=group_writable
+                directory,
+                self._published,
+                create=create,
+                group_writable=group_writable,
+                temp_grace=temp_grace,
             )
         self.directory = self.files.path if self.files is not None else None
         self.removed = 0  # files of dead sources removed after a restart took their place

@@ -53,7 +53,7 @@ DAY = 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from accounting.snapfile.directory import default_snapshot_dir
+    from accounting.snapfile.directory import TEMP_GRACE_S, default_snapshot_dir
     from accounting.snapfile.envelope import MAX_INTERVAL_S, MIN_INTERVAL_S
     from exporter import connections as conn
     from kvledger import demo
@@ -145,6 +145,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=3600.0,
         help="seconds after which a stale source nothing replaced is no longer listed "
         "(default: %(default)g)",
+    )
+    net.add_argument(
+        "--temp-grace",
+        type=number(float, 0, DAY, lo_open=True),
+        default=TEMP_GRACE_S,
+        help="seconds after which a publisher's temporary file (.NAME.json.HEX.tmp, a "
+        "regular file of this user) is taken as left by a writer killed mid-write and "
+        "removed (default: %(default)g)",
     )
     net.add_argument(
         "--scan-interval",
@@ -331,6 +339,7 @@ def _serve(args: argparse.Namespace) -> int:
                 forget_after=args.forget_after,
                 create=True,
                 group_writable=group,
+                temp_grace=args.temp_grace,
             )
         except (ValueError, OSError) as e:
             raise UsageError(_one_line(e)) from None

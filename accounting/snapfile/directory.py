@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 import tempfile
@@ -45,6 +46,9 @@ PARENT_MODE = 0o755
 GROUP_DIR_MODE = 0o770
 FILE_MODE = 0o600
 GROUP_FILE_MODE = 0o640
+TEMP_GRACE_S = 60.0  # a temporary file this old has no live writer (a write takes ms)
+# `.<source>.json.<16 hex>.tmp`: the name `write_replace` draws for a file being written.
+_TEMP_NAME = re.compile(r"\.(?P<final>[^/\x00]+)\.[0-9a-f]{16}\.tmp")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | _O_CLOEXEC
 
@@ -253,6 +257,32 @@ class SnapshotDir:
                 os.unlink(tmp, dir_fd=self.fd)
             raise
         return st.st_dev, st.st_ino
+
+    def remove_stale_temporaries(
+        self, now: float, grace: float = TEMP_GRACE_S, final: str | None = None
+    ) -> int:
+        """Remove the temporary files of writers that are gone: names `write_replace` draws
+        (for `final` only, when given), regular files (lstat: a link or anything else is
+        left alone, never followed) of this process's user, last modified more than
+        `grace` seconds before `now` (wall clock). Returns how many were removed."""
+        removed = 0
+        uid = os.geteuid()
+        for entry in self.names():
+            m = _TEMP_NAME.fullmatch(entry.name)
+            if m is None or (final is not None and m["final"] != final):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime <= grace:
+                continue
+            try:
+                os.unlink(entry.name, dir_fd=self.fd)
+            except FileNotFoundError:
+                continue
+            removed += 1
+        return removed
 
     def remove_if(self, name: str, identity: tuple[int, int]) -> bool:
         """Remove `name` only if it is still the file `identity` names (so a closing

@@ -8,7 +8,9 @@ created 0700); each file is written whole to a new file under an unpredictable
 name (O_CREAT | O_EXCL | O_NOFOLLOW) and renamed over the old one, all relative
 to the directory's descriptor, so a reader sees either the previous file or the
 next, never a torn one, and a planted link is never followed. `close()` removes
-the file only if it is still the one this publisher wrote.
+the file only if it is still the one this publisher wrote. A new publisher removes
+the temporary files an earlier one of its name left when it was killed mid-write
+(older than `temp_grace`; the exporter sweeps every name's too).
 
 Who publishes: while the engine allocates, the allocating thread itself, when a
 publish is due (the ledger's event hook checks a monotonic deadline every 64
@@ -28,7 +30,7 @@ import threading
 import time
 
 from accounting.ledger import Ledger
-from accounting.snapfile.directory import SnapshotDir
+from accounting.snapfile.directory import TEMP_GRACE_S, SnapshotDir
 from accounting.snapfile.envelope import (
     SUFFIX,
     Envelope,
@@ -59,6 +61,7 @@ class Publisher:
         source: str | None = None,
         group_writable: bool = False,
         fsync: bool = False,
+        temp_grace: float = TEMP_GRACE_S,
     ) -> None:
         check_interval(interval, "Publisher: interval")
         self.ledger = ledger
@@ -71,6 +74,14 @@ class Publisher:
         self.name = self.source + SUFFIX
         self.path = os.path.join(self.directory, self.name)
         self._written: tuple[int, int] | None = None  # (st_dev, st_ino) of our file
+        # An earlier publisher of this name killed mid-write left its temporary file.
+        try:
+            self.temporaries_removed = self._dir.remove_stale_temporaries(
+                time.time(), temp_grace, final=self.name
+            )
+        except OSError as e:
+            self.temporaries_removed = 0
+            log.warning("publisher %s: removing stale temporary files: %s", self.source, e)
         self._host = socket.gethostname()
         self._process_start = process_start_ticks(self.pid)
         self.sequence = 0

@@ -35,7 +35,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from accounting.snapfile.directory import SnapshotDir, SnapshotDirError, trusted_owners
+from accounting.snapfile.directory import (
+    TEMP_GRACE_S,
+    SnapshotDir,
+    SnapshotDirError,
+    trusted_owners,
+)
 from accounting.snapfile.envelope import SUFFIX
 from accounting.snapfile.head import Head, load
 from accounting.snapfile.refusal import REASONS, Refused
@@ -107,8 +112,14 @@ class SnapshotFiles(Generic[T]):
         max_files: int = MAX_FILES,
         max_parses: int = MAX_PARSES,
         max_bytes: int = MAX_FILE_BYTES,
+        temp_grace: float = TEMP_GRACE_S,
     ) -> None:
+        if not isinstance(temp_grace, (int, float)) or not 0 < temp_grace < float("inf"):
+            raise ValueError(f"SnapshotFiles: temp_grace={temp_grace!r}, expected seconds > 0")
         self.path = os.path.abspath(os.fspath(path))
+        self.temp_grace = float(temp_grace)
+        self.temporaries_removed = 0  # dead writers' temporary files removed so far
+        self._next_sweep = 0.0
         self._make = make
         self._create = create
         self.group_writable = group_writable
@@ -158,6 +169,7 @@ class SnapshotFiles(Generic[T]):
             else:
                 assert self._dir is not None
                 served = self._scan(self._dir, now)
+                self._sweep(self._dir, now)
             return FileScan(
                 served=tuple(served),
                 problems=tuple(self._shown_problems()),
@@ -211,6 +223,26 @@ class SnapshotFiles(Generic[T]):
         self.skipped = skipped
         out.sort(key=lambda x: x.name)
         return out
+
+    def _sweep(self, d: SnapshotDir, now: float) -> None:
+        """Every few seconds, remove temporary files whose writer is gone (older than
+        `temp_grace`; `SnapshotDir.remove_stale_temporaries` says which are touched)."""
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + max(1.0, min(10.0, self.temp_grace / 4))
+        try:
+            n = d.remove_stale_temporaries(now, self.temp_grace)
+        except OSError as e:
+            log.warning("snapshot directory %s: removing stale temporary files: %s", self.path, e)
+            return
+        if n:
+            self.temporaries_removed += n
+            log.info(
+                "snapshot directory %s: removed %d temporary files of writers gone for over %g s",
+                self.path,
+                n,
+                self.temp_grace,
+            )
 
     def _served(self, name: str) -> bool:
         cached = self._cache.get(name)

@@ -29,6 +29,7 @@ from prometheus_client.utils import floatToGoString
 from accounting.buffers import Owner
 from accounting.figures import FIGURES
 from accounting.ledger import MAP_SECONDS_BUCKETS
+from accounting.snapfile.publish_errors import counts_of
 from accounting.tp_status import TP_COUNTERS
 from exporter import metrics as m
 from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
@@ -226,6 +227,10 @@ def _build(
             continue
         for name, value in zip(_SERVICE_METRICS, values, strict=True):
             top.add(name, labels, value)
+        for reason, n in v.published.publish_errors or _NO_ERRORS:
+            top.add("kvledger_publish_errors_total", {**labels, "reason": reason}, n)
+        if not v.up and v.last_error is not None:
+            top.add("kvledger_source_last_error", {**labels, "reason": v.last_error.reason}, 1)
         if engine is not None:
             top.extend(engine.by_name)
     if cache is not None:
@@ -253,6 +258,7 @@ def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> _So
     return part
 
 
+_NO_ERRORS = counts_of({})
 _SERVICE_METRICS = (
     "kvledger_up",
     "kvledger_snapshot_age_seconds",

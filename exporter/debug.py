@@ -114,6 +114,12 @@ class FamilyModel(BaseModel):
     figures: FiguresModel
 
 
+class LastErrorModel(BaseModel):
+    reason: str = Field(description="no_space, permission, directory or other")
+    detail: str
+    at: float = Field(description="Unix time")
+
+
 class SourceModel(BaseModel):
     source: str
     up: bool
@@ -146,6 +152,16 @@ class SourceModel(BaseModel):
     )
     reconciliation: list[ReconciliationModel]
     tp: TpModel | None = Field(None, description="present for a pool under tensor parallelism")
+    publish_errors: dict[str, int] = Field(
+        default_factory=dict,
+        description="failed publishes per reason (no_space, permission, directory, other), as "
+        "the publisher counted them in its latest file",
+    )
+    last_error: LastErrorModel | None = Field(
+        None,
+        description="a down source's last publish error: its publisher's, or no_space when "
+        "the exporter finds no room for its file on the directory's filesystem",
+    )
 
 
 class RankModel(BaseModel):
@@ -306,4 +322,6 @@ def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceMo
         buffers_error=buffers_error,
         reconciliation=[ReconciliationModel(**r.to_dict()) for r in d.reconciliation],
         tp=TpModel(**d.tp.to_dict()) if d.tp is not None else None,
+        publish_errors=dict(p.publish_errors),
+        last_error=LastErrorModel(**v.last_error.to_dict()) if v.last_error else None,
     )

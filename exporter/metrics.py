@@ -161,6 +161,25 @@ METRICS: tuple[MetricSpec, ...] = (
         ("source",),
     ),
     MetricSpec(
+        "kvledger_publish_errors_total",
+        "counter",
+        "Publishes of the source that failed, per reason (no_space, permission, directory, "
+        "other), as its publisher counted them in its latest file: a publisher failing now "
+        "and then, or one that recovered, shows here; while it cannot write at all see "
+        "kvledger_source_last_error.",
+        ("source", "reason"),
+    ),
+    MetricSpec(
+        "kvledger_source_last_error",
+        "gauge",
+        "1, with the reason (no_space, permission, directory, other), for a source that is "
+        "down and whose last publish error is known: from its publisher's latest file, or "
+        "no_space when the snapshot directory's filesystem has no room for the source's "
+        "file (seen by the exporter; a publisher that cannot write cannot say so). "
+        "/debug/kv has the detail.",
+        ("source", "reason"),
+    ),
+    MetricSpec(
         "kvledger_truth_available",
         "gauge",
         "1 when the device truth (host memfd, NVML) could be read for the latest snapshot, 0 "

@@ -46,6 +46,7 @@ from accounting.snapfile.directory import TEMP_GRACE_S
 from accounting.snapfile.envelope import Envelope, source_id
 from accounting.snapfile.head import Head
 from accounting.snapfile.process import proc_stat
+from accounting.snapfile.publish_errors import LastError
 from accounting.snapfile.reader import FileScan, Ident, SnapshotFiles
 from accounting.snapfile.refusal import Refused
 from accounting.snapfile.summary import Summary, summary_of
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 # stale when the exporter is given no explicit bound.
 STALE_INTERVALS = 3.0
 STALE_GRACE_S = 1.0
+NO_SPACE_MIN_BYTES = 4096  # less free than this (or than a source's file) is no space
 
 
 class BufferMapError(ValueError):
@@ -68,7 +70,7 @@ class BufferMapError(ValueError):
 _ENVELOPE_FIELDS = tuple(f.name for f in dataclasses.fields(Envelope))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Published(Envelope):
     """One source's latest snapshot: its publisher's envelope and the snapshot's `Summary`.
 
@@ -160,6 +162,8 @@ class SourceView:
     age_seconds: float  # now - snapshot.taken_at
     heartbeat_age_seconds: float  # now - published_at
     stale_reason: str | None
+    # A down source's last publish error: its publisher's, or the exporter's own no_space.
+    last_error: LastError | None = None
 
     @property
     def source(self) -> str:
@@ -291,6 +295,7 @@ class Sources:
             ]
             idents = {f.value.source: (f.name, f.ident) for f in files.served}
             views = self._settle(views, idents)
+            views = self._with_last_errors(views, idents, now)
             source_errors = dict(self._failures.counts)
         if self.forget_after is not None:
             limit = self.forget_after
@@ -307,6 +312,32 @@ class Sources:
             return []
         reason = f"snapshot directory not usable: {files.directory_problem}"
         return [(p, reason) for p in self._known.values()]
+
+    def _with_last_errors(
+        self, views: list[SourceView], idents: dict[str, tuple[str, Ident]], now: float
+    ) -> list[SourceView]:
+        """Each down source with its last publish error: no_space when the directory's
+        filesystem has no room for its file now (a publisher that cannot write cannot say
+        so), else its publisher's own last error from the file."""
+        if all(v.up for v in views):
+            return views
+        free = self.files.free_bytes() if self.files is not None else None
+        out = []
+        for v in views:
+            if not v.up:
+                last = v.published.last_error
+                size = idents[v.source][1][2] if v.source in idents else 0
+                if free is not None and free < max(size, NO_SPACE_MIN_BYTES):
+                    last = LastError(
+                        "no_space",
+                        f"the snapshot directory's filesystem has {free} bytes free, less than "
+                        f"this source's file needs ({size} bytes): its publisher cannot write",
+                        now,
+                    )
+                if last is not None:
+                    v = dataclasses.replace(v, last_error=last)
+            out.append(v)
+        return out
 
     def _settle(
         self, views: list[SourceView], idents: dict[str, tuple[str, Ident]]

@@ -30,6 +30,7 @@ import threading
 import time
 
 from accounting.ledger import Ledger
+from accounting.snapfile import publish_errors
 from accounting.snapfile.directory import TEMP_GRACE_S, SnapshotDir
 from accounting.snapfile.envelope import (
     SUFFIX,
@@ -43,6 +44,7 @@ from accounting.snapfile.process import process_start_ticks
 from accounting.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
+LOG_EVERY_S = 60.0  # a failing publisher's log lines, per reason
 
 
 class Publisher:
@@ -86,8 +88,11 @@ class Publisher:
         self._process_start = process_start_ticks(self.pid)
         self.sequence = 0
         self.errors = 0
+        self.errors_by_reason: dict[str, int] = dict.fromkeys(publish_errors.REASONS, 0)
+        self.last_error: publish_errors.LastError | None = None
         self.last_snapshot: Snapshot | None = None
         self._write_lock = threading.Lock()
+        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last logged, held back)
         self._stop = threading.Event()
         self._closed = False
         # Due time of the next publish (monotonic). While the engine allocates, the
@@ -119,10 +124,36 @@ class Publisher:
         allocation, nor stop the thread); the next try is an interval later."""
         try:
             self.publish()
-        except Exception:
+        except Exception as e:
             self.errors += 1
+            reason = publish_errors.reason_of(e)
+            self.errors_by_reason[reason] += 1
+            self.last_error = publish_errors.LastError(
+                reason, publish_errors.detail_of(e), time.time()
+            )
             self._next_due = time.monotonic() + self.interval
-            log.exception("publisher %s: publishing to %s failed; retrying", self.source, self.path)
+            self._log_failure(reason, e)
+
+    def _log_failure(self, reason: str, e: Exception) -> None:
+        """One line per failure reason a minute at most (with the traceback the first time),
+        however often the publish fails."""
+        now = time.monotonic()
+        last = self._logged.get(reason)
+        if last is not None and now - last[0] < LOG_EVERY_S:
+            self._logged[reason] = (last[0], last[1] + 1)
+            return
+        held = f" ({last[1]} more since the last line)" if last is not None and last[1] else ""
+        log.error(
+            "publisher %s: publishing to %s failed (%s)%s; retrying every %g s: %s",
+            self.source,
+            self.path,
+            reason,
+            held,
+            self.interval,
+            publish_errors.detail_of(e),
+            exc_info=e if last is None else None,
+        )
+        self._logged[reason] = (now, 0)
 
     def publish(self) -> Snapshot:
         """Take a snapshot and write it now."""
@@ -140,6 +171,8 @@ class Publisher:
                 interval=self.interval,
                 published_at=time.time(),
                 sequence=self.sequence,
+                publish_errors=publish_errors.counts_of(self.errors_by_reason),
+                last_error=self.last_error,
             )
             self._write(encode(envelope, snap))
             self.last_snapshot = snap

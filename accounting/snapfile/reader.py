@@ -338,6 +338,18 @@ class SnapshotFiles(Generic[T]):
                 self._cache.pop(name, None)
             return removed
 
+    def free_bytes(self) -> int | None:
+        """Bytes an unprivileged writer may still use on the directory's filesystem, or None
+        when the directory is not open."""
+        with self._lock:
+            if self._dir is None:
+                return None
+            try:
+                st = os.fstatvfs(self._dir.fd)
+            except OSError:
+                return None
+            return st.f_bavail * st.f_frsize
+
     def _shown_problems(self) -> list[FileProblem]:
         """Up to MAX_PROBLEMS_SHOWN problems, the directory's own first."""
         out = sorted(self.problems.values(), key=lambda p: p.name)[:MAX_PROBLEMS_SHOWN]

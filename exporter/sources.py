@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 # stale when the exporter is given no explicit bound.
 STALE_INTERVALS = 3.0
 STALE_GRACE_S = 1.0
+# The longest publish interval believed for staleness: a file claiming 3600 s would keep a
+# dead source up for hours. A publisher slower than this needs --stale-after.
+MAX_BELIEVED_INTERVAL_S = 60.0
 NO_SPACE_MIN_BYTES = 4096  # less free than this (or than a source's file) is no space
 
 
@@ -198,7 +201,8 @@ class Sources:
     in-process).
 
     `stale_after`: seconds a heartbeat may age before its source is stale; None means
-    STALE_INTERVALS publish intervals plus STALE_GRACE_S, per source.
+    STALE_INTERVALS publish intervals (at most MAX_BELIEVED_INTERVAL_S each) plus
+    STALE_GRACE_S, per source.
     `forget_after`: seconds after which a stale source is no longer listed (its file is
     left alone); None keeps listing it while its file exists.
     `create`: create the directory (0700) when missing; `group_writable`: accept a
@@ -391,7 +395,7 @@ class Sources:
             bound = (
                 self.stale_after
                 if self.stale_after is not None
-                else STALE_INTERVALS * p.interval + STALE_GRACE_S
+                else STALE_INTERVALS * min(p.interval, MAX_BELIEVED_INTERVAL_S) + STALE_GRACE_S
             )
             reason = self._pid_gone(p)
             if reason is None and heartbeat_age > bound:

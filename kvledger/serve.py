@@ -300,6 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
     from exporter.app import create_app
     from exporter.sources import Sources
     from kvledger import demo as demo_mod
+    from kvledger import lograte
     from kvledger.listen import bind
     from kvledger.token import ARGV_REFUSED, TokenError, load_token
     from kvledger.workload import WorkloadConfig
@@ -307,6 +308,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
+    log_limit = lograte.RateLimit()
+    lograte.install(log_limit)
     if args.token is not None:
         raise UsageError(ARGV_REFUSED)
     try:
@@ -377,16 +380,16 @@ def _serve(args: argparse.Namespace) -> int:
                 raise UsageError(_one_line(e)) from None
         app = create_app(sources, token=token, debug_html=html.page)
         guard = conn.ConnectionGuard(limits)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                log_level="warning",
-                lifespan="off",
-                access_log=False,
-                http=conn.guarded_protocol(guard),
-                **limits.uvicorn_settings(),
-            )
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            http=conn.guarded_protocol(guard),
+            **limits.uvicorn_settings(),
         )
+        lograte.install(log_limit)  # uvicorn's handlers exist once its Config is made
+        server = uvicorn.Server(config)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(

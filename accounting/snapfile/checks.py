@@ -2,7 +2,9 @@
 
 Within the first line (`accounting.snapfile.head.load`): each family's slot figures
 are the sum of its accounts' (slots are counted per index space, bytes per buffer),
-the totals the sum of the families, every relation an account breaks (recomputed by
+the totals the sum of the families and within what one source can hold, VMM physical
+and mapped bytes whole pages, occupied bytes occupied slots times slot bytes (as far
+as the first line can tell), every relation an account breaks (recomputed by
 `accounting.relations.check_account`) is listed, and a family whose sums break a
 relation that holds buffer by buffer lists a violation of it. Between the two lines
 (`accounting.snapfile.buffermap`): the rollups and violations rebuilt from the buffer
@@ -12,6 +14,7 @@ relation and the figures that broke it.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +27,12 @@ from accounting.snapfile.summary import FamilyRow, Summary
 from accounting.snapshot import AccountRow
 
 Key = tuple[str, Owner]
+
+# What one source (one rank's ledger) can hold, believed at most: 1 PiB of any byte figure
+# is more than any host or GPU node has (a 25,769,803,776 GiB headline is a lie), and
+# 2^48 slots more than any pool indexes.
+MAX_SOURCE_BYTES = 1 << 50
+MAX_SOURCE_SLOTS = 1 << 48
 
 
 def _name(key: Key) -> str:
@@ -67,6 +76,57 @@ def totals_match(claimed: dict[str, Any], totals: Figures) -> None:
         if claimed.get(figure) != total:
             raise fail(
                 "totals", f"{figure}={claimed.get(figure)!r:.60}, but the families sum to {total}"
+            )
+
+
+def within_bounds(totals: Figures) -> None:
+    """Every total at most what one source can hold (MAX_SOURCE_BYTES, MAX_SOURCE_SLOTS);
+    the families are summed to `totals`, so no family can exceed it either."""
+    for figure, value in zip(FIGURE_NAMES, totals.values(), strict=True):
+        cap = MAX_SOURCE_SLOTS if figure.endswith("_slots") else MAX_SOURCE_BYTES
+        if value > cap:
+            raise fail(
+                "totals", f"{figure}={value}, over the {cap} one source can hold; not believed"
+            )
+
+
+def pages_and_slots_agree(families: Sequence[FamilyRow], accounts: Sequence[AccountRow]) -> None:
+    """What the first line can check of each family without its buffer rows:
+    - VMM physical and mapped bytes are whole pages: each buffer holds handle (mapped)
+      pages of its account's `page_bytes`, so the family's sums are multiples of the
+      gcd of its accounts' page sizes;
+    - occupied bytes are occupied slots times slot bytes: none with no slot occupied,
+      and, for a family of one index space (one account), a whole multiple of its
+      occupied slots (every buffer's occupied bytes are its slot bytes times them)."""
+    by_family: dict[Key, list[AccountRow]] = {}
+    for a in accounts:
+        by_family.setdefault((a.family, a.owner), []).append(a)
+    for row in families:
+        key = (row.family, row.owner)
+        figs = row.figures
+        mine = by_family.get(key, [])
+        where = f"families {_name(key)}"
+        if row.owner is Owner.VMM and mine and all(a.page_bytes > 0 for a in mine):
+            page = math.gcd(*(a.page_bytes for a in mine))
+            for figure in ("physical_bytes", "mapped_bytes"):
+                value = getattr(figs, figure)
+                if value % page:
+                    raise fail(
+                        where,
+                        f"{figure}={value} is not a whole number of pages of {page} bytes "
+                        "(its accounts' page_bytes)",
+                    )
+        if figs.occupied_slots == 0 and figs.occupied_bytes:
+            raise fail(
+                where,
+                f"occupied_bytes={figs.occupied_bytes} with occupied_slots=0; expected "
+                "occupied_bytes = occupied_slots * slot_bytes",
+            )
+        if len(mine) == 1 and figs.occupied_slots and figs.occupied_bytes % figs.occupied_slots:
+            raise fail(
+                where,
+                f"occupied_bytes={figs.occupied_bytes} is not a multiple of occupied_slots="
+                f"{figs.occupied_slots}; expected occupied_bytes = occupied_slots * slot_bytes",
             )
 
 

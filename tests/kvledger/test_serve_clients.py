@@ -293,3 +293,22 @@ def test_max_connections_over_the_fd_limit_is_one_line_exit_2(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--max-connections 5000" in lines[0], proc.stderr
     assert not os.path.exists(tmp_path / "snap") or not os.listdir(tmp_path / "snap")
+
+
+def test_a_flood_of_bad_requests_logs_a_line_not_a_flood(tmp_path):
+    """300 malformed requests and 300 oversized heads: uvicorn warns about each, the log
+    gets one line per kind (rate-limited), and the scraper is served meanwhile."""
+    with _serve(tmp_path, "--max-header-bytes", "4KiB") as (server, log):
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        for i in range(600):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                if i % 2:
+                    s.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+                else:
+                    s.sendall(b"GET / HTTP/1.1\r\nX: " + b"a" * 8192 + b"\r\n\r\n")
+                with contextlib.suppress(OSError):
+                    s.recv(1024)
+        assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+    text = log.read_text(errors="replace")
+    assert text.count("Invalid HTTP request received") <= 2, text[-2000:]
+    assert len(text.splitlines()) < 20, text[-2000:]

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,3 +106,37 @@ def test_a_full_disk_shows_as_no_space_then_recovers():
         finally:
             publisher.close()
             assert server.close() == 0
+
+
+def test_at_the_file_size_limit_the_demo_logs_a_few_lines_not_thousands(tmp_path):
+    """The demo's host pool cannot grow its memfd past RLIMIT_FSIZE: every workload step
+    fails (20 ms apart, at 50 requests/s); the log keeps to a few lines, one traceback."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as err:
+        server = ServeProcess(
+            [
+                *("--port", "0", "--snapshot-dir", str(tmp_path / "snap")),
+                *("--rate", "50", "--log-interval", "3600"),
+            ],
+            stderr=err,
+            preexec_fn=limit,
+        )
+        try:
+            wait_until(
+                lambda: "workload step failed" in log.read_text(errors="replace"),
+                30,
+                "the workload fails at the limit",
+            )
+            time.sleep(5)  # ~250 failing steps
+            assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+        finally:
+            assert server.close() == 0
+    text = log.read_text(errors="replace")
+    assert text.count("workload step failed") == 1, text[-3000:]
+    assert text.count("Traceback (most recent call last)") <= 2, text[-3000:]  # one, chained
+    assert len(text.splitlines()) < 80, text[-3000:]

@@ -211,6 +211,13 @@ def test_busy_port_exits_2_naming_it(tmp_path):
         (["--config", "/dev/null"], "config '/dev/null': not a regular file"),
         (["--budget", "1000TiB"], "budget 1000.00 TiB does not fit this machine's available"),
         (["--snapshot-dir-group-writable", "--budget", "x"], "--budget: size 'x'"),
+        (["--max-connections", "0"], "--max-connections: '0'"),
+        (["--request-timeout", "nan"], "--request-timeout: 'nan'"),
+        (["--request-timeout", "0"], "--request-timeout: '0'"),
+        (["--max-header-bytes", "10"], "--max-header-bytes: '10'"),
+        (["--max-headers", "0"], "--max-headers: '0'"),
+        (["--keep-alive", "inf"], "--keep-alive: 'inf'"),
+        (["--temp-grace", "-1"], "--temp-grace: '-1'"),
     ],
 )
 def test_bad_options_exit_2_with_one_line_naming_the_value(tmp_path, args, needle):

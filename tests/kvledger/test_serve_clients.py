@@ -312,3 +312,30 @@ def test_a_flood_of_bad_requests_logs_a_line_not_a_flood(tmp_path):
     text = log.read_text(errors="replace")
     assert text.count("Invalid HTTP request received") <= 2, text[-2000:]
     assert len(text.splitlines()) < 20, text[-2000:]
+
+
+def test_the_limits_are_documented_in_help():
+    import subprocess
+    import sys
+
+    from tests.servers import repo_env
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvledger", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=repo_env(),
+        timeout=60,
+    ).stdout
+    for flag in (
+        "--max-connections",
+        "--request-timeout",
+        "--max-header-bytes",
+        "--max-headers",
+        "--keep-alive",
+        "--temp-grace",
+    ):
+        assert flag in out, flag
+    doc = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
+    for flag in ("--max-connections", "--request-timeout", "--max-header-bytes", "--max-headers"):
+        assert f"`{flag}" in doc, flag

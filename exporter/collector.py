@@ -243,6 +243,8 @@ def _build(
     errors = {**scan.source_errors, **failures.counts}
     for reason in m.SOURCE_ERROR_REASONS:
         top.add("kvledger_source_errors_total", {"reason": reason}, errors.get(reason, 0))
+    for reason, n in scan.connections_closed.items():
+        top.add("kvledger_connections_closed_total", {"reason": reason}, n)
     return top
 
 

@@ -340,6 +340,18 @@ METRICS: tuple[MetricSpec, ...] = (
         engine=False,
     ),
     MetricSpec(
+        "kvledger_connections_closed_total",
+        "counter",
+        "Client connections kvledger serve closed or refused since it started, per reason: "
+        "request_timeout (no complete request head in --request-timeout), evicted (closed to "
+        "make room past --max-connections, having waited longest), refused (503: past "
+        "--max-connections with every connection being answered), too_many_headers (431), "
+        "bad_request (400: malformed, or a head over --max-header-bytes). "
+        "Absent when the exporter runs inside an engine's server.",
+        ("reason",),
+        engine=False,
+    ),
+    MetricSpec(
         "kvledger_source_errors_total",
         "counter",
         "Times a source was left out of a scrape since the exporter started, per reason: "

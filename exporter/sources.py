@@ -193,6 +193,9 @@ class Scan:
     views: tuple[SourceView, ...] = ()
     files: FileScan[Published] = field(default_factory=FileScan)  # the directory's scan
     source_errors: Mapping[str, int] = field(default_factory=dict)  # ledgers left out so far
+    # Client connections the server closed, by reason (`exporter.connections`); empty when
+    # the exporter runs inside another server.
+    connections_closed: Mapping[str, int] = field(default_factory=dict)
 
 
 class Sources:
@@ -249,6 +252,9 @@ class Sources:
         self.directory = self.files.path if self.files is not None else None
         self.removed = 0  # files of dead sources removed after a restart took their place
         self._known: dict[str, Published] = {}  # file sources of the last usable scan
+        # What the HTTP server closed, by reason (`kvledger serve` sets it to its
+        # `exporter.connections.ConnectionGuard`'s counts); read with each scan.
+        self.connection_counts: Callable[[], Mapping[str, int]] | None = None
         self._failures = SourceFailures(("snapshot",), log)
         self._stop = threading.Event()
         self._scanner: threading.Thread | None = None
@@ -305,7 +311,8 @@ class Sources:
             limit = self.forget_after
             views = [v for v in views if v.up or v.heartbeat_age_seconds <= limit]
         views.sort(key=lambda v: v.source)
-        return Scan(tuple(views), files, source_errors)
+        closed = dict(self.connection_counts()) if self.connection_counts is not None else {}
+        return Scan(tuple(views), files, source_errors, closed)
 
     def _keep_known(self, files: FileScan[Published]) -> list[tuple[Published, str]]:
         """While the directory is usable, remember the sources it serves; while it is not

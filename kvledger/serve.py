@@ -380,6 +380,7 @@ def _serve(args: argparse.Namespace) -> int:
                 raise UsageError(_one_line(e)) from None
         app = create_app(sources, token=token, debug_html=html.page)
         guard = conn.ConnectionGuard(limits)
+        sources.connection_counts = guard.closed.copy
         config = uvicorn.Config(
             app,
             log_level="warning",

@@ -52,6 +52,7 @@ from accounting.snapfile.refusal import Refused
 from accounting.snapfile.summary import Summary, summary_of
 from accounting.snapshot import Snapshot
 from exporter.failures import SourceFailures
+from exporter.memory import release_free_memory
 from exporter.metrics import EngineKey, engine_key
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ STALE_GRACE_S = 1.0
 # The longest publish interval believed for staleness: a file claiming 3600 s would keep a
 # dead source up for hours. A publisher slower than this needs --stale-after.
 MAX_BELIEVED_INTERVAL_S = 60.0
+TRIM_AFTER_FILES = 256  # files gone from the directory before freed memory is given back
 NO_SPACE_MIN_BYTES = 4096  # less free than this (or than a source's file) is no space
 
 
@@ -255,6 +257,8 @@ class Sources:
         # What the HTTP server closed, by reason (`kvledger serve` sets it to its
         # `exporter.connections.ConnectionGuard`'s counts); read with each scan.
         self.connection_counts: Callable[[], Mapping[str, int]] | None = None
+        self._forgotten_trimmed = 0
+        self._trims_due = 0
         self._failures = SourceFailures(("snapshot",), log)
         self._stop = threading.Event()
         self._scanner: threading.Thread | None = None
@@ -311,8 +315,22 @@ class Sources:
             limit = self.forget_after
             views = [v for v in views if v.up or v.heartbeat_age_seconds <= limit]
         views.sort(key=lambda v: v.source)
+        self._release_memory()
         closed = dict(self.connection_counts()) if self.connection_counts is not None else {}
         return Scan(tuple(views), files, source_errors, closed)
+
+    def _release_memory(self) -> None:
+        """After many files are gone (TRIM_AFTER_FILES forgotten since the last time), give
+        the freed heap back to the OS, at this read and the next (by then a render has
+        dropped its own caches of them), so RSS does not stay at its peak."""
+        if self.files is None:
+            return
+        if self.files.forgotten - self._forgotten_trimmed >= TRIM_AFTER_FILES:
+            self._forgotten_trimmed = self.files.forgotten
+            self._trims_due = 2
+        if self._trims_due:
+            self._trims_due -= 1
+            release_free_memory()
 
     def _keep_known(self, files: FileScan[Published]) -> list[tuple[Published, str]]:
         """While the directory is usable, remember the sources it serves; while it is not

@@ -119,6 +119,7 @@ class SnapshotFiles(Generic[T]):
         self.path = os.path.abspath(os.fspath(path))
         self.temp_grace = float(temp_grace)
         self.temporaries_removed = 0  # dead writers' temporary files removed so far
+        self.forgotten = 0  # cached files forgotten (gone from the directory) so far
         self._next_sweep = 0.0
         self._make = make
         self._create = create
@@ -208,10 +209,12 @@ class SnapshotFiles(Generic[T]):
             if cached[1] is not None:
                 out.append(ServedFile(name, ident, cached[1]))
         seen = set(names)
-        for name in set(self._cache) - seen:
+        gone = set(self._cache) - seen
+        for name in gone:
             del self._cache[name]
         for name in set(self.problems) - seen:
             del self.problems[name]
+        self.forgotten += len(gone)
         if skipped and not self.skipped:
             log.warning(
                 "snapshot directory %s: %d files past the first %d not read",

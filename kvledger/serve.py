@@ -227,7 +227,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--interval",
         type=number(float, MIN_INTERVAL_S, MAX_INTERVAL_S),
         default=1.0,
-        help="seconds between the demo's snapshots (default: %(default)g)",
+        help="seconds between the demo's snapshots; the exporter believes at most 60 s of a "
+        "source's interval, so a longer one needs --stale-after (default: %(default)g)",
     )
     wl = p.add_argument_group("built-in workload")
     wl.add_argument(

@@ -64,6 +64,7 @@ STALE_GRACE_S = 1.0
 # The longest publish interval believed for staleness: a file claiming 3600 s would keep a
 # dead source up for hours. A publisher slower than this needs --stale-after.
 MAX_BELIEVED_INTERVAL_S = 60.0
+SCAN_LOG_EVERY_S = 60.0  # a failing background scan's log line, at most this often
 TRIM_AFTER_FILES = 256  # files gone from the directory before freed memory is given back
 NO_SPACE_MIN_BYTES = 4096  # less free than this (or than a source's file) is no space
 
@@ -457,11 +458,26 @@ class Sources:
         self._scanner.start()
 
     def _scan_loop(self, interval: float) -> None:
+        logged, held = -SCAN_LOG_EVERY_S, 0
         while not self._stop.wait(interval):
             try:
                 self.read()
-            except Exception:  # a bug must not end the scanning; every read logs its own
-                log.exception("background scan of %s failed", self.directory)
+            except Exception as e:  # a bug, or the OS (EMFILE): the scanning goes on
+                now = time.monotonic()
+                if now - logged < SCAN_LOG_EVERY_S:
+                    held += 1
+                    continue
+                more = f" ({held} more since the last line)" if held else ""
+                log.error(
+                    "background scan of %s failed%s; retrying every %g s: %s: %s",
+                    self.directory,
+                    more,
+                    interval,
+                    type(e).__name__,
+                    e,
+                    exc_info=e if logged < 0 else None,
+                )
+                logged, held = now, 0
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

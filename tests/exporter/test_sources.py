@@ -335,3 +335,24 @@ def test_an_in_process_ledger_whose_snapshot_fails_is_left_out_named_and_counted
         assert scan.source_errors == {"snapshot": 3}
         lines = [r for r in caplog.records if "source bad left out" in r.getMessage()]
         assert len(lines) == 1 and "device gone" in lines[0].getMessage()  # rate-limited
+
+
+def test_a_background_scan_failing_every_time_logs_once_a_minute(tmp_path, caplog, monkeypatch):
+    """EMFILE on every scan (0.01 s apart): one line with the traceback, not fifty."""
+    import errno
+    import logging
+
+    src = Sources(tmp_path)
+    assert src.files is not None
+
+    def emfile(now: float) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(src.files, "scan", emfile)
+    with caplog.at_level(logging.ERROR, logger="exporter.sources"):
+        src.start_scanning(0.01)
+        time.sleep(0.5)
+        src.close()
+    lines = [r for r in caplog.records if "background scan" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert "Too many open files" in lines[0].getMessage() and lines[0].exc_info

@@ -1,0 +1,278 @@
+"""The GPU parts (accounting.gpu_parts) through the ledger, on the CPU: weights from a real
+torch module (a tied embedding counted once), a CUDA-free stand-in for torch's graph pool,
+kvledger's VMM pages on the host backend (its memfd the truth of what they hold), and NVML
+at accounting.nvml's boundary (tests/accounting/nvml_standin.py, pynvml's own errors). Every
+part matches the figure it is built to be, `unattributed` is 0 once every byte is named, and
+a planted counting bug is a listed violation."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import pynvml
+import pytest
+import torch
+
+from accounting import gpu_parts, nvml
+from accounting.gpu_parts import PART_NAMES, TorchMemory
+from accounting.snapfile.summary import summary_of
+from accounting.torch_memory import torch_memory_of, weight_bytes
+from tests.accounting.nvml_standin import INDEX, UUID, NvmlStandIn, install
+from tests.ledgers import small_ledger
+
+MiB = 1 << 20
+CONTEXT = 500 * MiB  # the CUDA context and modules, held before the baseline
+OTHER_PID, OTHER = 777, 3 << 30
+UNLISTED = 9 * MiB  # driver memory NVML charges to no process
+
+
+class TiedLM(torch.nn.Module):
+    """A small real model: the output layer shares the embedding's weight (one storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 64)
+        self.mlp = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 256, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("rope", torch.zeros(128, 32))
+
+
+# Bytes of TiedLM's storages, counted by hand: embedding (= head), mlp weight and bias, rope.
+TIED_LM_BYTES = (256 * 64 + 64 * 64 + 64 + 128 * 32) * 4
+
+
+@dataclass
+class TorchStandIn:
+    """torch's caching allocator without CUDA: segments per pool as torch.cuda.memory_snapshot()
+    lists them (`segment_pool_id`, `total_size`, `allocated_size`)."""
+
+    segments: list[dict] = field(default_factory=list)
+
+    def add(self, pool: tuple[int, int], total: int, allocated: int) -> None:
+        self.segments.append(
+            {"segment_pool_id": pool, "total_size": total, "allocated_size": allocated}
+        )
+
+    def __call__(self) -> TorchMemory:
+        return torch_memory_of(
+            self.segments,
+            reserved_bytes=sum(s["total_size"] for s in self.segments),
+            allocated_bytes=sum(s["allocated_size"] for s in self.segments),
+        )
+
+    def physical(self) -> int:
+        return self().physical_bytes
+
+
+@dataclass
+class Rig:
+    sl: object
+    torch_mem: TorchStandIn
+    standin: NvmlStandIn
+    truth: nvml.NvmlTruth
+    outside: list[int]
+
+    def parts(self) -> tuple[dict[str, int], object]:
+        snap = self.sl.ledger.snapshot()
+        r = next(r for r in snap.reconciliation if r["source"] == "nvml")
+        return r, snap
+
+
+@pytest.fixture
+def rig(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """The ledger of tests/ledgers.py with NVML truth split into parts; `request.param` (by
+    indirect parametrisation) may set the stand-in's `processes_error` before the baseline."""
+    model = TiedLM()
+    torch_mem = TorchStandIn()
+    outside = [CONTEXT]  # this process's bytes outside torch and the VMM pools
+    with small_ledger() as sl:
+        runtime_kv = nvml.runtime_physical_bytes(sl.ledger.snapshot(reconcile=False))
+        # the runtime-owned KV tensors and the weights sit in torch's default pool
+        torch_mem.add((0, 0), 64 * MiB, weight_bytes([model]) + runtime_kv)
+
+        def process_used() -> int:
+            return outside[0] + torch_mem.physical() + sl.backend.physical_bytes()
+
+        standin = install(
+            monkeypatch,
+            NvmlStandIn(
+                pid=os.getpid(),
+                process_used=process_used,
+                others=lambda: {OTHER_PID: OTHER},
+                unlisted=UNLISTED,
+            ),
+        )
+        standin.processes_error = getattr(request, "param", {}).get("processes_error")
+        truth = nvml.NvmlTruth(
+            0,
+            torch_memory=torch_mem,
+            weights=lambda: weight_bytes([model]),
+            vmm_at_baseline=sl.backend.physical_bytes(),  # the pool's pages made before it
+        )
+        sl.ledger.add_truth(truth)
+        yield Rig(sl, torch_mem, standin, truth, outside)
+
+
+def _memfd_truth(snap) -> int:
+    return next(r for r in snap.reconciliation if r["source"] == "host_memfd")["device_bytes"]
+
+
+def test_weights_count_each_storage_once() -> None:
+    model = TiedLM()
+    assert weight_bytes([model]) == TIED_LM_BYTES
+    # a draft model sharing the target's embedding adds only its own storages
+    draft = torch.nn.Linear(64, 64)
+    draft.shared = model.embed  # the same Embedding module, so the same storage
+    assert weight_bytes([model, draft]) == TIED_LM_BYTES + (64 * 64 + 64) * 4
+    assert weight_bytes([model], device="cuda") == 0  # none of it on a GPU
+
+
+def test_graph_and_arena_pools_are_told_apart_from_the_ordinary_pools() -> None:
+    segs = [
+        {"segment_pool_id": (0, 0), "total_size": 100, "allocated_size": 60},
+        {"segment_pool_id": (2, 0), "total_size": 40, "allocated_size": 30},  # a graph's pool
+        {"segment_pool_id": (0, 5), "total_size": 1000, "allocated_size": 900},  # a VMM arena
+        {"segment_pool_id": (0, 6), "total_size": 8, "allocated_size": 8},  # a capture's pool=
+    ]
+    t = torch_memory_of(
+        segs, reserved_bytes=1148, allocated_bytes=998, arena_pools=[(0, 5)], graph_pools=[(0, 6)]
+    )
+    assert (t.graph_reserved_bytes, t.graph_allocated_bytes) == (48, 38)
+    assert (t.arena_reserved_bytes, t.arena_allocated_bytes) == (1000, 900)
+    assert t.physical_bytes == 148 and t.ordinary_allocated_bytes == 60
+    assert t.ordinary_reserved_bytes == 100
+
+
+def test_every_part_matches_its_measure_and_nothing_is_unattributed(rig: Rig) -> None:
+    sl = rig.sl
+    r, snap = rig.parts()
+    assert r["available"] and r["basis"] == "process"
+    assert (r["uuid"], r["gpu"]) == (UUID, str(INDEX))
+    p = r["parts"]
+    assert list(p) == list(PART_NAMES)
+    assert p["weights"] == TIED_LM_BYTES
+    assert p["kv"] == snap.total("physical_bytes")
+    assert p["outside_torch"] == CONTEXT
+    assert p["other_processes"] == OTHER + UNLISTED
+    assert p["unattributed"] == 0 and not snap.violations
+
+    # KV pages mapped on the host backend: kv grows by what the memfd holds, nothing else moves
+    sl.allocate(1500)
+    r, snap = rig.parts()
+    p = r["parts"]
+    assert _memfd_truth(snap) > 0
+    runtime = sum(b.physical_bytes for b in snap.buffers if b.spec.owner.value == "runtime")
+    assert p["kv"] == _memfd_truth(snap) + runtime
+    assert p["unattributed"] == 0 and not snap.violations
+
+    # a captured graph's pool, activations and cached free blocks in the default pool
+    rig.torch_mem.add((1, 0), 24 * MiB, 20 * MiB)
+    rig.torch_mem.add((0, 0), 32 * MiB, 10 * MiB)
+    r, snap = rig.parts()
+    p = r["parts"]
+    assert p["cuda_graphs"] == 24 * MiB
+    assert p["activations"] == 10 * MiB
+    default = [s for s in rig.torch_mem.segments if s["segment_pool_id"] == (0, 0)]
+    assert p["allocator_slack"] == sum(s["total_size"] - s["allocated_size"] for s in default)
+    assert p["unattributed"] == 0 and not snap.violations
+
+    # memory taken outside torch (a library's cuMemAlloc) is unattributed until it is named
+    rig.outside[0] += 6 * MiB
+    r, snap = rig.parts()
+    assert r["parts"]["unattributed"] == 6 * MiB == r["unattributed_bytes"]
+    assert not snap.violations  # not a broken relation: memory nobody has named yet
+    assert rig.truth.rebaseline(sl.ledger.snapshot(reconcile=False), "after the allocation")
+    r, snap = rig.parts()
+    assert r["parts"]["outside_torch"] == CONTEXT + 6 * MiB
+    assert r["parts"]["unattributed"] == 0 and not snap.violations
+
+    # every publish: the device's parts add up to NVML's used, the process's to its figure
+    d = r["detail"]
+    assert sum(r["parts"].values()) == d["used_bytes"]
+    mine = gpu_parts.process_total(r["parts"]) + r["parts"]["unattributed"]
+    assert mine == d["process_used_bytes"]
+    assert summary_of(snap).reconciliation[1].parts == r["parts"]
+
+
+def test_a_weight_counted_per_tensor_is_a_listed_violation(rig: Rig) -> None:
+    model = TiedLM()
+
+    def per_tensor() -> int:  # the planted bug: the tied embedding counted twice
+        return sum(p.nbytes for _, p in model.named_parameters(remove_duplicate=False)) + sum(
+            b.nbytes for b in model.buffers()
+        )
+
+    rig.truth._weights = per_tensor
+    _, snap = rig.parts()
+    broken = {v.relation for v in snap.violations if v.subject == "truth nvml"}
+    assert broken == {"activations >= 0"}, snap.violations
+
+
+def test_a_part_left_out_of_the_sum_is_a_listed_violation(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig.torch_mem.add((0, 0), 8 * MiB, 2 * MiB)
+    good = gpu_parts.parts_of
+
+    def forgets_slack(readings):  # the planted bug: a part dropped after the sum was taken
+        p = good(readings)
+        p["allocator_slack"] = 0
+        return p
+
+    monkeypatch.setattr(nvml, "parts_of", forgets_slack)
+    _, snap = rig.parts()
+    relations = {v.relation for v in snap.violations if v.subject == "truth nvml"}
+    assert relations == {
+        "sum of GPU parts == NVML device used",
+        "process parts + unattributed == NVML process used",
+    }
+
+
+@pytest.mark.parametrize(
+    "rig", [{"processes_error": pynvml.NVMLError_NoPermission()}], indirect=True
+)
+def test_no_per_process_figure_falls_back_to_device_wide_with_the_basis_named(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r, snap = rig.parts()
+    assert r["basis"] == "device"
+    assert "NVMLError_NoPermission" in r["detail"]["process_figure"]
+    # what the device held at the baseline beyond torch and the VMM pools is named
+    assert r["parts"]["other_processes"] == CONTEXT + OTHER + UNLISTED
+    assert r["parts"]["outside_torch"] == 0
+    assert r["parts"]["unattributed"] == 0 and not snap.violations
+    rig.sl.allocate(700)
+    rig.torch_mem.add((0, 0), 4 * MiB, 4 * MiB)
+    rig.outside[0] += 2 * MiB
+    r, snap = rig.parts()
+    assert r["parts"]["activations"] == 4 * MiB
+    assert r["parts"]["kv"] == snap.total("physical_bytes")
+    assert r["parts"]["unattributed"] == 2 * MiB  # growth outside torch, not yet named
+    assert not snap.violations
+
+    rig.standin.processes_error = None
+    rig.standin.hide_pid = True  # a pid namespace: NVML lists the process under another pid
+    truth = nvml.NvmlTruth(0, torch_memory=rig.torch_mem)
+    assert truth.basis == "device" and "lists no process" in truth.process_reason
+
+
+def test_a_gpu_that_disappears_is_one_log_line_and_truth_unavailable(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig.standin.lost = pynvml.NVMLError_GpuIsLost()
+    with caplog.at_level(logging.WARNING, logger="accounting.nvml"):
+        for _ in range(5):
+            r, snap = rig.parts()
+            assert not r["available"] and "GpuIsLost" in r["reason"]
+            assert r["parts"] == {} and not snap.violations
+        assert rig.truth.rebaseline(snap, "while lost") is None
+    lines = [rec for rec in caplog.records if "GpuIsLost" in rec.getMessage()]
+    assert len(lines) == 1
+    summary = summary_of(snap)
+    assert [x.available for x in summary.reconciliation if x.source == "nvml"] == [False]
+    rig.standin.lost = None
+    r, _ = rig.parts()
+    assert r["available"] and r["parts"]["unattributed"] == 0

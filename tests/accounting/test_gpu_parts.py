@@ -8,112 +8,33 @@ a planted counting bug is a listed violation."""
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, field
 
 import pynvml
 import pytest
 import torch
 
 from accounting import gpu_parts, nvml
-from accounting.gpu_parts import PART_NAMES, TorchMemory
+from accounting.gpu_parts import PART_NAMES
 from accounting.snapfile.summary import summary_of
 from accounting.torch_memory import torch_memory_of, weight_bytes
-from tests.accounting.nvml_standin import INDEX, UUID, NvmlStandIn, install
-from tests.ledgers import small_ledger
-
-MiB = 1 << 20
-CONTEXT = 500 * MiB  # the CUDA context and modules, held before the baseline
-OTHER_PID, OTHER = 777, 3 << 30
-UNLISTED = 9 * MiB  # driver memory NVML charges to no process
-
-
-class TiedLM(torch.nn.Module):
-    """A small real model: the output layer shares the embedding's weight (one storage)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(256, 64)
-        self.mlp = torch.nn.Linear(64, 64)
-        self.head = torch.nn.Linear(64, 256, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("rope", torch.zeros(128, 32))
-
-
-# Bytes of TiedLM's storages, counted by hand: embedding (= head), mlp weight and bias, rope.
-TIED_LM_BYTES = (256 * 64 + 64 * 64 + 64 + 128 * 32) * 4
-
-
-@dataclass
-class TorchStandIn:
-    """torch's caching allocator without CUDA: segments per pool as torch.cuda.memory_snapshot()
-    lists them (`segment_pool_id`, `total_size`, `allocated_size`)."""
-
-    segments: list[dict] = field(default_factory=list)
-
-    def add(self, pool: tuple[int, int], total: int, allocated: int) -> None:
-        self.segments.append(
-            {"segment_pool_id": pool, "total_size": total, "allocated_size": allocated}
-        )
-
-    def __call__(self) -> TorchMemory:
-        return torch_memory_of(
-            self.segments,
-            reserved_bytes=sum(s["total_size"] for s in self.segments),
-            allocated_bytes=sum(s["allocated_size"] for s in self.segments),
-        )
-
-    def physical(self) -> int:
-        return self().physical_bytes
-
-
-@dataclass
-class Rig:
-    sl: object
-    torch_mem: TorchStandIn
-    standin: NvmlStandIn
-    truth: nvml.NvmlTruth
-    outside: list[int]
-
-    def parts(self) -> tuple[dict[str, int], object]:
-        snap = self.sl.ledger.snapshot()
-        r = next(r for r in snap.reconciliation if r["source"] == "nvml")
-        return r, snap
+from tests.accounting.gpu_rig import (
+    CONTEXT,
+    OTHER,
+    TIED_LM_BYTES,
+    UNLISTED,
+    MiB,
+    Rig,
+    TiedLM,
+    gpu_rig,
+)
+from tests.accounting.nvml_standin import INDEX, UUID
 
 
 @pytest.fixture
 def rig(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """The ledger of tests/ledgers.py with NVML truth split into parts; `request.param` (by
-    indirect parametrisation) may set the stand-in's `processes_error` before the baseline."""
-    model = TiedLM()
-    torch_mem = TorchStandIn()
-    outside = [CONTEXT]  # this process's bytes outside torch and the VMM pools
-    with small_ledger() as sl:
-        runtime_kv = nvml.runtime_physical_bytes(sl.ledger.snapshot(reconcile=False))
-        # the runtime-owned KV tensors and the weights sit in torch's default pool
-        torch_mem.add((0, 0), 64 * MiB, weight_bytes([model]) + runtime_kv)
-
-        def process_used() -> int:
-            return outside[0] + torch_mem.physical() + sl.backend.physical_bytes()
-
-        standin = install(
-            monkeypatch,
-            NvmlStandIn(
-                pid=os.getpid(),
-                process_used=process_used,
-                others=lambda: {OTHER_PID: OTHER},
-                unlisted=UNLISTED,
-            ),
-        )
-        standin.processes_error = getattr(request, "param", {}).get("processes_error")
-        truth = nvml.NvmlTruth(
-            0,
-            torch_memory=torch_mem,
-            weights=lambda: weight_bytes([model]),
-            vmm_at_baseline=sl.backend.physical_bytes(),  # the pool's pages made before it
-        )
-        sl.ledger.add_truth(truth)
-        yield Rig(sl, torch_mem, standin, truth, outside)
+    """`request.param` (by indirect parametrisation) is passed to `gpu_rig`."""
+    with gpu_rig(monkeypatch, **getattr(request, "param", {})) as r:
+        yield r
 
 
 def _memfd_truth(snap) -> int:

@@ -359,6 +359,12 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
+# Exported only by a source whose device truth is a GPU read through NVML (none on the host
+# backend): the dashboard's "Where the GPU went" row is empty without a GPU.
+GPU_ONLY: frozenset[str] = frozenset(
+    ("kvledger_gpu_memory_bytes", "kvledger_gpu_memory_total_bytes")
+)
+
 METRIC: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 if len(METRIC) != len(METRICS):  # pragma: no cover - a table edit gone wrong
     raise RuntimeError("exporter.metrics: a metric name is declared twice")

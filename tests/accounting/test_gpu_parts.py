@@ -197,3 +197,11 @@ def test_a_gpu_that_disappears_is_one_log_line_and_truth_unavailable(
     rig.standin.lost = None
     r, _ = rig.parts()
     assert r["available"] and r["parts"]["unattributed"] == 0
+
+
+def test_background_doc_carries_the_generated_parts_table() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "background.md").read_text()
+    block = text.split("<!-- gpu-parts:begin -->\n", 1)[1].split("\n<!-- gpu-parts:end -->", 1)[0]
+    assert block == gpu_parts.markdown_table()

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[4]
 TARGETS = {
     "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components",
     "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
+    "sglang.srt.model_executor.model_runner.ModelRunner.post_capture_resize_kv_pool",
     "sglang.srt.managers.scheduler.Scheduler.release_host_resources",
 }
 LABELS = {

@@ -10,18 +10,21 @@ to. The arithmetic imports neither torch nor pynvml: the readings come from
 
 Two bases, named in every result (`basis`):
 
-- `process`: NVML lists this process. The process's parts add up to NVML's
-  per-process figure, and `other_processes` is the rest of NVML's device-wide used
-  memory (the other processes and the driver memory NVML charges to no process).
+- `process`: NVML lists this process. `outside_torch` is NVML's per-process figure
+  less torch's segments and the VMM mappings, read live, so the process's parts add up
+  to that figure; `other_processes` is the rest of NVML's device-wide used memory (the
+  other processes and the driver memory NVML charges to no process).
 - `device`: NVML does not list this process (a container's pid namespace, MIG, no
   permission). Then what the device held at the baseline, beyond torch's segments and
   the VMM pools, is `other_processes` (this process's CUDA context and whatever other
-  processes held then), and growth outside torch since is `unattributed` until a named
-  point (`rebaseline`) freezes it into `outside_torch`.
+  processes held then), `outside_torch` is the growth outside torch frozen at the named
+  points (`rebaseline`), and growth since the last one is `unattributed`.
 
 In both bases `unattributed` is what is left of NVML's device-wide used memory once
-every other part is counted: memory outside torch and the VMM pools that appeared
-since the last named point.
+every other part is counted; with basis `process` that is 0 unless the reads disagree
+(a part read at another moment than NVML's figures). The reconciliation's own
+`unattributed_bytes` (`kvledger_unattributed_bytes`) is another figure: growth outside
+torch and the VMM pools since the last named point, the leak detector.
 """
 
 from __future__ import annotations
@@ -81,11 +84,11 @@ PARTS: tuple[Part, ...] = (
     Part(
         "outside_torch",
         "process",
-        "this process's memory that torch does not allocate, named: the CUDA context, loaded "
-        "modules, communication buffers, cuMemAlloc by libraries; kvledger's and SGLang's VMM "
-        "mappings are not in it (they are kv)",
-        "NVML per-process used at the baseline minus torch's segments and the VMM pools then, "
-        "plus the growth outside torch frozen at each named point (rebaseline)",
+        "this process's memory that torch does not allocate: the CUDA context, loaded "
+        "modules and executable graphs, communication buffers, cuMemAlloc by libraries; "
+        "kvledger's and SGLang's VMM mappings are not in it (they are kv)",
+        "NVML per-process used minus torch's segments (VMM arenas apart) and the VMM "
+        "mappings, live (basis device: the growth outside torch frozen at each named point)",
     ),
     Part(
         "other_processes",
@@ -98,8 +101,9 @@ PARTS: tuple[Part, ...] = (
     Part(
         "unattributed",
         "device",
-        "what is left of the device's used memory: growth outside torch and the VMM pools "
-        "since the last named point; 0 when every byte is named",
+        "what is left of the device's used memory once every other part is counted: 0 with "
+        "basis process (but for reads taken at different moments); basis device: growth "
+        "outside torch since the last named point, here or in another process",
         "NVML device used minus every other part",
     ),
 )
@@ -180,14 +184,6 @@ def basis_of(readings: Readings) -> str:
     return "process" if both else "device"
 
 
-def outside_at_baseline(b: Baseline) -> int | None:
-    """This process's memory outside torch and the VMM pools at the baseline (basis
-    process), None where NVML did not list it."""
-    if b.process_used is None:
-        return None
-    return b.process_used - b.torch_physical - b.vmm_bytes
-
-
 def parts_of(r: Readings) -> dict[str, int]:
     """Every part (`PART_NAMES`, in order) from one set of readings. Never clamped: a part
     that comes out negative is a reading or a counting bug, and `check_parts` says so."""
@@ -199,9 +195,8 @@ def parts_of(r: Readings) -> dict[str, int]:
         "activations": t.ordinary_allocated_bytes - r.weights_bytes - r.kv_torch_bytes,
         "allocator_slack": t.ordinary_reserved_bytes - t.ordinary_allocated_bytes,
     }
-    at_base = outside_at_baseline(b)
-    if basis_of(r) == "process" and at_base is not None and r.process_used is not None:
-        out["outside_torch"] = at_base + b.named_outside_bytes
+    if basis_of(r) == "process" and r.process_used is not None:
+        out["outside_torch"] = r.process_used - t.physical_bytes - r.vmm_bytes
         out["other_processes"] = r.device_used - r.process_used
     else:
         out["outside_torch"] = b.named_outside_bytes

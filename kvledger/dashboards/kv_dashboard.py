@@ -212,9 +212,11 @@ def gpu_row() -> Row:
             ),
             Panel(
                 "Now, by part and rank",
-                f"The latest {parts} per rank and part, largest first. `unattributed` above 0 "
-                "is memory outside torch and the VMM pools that appeared since the last named "
-                "point (CUDA graph capture): a leak outside torch shows here first.",
+                f"The latest {parts} per rank and part, largest first. A growing "
+                "outside_torch is memory taken outside torch's allocator (communication "
+                "buffers, a library's cuMemAlloc); unattributed is 0 where NVML lists the "
+                "process, and growth since the last named point where it does not (basis "
+                "device, /debug/kv).",
                 (
                     Target(
                         f"sort_desc(sum by (tp_rank, part) ({parts}{{{SEL}}}))",

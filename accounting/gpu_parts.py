@@ -64,7 +64,8 @@ PARTS: tuple[Part, ...] = (
         "process",
         "segments of the private memory pools of captured CUDA graphs (allocated or not: "
         "a graph keeps its pool)",
-        "torch.cuda.memory_snapshot(): segments whose pool id is a graph's",
+        "torch.cuda.memory_snapshot(): segments of a capture's own pool (non-zero first id) "
+        "or of a graph pool handle the engine shares (SGLang's global graph pool)",
     ),
     Part(
         "activations",

@@ -1,13 +1,13 @@
 """torch's side of the GPU parts (accounting.gpu_parts): the caching allocator's segments
 split by pool, and the bytes of a model's parameters and buffers.
 
-Pool ids (torch's `MempoolId_t`, a pair): `(0, 0)` is the default pool; a pool made
-for a graph capture (`torch.cuda.graph_pool_handle()`, or a capture without `pool=`)
-has a non-zero first element; a user `torch.cuda.MemPool` has `(0, n)`. A user pool
-whose segments come from a VMM reservation (SGLang's `KvVmmArena`) is named by the
-caller (`arena_pools`): torch counts its segments at their virtual extent.
-A user pool handed to a capture as `pool=` holds graph memory too: name it in
-`graph_pools`.
+Pool ids (torch's `MempoolId_t`, a pair): `(0, 0)` is the default pool; the pool a
+graph capture makes for itself (`torch.cuda.graph(g)` without `pool=`) has a non-zero
+first element; `torch.cuda.graph_pool_handle()` and a user `torch.cuda.MemPool` are
+`(0, n)`, which torch does not tell apart, so a handle shared by several captures
+(SGLang's global graph memory pool) is named by the caller (`graph_pools`). A user pool
+whose segments come from a VMM reservation (SGLang's `KvVmmArena`) is named too
+(`arena_pools`): torch counts its segments at their virtual extent.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ class RankLedger:
                 if (p := r.pool()) is not None
                 for a in vmm_owner.arena_pool_ids(p)
             ]
-            return cuda_torch_memory(index, arena_pools=arenas)
+            return cuda_torch_memory(index, arena_pools=arenas, graph_pools=_graph_pools())
 
         self.truth = NvmlTruth(
             index,
@@ -312,6 +312,20 @@ class _RankPublisher(Publisher):
         except Exception as e:
             log.warning("kvledger: after publishing: %s: %s", type(e).__name__, e)
         return snap
+
+
+def _graph_pools() -> list[tuple[int, int]]:
+    """SGLang's global CUDA graph memory pool (`graph_pool_handle()`, shared by its graph
+    runners: `sglang/srt/model_executor/runner_utils/pool.py`), once it exists."""
+    try:
+        from sglang.srt.model_executor.runner_utils.pool import get_global_graph_memory_pool
+
+        handle = get_global_graph_memory_pool()
+    except Exception:  # not SGLang 0.5.23's layout: graphs captured without pool= still count
+        return []
+    if isinstance(handle, tuple) and len(handle) == 2:
+        return [(int(handle[0]), int(handle[1]))]
+    return []
 
 
 def _weak(obj: Any) -> Callable[[], Any] | None:

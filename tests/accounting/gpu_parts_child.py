@@ -8,6 +8,7 @@ nvidia-ml-py and kvledger's accounting package."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -120,6 +121,10 @@ def main() -> None:
             model(tokens)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    # torch.cuda.graph() empties the cache on entry (gc.collect(); empty_cache()): do it
+    # first, so that the growth of reserved bytes across the capture is the graph's pool
+    gc.collect()
+    torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():

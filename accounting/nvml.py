@@ -273,14 +273,26 @@ class NvmlTruth:
             + (torch_now.physical_bytes - self._base_torch)
             + self.outside_torch_bytes
         )
-        ids = {"uuid": self.identity, "gpu": self.index}
+        uuid, gpu = self.identity, self.index
         if self._base_used is None:
-            return result("nvml", ledger_bytes=ledger, device_bytes=None, reason=self.reason, **ids)
+            return result(
+                "nvml",
+                ledger_bytes=ledger,
+                device_bytes=None,
+                reason=self.reason,
+                uuid=uuid,
+                gpu=gpu,
+            )
         try:
             basis, grown, used, process = self._figures()
         except Exception as e:
             return result(
-                "nvml", ledger_bytes=ledger, device_bytes=None, reason=self._lost_once(e), **ids
+                "nvml",
+                ledger_bytes=ledger,
+                device_bytes=None,
+                reason=self._lost_once(e),
+                uuid=uuid,
+                gpu=gpu,
             )
         if self._lost:
             log.warning("kvledger: GPU %s (cuda:%s) readable again", self.identity, self.device)
@@ -334,7 +346,8 @@ class NvmlTruth:
             detail=detail,
             parts=parts,
             total_bytes=total,
-            **ids,
+            uuid=uuid,
+            gpu=gpu,
         )
 
 

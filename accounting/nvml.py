@@ -21,8 +21,10 @@ The reader compares the growth since its baseline (taken when it is built) with 
 the ledger and torch explain:
 
     device_bytes  = figure_now - figure_at_baseline
-    ledger_bytes  = VMM physical bytes (live handles, mapped or kept)
-                    + growth of torch's reserved bytes since the baseline
+    ledger_bytes  = growth of VMM physical bytes since the baseline (live handles,
+                      mapped or kept; `vmm_at_baseline` what was mapped when it was built)
+                    + growth of torch's physical bytes since the baseline (reserved, less
+                      the virtual extent of VMM arenas: `accounting.torch_memory`)
                       (runtime-owned KV buffers and everything else torch's caching
                       allocator holds: weights, activations, CUDA graph pools)
                     + outside-torch bytes frozen at the last re-baseline point
@@ -37,8 +39,16 @@ plugin re-baselines after CUDA graph capture. `detail` also splits torch's reser
 bytes into the KV storage it holds (`torch_kv_bytes`, the ledger's runtime-owned
 physical bytes) and the rest (`torch_non_kv_bytes`).
 
+With torch's pools and the model's weights given (`torch_memory`, `weights`), every
+result also splits the device's used memory into the parts of `accounting.gpu_parts`
+(`parts`), and carries the GPU's NVML UUID and index (`uuid`, `gpu`: dcgm-exporter's
+labels) and size (`total_bytes`). Why NVML's per-process figure is not used, when it
+is not, is `detail["process_figure"]`.
+
 Missing NVML, no device, or a device NVML cannot identify degrade to
-`available: False` with the reason; nothing raises.
+`available: False` with the reason; nothing raises. A GPU that stops answering (NVML
+raises `NVMLError_GpuIsLost`, ...) is one warning in the log, then `available: False`
+at every read until it answers again (one more line says so).
 """
 
 from __future__ import annotations

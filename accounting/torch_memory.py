@@ -12,7 +12,9 @@ whose segments come from a VMM reservation (SGLang's `KvVmmArena`) is named too
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from accounting.gpu_parts import TorchMemory
@@ -70,6 +72,52 @@ def cuda_torch_memory(
         arena_pools=arena_pools,
         graph_pools=graph_pools,
     )
+
+
+class CudaTorchMemory:
+    """`cuda_torch_memory` for a truth reader that reads it at every publish, without walking
+    torch's segment list each time: `memory_snapshot()` lists every block of every segment,
+    which in a large server costs milliseconds on the thread that publishes (the engine's).
+    The split by pool is taken again when torch's reserved bytes or segment count move (a
+    segment made or returned), when the named pools change, or `max_age` seconds after the
+    last walk; between walks the totals are live and the graph and arena figures are the
+    last walk's. A capture that reuses a graph pool's free blocks moves bytes between
+    `activations` and `allocator_slack` until the next walk; no other part moves."""
+
+    def __init__(
+        self,
+        device: int,
+        *,
+        arena_pools: Callable[[], Iterable[PoolId]] = tuple,
+        graph_pools: Callable[[], Iterable[PoolId]] = tuple,
+        max_age: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.device = device
+        self._arena_pools = arena_pools
+        self._graph_pools = graph_pools
+        self.max_age = max_age
+        self._clock = clock
+        self._key: tuple[Any, ...] | None = None
+        self._split: TorchMemory | None = None
+        self._walked_at = 0.0
+        self.walks = 0
+
+    def __call__(self) -> TorchMemory:
+        import torch
+
+        stats = torch.cuda.memory_stats(self.device)
+        reserved = int(stats.get("reserved_bytes.all.current", 0))
+        allocated = int(stats.get("allocated_bytes.all.current", 0))
+        arenas, graphs = tuple(self._arena_pools()), tuple(self._graph_pools())
+        key = (reserved, int(stats.get("segment.all.current", 0)), arenas, graphs)
+        now = self._clock()
+        if self._split is None or key != self._key or now - self._walked_at >= self.max_age:
+            self._split = cuda_torch_memory(self.device, arena_pools=arenas, graph_pools=graphs)
+            self._key, self._walked_at = key, now
+            self.walks += 1
+            return self._split
+        return dataclasses.replace(self._split, reserved_bytes=reserved, allocated_bytes=allocated)
 
 
 def weight_bytes(modules: Iterable[Any], device: Any = None) -> int:

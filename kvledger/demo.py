@@ -171,7 +171,7 @@ class DemoSource:
         if o.backend == "cuda":
             try:
                 from accounting.nvml import nvml_truth
-                from accounting.torch_memory import cuda_torch_memory
+                from accounting.torch_memory import CudaTorchMemory
                 from allocator.cuda import CudaBackend
             except ImportError as e:
                 raise ValueError(f"backend='cuda' is not available here: {e}") from e
@@ -185,7 +185,7 @@ class DemoSource:
             torch.cuda.empty_cache()  # torch's reserved bytes then start at 0 with the baseline
             # split into the GPU's parts too (accounting.gpu_parts; the demo has no model,
             # so no weights)
-            truth = nvml_truth(o.device, torch_memory=lambda: cuda_torch_memory(o.device))
+            truth = nvml_truth(o.device, torch_memory=CudaTorchMemory(o.device))
             backend: Any = self._stack.enter_context(CudaBackend(o.device))
             self.ledger.add_truth(truth)
         else:

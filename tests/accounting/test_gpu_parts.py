@@ -207,3 +207,56 @@ def test_background_doc_carries_the_generated_parts_table() -> None:
     text = (Path(__file__).parents[2] / "docs" / "background.md").read_text()
     block = text.split("<!-- gpu-parts:begin -->\n", 1)[1].split("\n<!-- gpu-parts:end -->", 1)[0]
     assert block == gpu_parts.markdown_table()
+
+
+def test_the_segment_walk_is_taken_again_only_when_segments_move(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CudaTorchMemory, with torch.cuda's three reads stood in for (no CUDA here)."""
+    from accounting.torch_memory import CudaTorchMemory
+
+    segs = [
+        {"device": 0, "segment_pool_id": (0, 0), "total_size": 20 * MiB, "allocated_size": 0},
+        {"device": 0, "segment_pool_id": (3, 0), "total_size": 8 * MiB, "allocated_size": 6 * MiB},
+        {"device": 1, "segment_pool_id": (0, 0), "total_size": 99 * MiB, "allocated_size": 0},
+    ]
+    allocated = [6 * MiB]
+    walks = []
+
+    def snapshot():
+        walks.append(1)
+        return [dict(s) for s in segs]
+
+    def reserved(device=0):
+        return sum(s["total_size"] for s in segs if s["device"] == device)
+
+    def stats(device=0):
+        return {
+            "reserved_bytes.all.current": reserved(device),
+            "allocated_bytes.all.current": allocated[0],
+            "segment.all.current": sum(1 for s in segs if s["device"] == device),
+        }
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=0: allocated[0])
+    monkeypatch.setattr(torch.cuda, "memory_stats", stats)
+    now = [0.0]
+    read = CudaTorchMemory(0, max_age=10, clock=lambda: now[0])
+    t = read()
+    assert (t.reserved_bytes, t.graph_reserved_bytes, t.graph_allocated_bytes) == (
+        28 * MiB,
+        8 * MiB,
+        6 * MiB,
+    )
+    allocated[0] += 5 * MiB  # an activation in a cached block: no segment moves
+    t = read()
+    assert len(walks) == 1 and t.allocated_bytes == 11 * MiB and t.graph_reserved_bytes == 8 * MiB
+    segs.append(
+        {"device": 0, "segment_pool_id": (3, 0), "total_size": 4 * MiB, "allocated_size": 4 * MiB}
+    )
+    allocated[0] += 4 * MiB
+    assert read().graph_reserved_bytes == 12 * MiB and len(walks) == 2  # a segment made
+    now[0] = 10.0
+    read()
+    assert len(walks) == 3  # and at most max_age apart

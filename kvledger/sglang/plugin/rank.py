@@ -214,20 +214,20 @@ class RankLedger:
         import torch
 
         from accounting.nvml import NvmlTruth
-        from accounting.torch_memory import cuda_torch_memory
+        from accounting.torch_memory import CudaTorchMemory
 
         index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
         torch.cuda.synchronize(index)
 
-        def torch_memory() -> Any:
-            arenas = [
+        def arenas() -> list[tuple[int, int]]:
+            return [
                 a
                 for r in self.pools.values()
                 if (p := r.pool()) is not None
                 for a in vmm_owner.arena_pool_ids(p)
             ]
-            return cuda_torch_memory(index, arena_pools=arenas, graph_pools=_graph_pools())
 
+        torch_memory = CudaTorchMemory(index, arena_pools=arenas, graph_pools=_graph_pools)
         self.truth = NvmlTruth(
             index,
             torch_memory=torch_memory,

@@ -41,16 +41,24 @@ def kv_layout(knobs: dict[str, Any]):
 def published(**server_args_fields: Any):
     """Publish a ServerArgs in SGLang's runtime context, as its own test fixtures do
     (sglang.test.test_utils.published_topology), and reset it afterwards."""
+    from sglang.srt.runtime_context import reset_context
+
+    server_args = publish_only(**server_args_fields)
+    try:
+        yield server_args
+    finally:
+        reset_context()
+
+
+def publish_only(**server_args_fields: Any) -> Any:
+    """Replace SGLang's runtime context with a ServerArgs of these fields (no reset after)."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(model_path="dummy", **server_args_fields)
     reset_context()
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    try:
-        yield server_args
-    finally:
-        reset_context()
+    return server_args
 
 
 def _server_fields(knobs: dict[str, Any]) -> dict[str, Any]:

@@ -6,8 +6,9 @@ lays out each buffer as `DeepSeekV4TokenToKVPool` allocates it
 (kvledger.sglang.dsv4.geometry). Per family it sets the planner's predicted bytes
 beside the real allocation; they part over page padding (a 256-token page of
 584-byte V4 entries is padded to 576-byte multiples), the extra logical page every
-paged sub-pool reserves, the low-ratio indexer slots past full / ratio, state rows rounded up to the ratio, the fp4 indexer
-priced as fp8, and request counts that differ between planning and building.
+paged sub-pool reserves, the low-ratio indexer slots past full / ratio, state rows
+rounded up to the ratio, the fp4 indexer priced as fp8, and request counts that
+differ between planning and building.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class BufferMap:
     families: dict[str, FamilyPlan]  # every family of FAMILIES, then the low-ratio ones present
     budget_bytes: int | None = None
     planning_max_running_requests: int | None = None
-    fixed_bytes: int = 0  # planned outside the per-token coefficient: c128 state, SWA cap
+    fixed_bytes: int = 0  # outside the per-token coefficient: c128 and c2 state, SWA cap
     _by_family: dict[str, tuple[Dsv4Buffer, ...]] = field(
         default_factory=dict, repr=False, compare=False
     )

@@ -30,11 +30,16 @@ def kv_layout(knobs: dict[str, Any]):
     option = knobs.get("compressed_kv_layout", "auto")
     chosen = (m.KVLayout(knobs.get("kv_layout", "v4")), None if option == "auto" else option)
     real = m.select_dsv4_kv_layout
+    # The low-ratio indexer page: 128 where DeepGEMM's paged MQA logits kernel is present
+    # (read at import as DSV41_INDEX_PAGE_SIZE, and at call time by the pool and planner).
+    real_page = m.DSV41_INDEX_PAGE_SIZE
     m.select_dsv4_kv_layout = lambda: chosen
+    m.DSV41_INDEX_PAGE_SIZE = knobs.get("low_ratio_index_page", real_page)
     try:
         yield chosen
     finally:
         m.select_dsv4_kv_layout = real
+        m.DSV41_INDEX_PAGE_SIZE = real_page
 
 
 @contextlib.contextmanager

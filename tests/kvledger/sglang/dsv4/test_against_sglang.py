@@ -128,6 +128,12 @@ POOL_CASES: list[tuple[str, Ratios, Knobs, dict[str, int]]] = [
         {"full_tokens": 16384},
     ),
     (
+        "v41-index-page-128",
+        V41,
+        Knobs(max_running_requests=8, low_ratio_index_page=128),
+        {"full_tokens": 16384},
+    ),
+    (
         "v41-cap-1GiB",
         V41,
         Knobs(max_running_requests=4, swa_sizing="cap", chunked_prefill_size=2048),
@@ -205,6 +211,12 @@ PLANNER_CASES: list[tuple[str, Ratios, Knobs, dict[str, int]]] = [
         {"budget_bytes": 80 << 30},
     ),
     ("v41-tokens-1M", V41, Knobs(max_running_requests=128), {"full_tokens": 1_000_000}),
+    (
+        "v41-index-page-128-30GiB",
+        V41,
+        Knobs(max_running_requests=64, low_ratio_index_page=128),
+        {"budget_bytes": 30 << 30},
+    ),
 ]
 
 
@@ -233,6 +245,7 @@ def _case(ratios: Ratios, knobs: Knobs, size: dict[str, int], build: bool) -> di
             "swa_prefix_tails": knobs.swa_prefix_tails,
             "kv_layout": knobs.resolved_kv_layout(shape.has_low_ratios),
             "compressed_kv_layout": knobs.compressed_kv_layout,
+            "low_ratio_index_page": knobs.low_ratio_index_page,
         },
         "context_length": knobs.context_length or shape.context_length,
         "build": build,

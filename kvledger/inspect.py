@@ -132,6 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ratios 1 and 2 in fp4 (288 B) and 4 and 128 in fp8 (528 B) (default: %(default)s)",
     )
     parser.add_argument(
+        "--low-ratio-index-page",
+        choices=("64", "128"),
+        default="64",
+        help="V4.1 ratio-1/2 indexer page in slots: 64, or 128 where DeepGEMM's paged MQA "
+        "logits kernel is installed (SGLang's DSV41_INDEX_PAGE_SIZE) (default: %(default)s)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print a JSON document with every figure and buffer"
     )
 
@@ -169,6 +176,7 @@ def build(args: argparse.Namespace) -> BufferMap:
             disable_overlap_schedule=args.disable_overlap_schedule,
             kv_layout=args.kv_layout,
             compressed_kv_layout=args.compressed_kv_layout,
+            low_ratio_index_page=int(args.low_ratio_index_page),
         )
     except ValueError as e:
         raise UsageError(_flag_names(str(e))) from None

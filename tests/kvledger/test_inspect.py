@@ -121,6 +121,12 @@ def test_kv_layout_flags_and_json() -> None:
     doc = json.loads(r.stdout)
     assert set(doc["families"]) == set(FAMILIES)
     assert doc["families"]["swa_kv"]["slot_bytes"] == 528
+    # 128-slot indexer pages: (65536 + 256) slots of ratio 1 in 515 pages (one reserved).
+    r = kvledger(
+        "--config", str(V41), "--full-tokens", "65536", "--low-ratio-index-page", "128", "--json"
+    )
+    doc = json.loads(r.stdout)
+    assert doc["families"]["c1_indexer"]["shape"] == [515, 128 * 68]
     # V4 forced on the V4.1 config: 584-byte entries everywhere.
     r = kvledger("--config", str(V41), "--full-tokens", "65536", "--kv-layout", "v4", "--json")
     doc = json.loads(r.stdout)

@@ -42,8 +42,7 @@ from accounting.snapfile.publisher import Publisher
 from accounting.units import format_size
 from allocator import BackgroundMapper, HostBackend, SlotLayout, SwaPool
 from kvledger import hostmem
-from kvledger.configfile import read_shape
-from kvledger.sglang.dsv4 import Knobs, plan
+from kvledger.sglang.dsv4 import Knobs, load_config, plan
 from kvledger.sglang.dsv4.buffermap import BufferMap
 from kvledger.workload import Workload, WorkloadConfig
 
@@ -99,7 +98,7 @@ class DemoSource:
     def _build(self, o: DemoOptions) -> None:
         if o.backend not in ("host", "cuda"):
             raise ValueError(f"backend={o.backend!r}, expected 'host' or 'cuda'")
-        shape = read_shape(o.config_path or default_config_path())
+        shape = load_config(o.config_path or default_config_path())
         knobs = Knobs(max_running_requests=o.max_running_requests, context_length=o.context_length)
         self.buffer_map: BufferMap = plan(shape, knobs, budget_bytes=o.budget_bytes)
         self.ledger = Ledger(o.labels or {})

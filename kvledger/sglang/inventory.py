@@ -4,10 +4,19 @@ Duck-typed over SGLang 0.5.23's pool classes; nothing here imports sglang (or
 torch). Recognised shapes of pool object, by the attributes they carry:
 
 - DeepSeekV4TokenToKVPool: `swa_kv_pool.kv_buffer`, `kv_pools[ratio].kv_buffer`,
-  `index_pools[4].index_k_with_scale_buffer`, `compress_state_pools[layer]` and
+  `index_pools[ratio].index_k_with_scale_buffer`, `compress_state_pools[layer]` and
   `indexer_compress_state_pools[layer]` (each a CompressStatePool whose
   `kv_score_buffer.kv_score` is the tensor). `c4_kv_pool`, `c128_kv_pool` and
   `c4_indexer_kv_pool` alias the same sub-pools and are not walked again.
+  DeepSeek-V4.1's low ratios 1 and 2 (`c1_kv`, `c2_kv`, `c1_indexer`, `c2_indexer`,
+  `c2_state`) belong to their kv_source layers (`sources_by_ratio`). The two SWA
+  storages without a paged SWA pool are walked too: under encoder replay the
+  `request_window` (its `state` pool is the SWA KV of every layer, family `swa_kv`, one
+  window of `capacity` rows per request slot; its `workspace` pool, family
+  `swa_window_workspace`; its `tags`, family `swa_window_tags`), and the unified-KV
+  ring's `unified_kv_pool` (`kv_buffer`, family `unified_kv`: SWA ring rows and
+  compressed rows in one tensor per layer; `kv_buffer_rope` under fp8, family
+  `unified_kv_rope`).
 - SWAKVPool: `full_kv_pool` and `swa_kv_pool`, with `layers_mapping`.
 - HybridLinearKVPool (linear-attention / Mamba state beside full attention):
   `full_kv_pool` (walked as its own kind, layers mapped back through
@@ -43,11 +52,19 @@ from typing import Any
 from accounting.buffers import BufferSpec, Owner, runtime_buffer
 from accounting.events import PoolEvent
 from accounting.ledger import Account, Ledger
-from kvledger.sglang.dsv4.buffermap import FAMILIES
+from kvledger.sglang.dsv4.buffermap import ALL_FAMILIES
 from kvledger.sglang.vmm_owner import Backed, backed_buffers
 
-# Families of the DeepSeek-V4 pool (docs/background.md#deepseek-v4-geometry, defined in kvledger.sglang.dsv4), then the generic ones.
-DSV4_FAMILIES = FAMILIES
+# Families of the DeepSeek-V4 pool (docs/background.md#deepseek-v4-geometry, defined in
+# kvledger.sglang.dsv4; V4.1's low-ratio ones included), those of the SWA storages with no
+# paged SWA pool, then the generic ones.
+DSV4_FAMILIES = ALL_FAMILIES
+DSV4_STORAGE_FAMILIES = (
+    "swa_window_workspace",
+    "swa_window_tags",
+    "unified_kv",
+    "unified_kv_rope",
+)
 GENERIC_FAMILIES = ("k", "v", "kv", "swa_k", "swa_v", "swa_kv", "other")
 STATE_FAMILIES = ("mamba_conv", "mamba_temporal")
 UNKNOWN = "unknown"
@@ -336,19 +353,30 @@ def _walk_dsv4(pool: Any) -> Iterator[Found]:
     start = int(getattr(pool, "_stage_start", 0))
     end = int(getattr(pool, "_stage_end", len(ratios)))
     by_ratio = {r: [i for i in range(start, end) if ratios[i] == r] for r in (4, 128)}
+    # V4.1: a ratio-1/2 pool has one buffer per kv_source layer of that ratio.
+    sources = getattr(pool, "sources_by_ratio", None) or {}
+    for r in (1, 2):
+        by_ratio[r] = [int(i) for i in sources.get(r, ())]
 
     swa = pool.swa_kv_pool
     if swa is not None:
         for i, t in enumerate(swa.kv_buffer):
             yield Found("swa_kv", start + i, t, _paged_capacity(t, swa.page_size))
-    for ratio, family in ((4, "c4_kv"), (128, "c128_kv")):
-        sub = (pool.kv_pools or {}).get(ratio)
-        if sub is None:
+    yield from _walk_request_window(getattr(pool, "request_window", None), start)
+    yield from _walk_unified(getattr(pool, "unified_kv_pool", None), start)
+    for ratio, sub in (pool.kv_pools or {}).items():
+        if sub is None or int(ratio) not in by_ratio:
             continue
         for j, t in enumerate(sub.kv_buffer):
-            yield Found(family, _nth(by_ratio[ratio], j), t, _paged_capacity(t, sub.page_size))
-    idx = (getattr(pool, "index_pools", None) or {}).get(4)
-    if idx is not None:
+            yield Found(
+                f"c{int(ratio)}_kv",
+                _nth(by_ratio[int(ratio)], j),
+                t,
+                _paged_capacity(t, sub.page_size),
+            )
+    for ratio, idx in (getattr(pool, "index_pools", None) or {}).items():
+        if idx is None or int(ratio) not in by_ratio:
+            continue
         lists: Iterable[Any] = (
             [idx.index_k_with_scale_buffer]
             if getattr(idx, "index_k_with_scale_buffer", None) is not None
@@ -360,7 +388,10 @@ def _walk_dsv4(pool: Any) -> Iterator[Found]:
         for bufs in lists:
             for j, t in enumerate(bufs):
                 yield Found(
-                    "c4_indexer", _nth(by_ratio[4], j), t, _paged_capacity(t, idx.page_size)
+                    f"c{int(ratio)}_indexer",
+                    _nth(by_ratio[int(ratio)], j),
+                    t,
+                    _paged_capacity(t, idx.page_size),
                 )
     for layer, st in enumerate(pool.compress_state_pools or ()):
         if st is not None:
@@ -369,6 +400,35 @@ def _walk_dsv4(pool: Any) -> Iterator[Found]:
     for layer, st in enumerate(getattr(pool, "indexer_compress_state_pools", None) or ()):
         if st is not None:
             yield Found(f"c{int(st.ratio)}_indexer_state", layer, _state_tensor(st))
+
+
+def _walk_request_window(window: Any, start: int) -> Iterator[Found]:
+    """SGLang 0.5.23's dsv41_request_window.RequestWindow (encoder replay)."""
+    if window is None:
+        return
+    state = getattr(window, "state", None)
+    if state is not None:
+        for i, t in enumerate(state.kv_buffer):
+            yield Found("swa_kv", start + i, t, _paged_capacity(t, state.page_size))
+    workspace = getattr(window, "workspace", None)
+    if workspace is not None:
+        for t in workspace.kv_buffer:
+            yield Found("swa_window_workspace", None, t, _paged_capacity(t, workspace.page_size))
+    tags = getattr(window, "tags", None)
+    if tags is not None:
+        yield Found("swa_window_tags", None, tags, _slots_along_dim1(tags))
+
+
+def _walk_unified(unified: Any, start: int) -> Iterator[Found]:
+    """SGLang 0.5.23's DeepSeekV4UnifiedKVPool: one tensor of rows per layer."""
+    if unified is None:
+        return
+    for i, t in enumerate(getattr(unified, "kv_buffer", None) or ()):
+        if t is not None:
+            yield Found("unified_kv", start + i, t)
+    for i, t in enumerate(getattr(unified, "kv_buffer_rope", None) or ()):
+        if t is not None:
+            yield Found("unified_kv_rope", start + i, t)
 
 
 def _nth(layers: list[int], j: int) -> int | None:

@@ -327,7 +327,7 @@ def test_a_snapshot_dir_others_can_write_is_refused_at_start(tmp_path):
 
 @pytest.mark.parametrize("kind", ["fifo", "oversized"])
 def test_a_config_that_is_a_fifo_or_too_large_is_refused_without_reading_it(tmp_path, kind):
-    from kvledger.configfile import MAX_CONFIG_BYTES
+    from kvledger.sglang.dsv4.shape import MAX_CONFIG_BYTES
 
     config = tmp_path / "config.json"
     if kind == "fifo":

@@ -28,12 +28,13 @@ from prometheus_client.utils import floatToGoString
 
 from accounting.buffers import Owner
 from accounting.figures import FIGURES
+from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.tp_status import TP_COUNTERS
 from exporter import metrics as m
 from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
 from exporter.failures import SourceFailures
-from exporter.metrics import EngineKey, engine_key, engine_labels
+from exporter.metrics import EngineKey, device_labels, engine_key, engine_labels
 from exporter.sources import Published, Scan, Sources, SourceView
 
 log = logging.getLogger(__name__)
@@ -263,14 +264,18 @@ _SERVICE_METRICS = (
 def _service_values(v: SourceView) -> tuple[dict[str, str], tuple[float, ...]]:
     """A source's own series, live or not (labels, and a value per `_SERVICE_METRICS`): up,
     age, epoch, publish interval."""
-    labels = {**engine_labels(v.labels), "source": v.source}
+    labels = {
+        **engine_labels(v.labels),
+        **device_labels(v.summary.reconciliation),
+        "source": v.source,
+    }
     return labels, (1 if v.up else 0, v.age_seconds, v.summary.epoch, v.published.interval)
 
 
 def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     s = v.summary
-    eng = engine_labels(s.labels)
+    eng = {**engine_labels(s.labels), **device_labels(s.reconciliation)}
     fam.add(m.HEADLINE, eng, s.totals.physical_bytes / GIB)
     for row in sorted(s.families, key=lambda r: (r.family, r.owner.value)):
         labels = {**eng, "family": row.family, "owner": row.owner.value}
@@ -288,6 +293,12 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
             fam.add("kvledger_truth_bytes", labels, float(r.device_bytes))
             if r.unattributed_bytes is not None:
                 fam.add("kvledger_unattributed_bytes", labels, float(r.unattributed_bytes))
+        if r.available and r.parts:
+            for part in PART_NAMES:
+                if part in r.parts:
+                    fam.add("kvledger_gpu_memory_bytes", {**eng, "part": part}, r.parts[part])
+        if r.available and r.total_bytes is not None:
+            fam.add("kvledger_gpu_memory_total_bytes", eng, r.total_bytes)
     for acc in s.accounts:
         labels = {**eng, "family": acc.family, "pool": acc.pool}
         fam.add("kvledger_peak_occupied_slots", labels, acc.peak_occupied_slots)

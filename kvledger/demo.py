@@ -170,6 +170,7 @@ class DemoSource:
         if o.backend == "cuda":
             try:
                 from accounting.nvml import nvml_truth
+                from accounting.torch_memory import CudaTorchMemory
                 from allocator.cuda import CudaBackend
             except ImportError as e:
                 raise ValueError(f"backend='cuda' is not available here: {e}") from e
@@ -181,9 +182,9 @@ class DemoSource:
             torch.ones(1, device=f"cuda:{o.device}").add_(1).item()
             torch.cuda.synchronize(o.device)
             torch.cuda.empty_cache()  # torch's reserved bytes then start at 0 with the baseline
-            truth = nvml_truth(
-                o.device, torch_reserved=lambda: torch.cuda.memory_reserved(o.device)
-            )
+            # split into the GPU's parts too (accounting.gpu_parts; the demo has no model,
+            # so no weights)
+            truth = nvml_truth(o.device, torch_memory=CudaTorchMemory(o.device))
             backend: Any = self._stack.enter_context(CudaBackend(o.device))
             self.ledger.add_truth(truth)
         else:

@@ -31,6 +31,10 @@ A pool of none of these shapes is refused (`ValueError`), or, with
 reachable from it under family `unknown`, never classified into a family it may
 not have.
 
+A buffer of SGLang's own VMM backing (`KvVmmBufferOwner`, post-capture KV sizing) is
+registered VMM-owned, one account per buffer: reserved bytes its virtual extent, physical
+and mapped bytes its backed span (`kvledger.sglang.vmm_owner`).
+
 Every tensor storage is counted once, keyed by its device and data pointer,
 however many attributes or views reach it. Storages reachable from the pool
 that none of the walks above claims are registered under family `other`, so the
@@ -39,14 +43,17 @@ ledger's physical total is the pool's whole tensor memory.
 
 from __future__ import annotations
 
+import dataclasses
 import types
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from accounting.buffers import BufferSpec, runtime_buffer
+from accounting.buffers import BufferSpec, Owner, runtime_buffer
+from accounting.events import PoolEvent
 from accounting.ledger import Account, Ledger
 from kvledger.sglang.dsv4.buffermap import ALL_FAMILIES
+from kvledger.sglang.vmm_owner import Backed, backed_buffers
 
 # Families of the DeepSeek-V4 pool (docs/background.md#deepseek-v4-geometry, defined in
 # kvledger.sglang.dsv4; V4.1's low-ratio ones included), those of the SWA storages with no
@@ -79,6 +86,7 @@ class Inventory:
     kind: str  # "dsv4", "hybrid_linear", "swa", "mha", "kv", or "unknown" (allow_unknown)
     specs: tuple[BufferSpec, ...]
     accounts: tuple[Account, ...] = ()
+    backed: Mapping[str, Backed] = field(default_factory=dict)  # spec name -> SGLang VMM buffer
 
     @property
     def storage_bytes(self) -> int:
@@ -144,9 +152,16 @@ def inventory(pool: Any, *, name: str = "kv", allow_unknown: bool = False) -> In
         groups.setdefault(_storage_key(f.tensor), []).append(f)
     specs: list[BufferSpec] = []
     names: dict[str, int] = {}
-    for members in groups.values():
-        specs.append(_spec(members, name, names))
-    return Inventory(pool=name, kind=kind, specs=tuple(specs))
+    vmm = backed_buffers(pool) if kind != UNKNOWN else {}
+    backed: dict[str, Backed] = {}
+    for key, members in groups.items():
+        spec = _spec(members, name, names)
+        b = vmm.get(key)
+        if b is not None and b.granularity > 0 and spec.tensor_bytes <= b.reserved_bytes:
+            spec = dataclasses.replace(spec, owner=Owner.VMM, reserved_bytes=b.reserved_bytes)
+            backed[spec.name] = b
+        specs.append(spec)
+    return Inventory(pool=name, kind=kind, specs=tuple(specs), backed=backed)
 
 
 def _spec(members: list[Found], pool: str, names: dict[str, int]) -> BufferSpec:
@@ -231,15 +246,47 @@ def register_pool(
         for family, specs in inv.families().items():
             if family in skip:
                 continue
-            capacity = max(s.capacity_slots for s in specs)
-            accounts.append(
-                ledger.add_account(specs, key=f"{name}/{family}", capacity_slots=capacity)
-            )
+            runtime = [s for s in specs if s.name not in inv.backed]
+            if runtime:
+                capacity = max(s.capacity_slots for s in runtime)
+                accounts.append(
+                    ledger.add_account(runtime, key=f"{name}/{family}", capacity_slots=capacity)
+                )
+            for spec in specs:
+                b = inv.backed.get(spec.name)
+                if b is not None:
+                    accounts.append(
+                        _backed_account(ledger, spec, b, f"{name}/{family}/{spec.name}")
+                    )
     except BaseException:
-        for account in accounts:
-            ledger.remove_account(account)
+        unregister(ledger, accounts)
         raise
-    return Inventory(pool=inv.pool, kind=inv.kind, specs=inv.specs, accounts=tuple(accounts))
+    return dataclasses.replace(inv, accounts=tuple(accounts))
+
+
+def _backed_account(ledger: Ledger, spec: BufferSpec, b: Backed, key: str) -> Account:
+    """One SGLang VMM-backed buffer as a VMM-owned account: its backed granules are live
+    handles, all mapped (SGLang maps each handle as it creates it)."""
+    account = ledger.add_account(
+        [spec], key=key, page_bytes=b.granularity, capacity_slots=spec.capacity_slots
+    )
+    pages = b.backed_bytes // b.granularity
+    if pages:
+        account.on_pool_event(PoolEvent.HANDLES_CREATED, pages)
+        account.on_pool_event(PoolEvent.PAGES_MAPPED, pages)
+    return account
+
+
+def unregister(ledger: Ledger, accounts: Iterable[Account]) -> None:
+    """Remove accounts `register_pool` added (an SGLang VMM-backed buffer's pages reported
+    gone first: SGLang frees them with the pool)."""
+    for account in accounts:
+        if account.owner is Owner.VMM and account._flush is None:
+            if account.mapped_pages:
+                account.on_pool_event(PoolEvent.PAGES_UNMAPPED, account.mapped_pages)
+            if account.handle_pages:
+                account.on_pool_event(PoolEvent.HANDLES_RELEASED, account.handle_pages)
+        ledger.remove_account(account)
 
 
 # -- walks -------------------------------------------------------------------------

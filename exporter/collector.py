@@ -17,6 +17,7 @@ logged by name and counted (`exporter.failures`); the other sources are served.
 from __future__ import annotations
 
 import logging
+import platform
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, TypeVar
@@ -35,11 +36,13 @@ from exporter.exposition import Block, LabelMemo, content_type, number, write_bl
 from exporter.failures import SourceFailures
 from exporter.metrics import EngineKey, engine_key, engine_labels
 from exporter.sources import Published, Scan, Sources, SourceView
+from kvledger import __version__
 
 log = logging.getLogger(__name__)
 GIB = 2**30
 _FIGURE_METRICS = tuple(m.figure_metric(f.name) for f in FIGURES)
 _LE = tuple(floatToGoString(b) for b in (*MAP_SECONDS_BUCKETS, float("inf")))
+_BUILD_LABELS = {"version": __version__, "python_version": platform.python_version()}
 
 
 def live_by_engine(views: Sequence[SourceView]) -> list[SourceView]:
@@ -231,6 +234,7 @@ def _build(
     if cache is not None:
         for source in set(cache) - {v.source for v in scan.views if id(v) in live}:
             del cache[source]
+    top.add(m.BUILD_INFO, _BUILD_LABELS, 1)
     top.add("kvledger_sources_unreadable", {}, scan.files.unreadable)
     for reason, count in sorted(scan.files.error_counts.items()):
         top.add("kvledger_snapshot_file_errors_total", {"reason": reason}, count)
@@ -302,13 +306,18 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         fam.add("kvledger_handle_pages", labels, acc.handle_pages)
         fam.add("kvledger_mapped_pages", labels, acc.mapped_pages)
         fam.add("kvledger_peak_handle_pages", labels, acc.peak_handle_pages)
-        _add_histogram(fam, "kvledger_map_page_seconds", labels, acc.map_bucket_counts)
+        # Each page id observes its operation's seconds / page ids: the observations add up
+        # to map_seconds_total (accounting.ledger.MAP_SECONDS_BUCKETS).
+        _add_histogram(
+            fam, "kvledger_map_page_seconds", labels, acc.map_bucket_counts, acc.map_seconds_total
+        )
 
 
 def _add_histogram(
-    fam: _SeriesSet, name: str, labels: dict[str, str], counts: Sequence[int]
+    fam: _SeriesSet, name: str, labels: dict[str, str], counts: Sequence[int], total: float
 ) -> None:
-    """Per-bucket counts (the last one past every bound) to cumulative `le` buckets."""
+    """Per-bucket counts (the last one past every bound) to cumulative `le` buckets, then
+    `_count` (the +Inf bucket) and `_sum` (`total`, the sum of the observations)."""
     if len(counts) != len(MAP_SECONDS_BUCKETS) + 1:
         raise ValueError(
             f"{name}: {len(counts)} bucket counts, expected {len(MAP_SECONDS_BUCKETS) + 1}"
@@ -318,8 +327,8 @@ def _add_histogram(
     for le, c in zip(_LE, counts, strict=True):
         running += c
         fam.add(name, {**labels, "le": le}, running, sample=sample)
-    # No _count (the +Inf bucket is the count) and no _sum (the ledger keeps no sum of the
-    # per-page observations): OpenMetrics allows neither without the other.
+    fam.add(name, labels, running, sample=f"{name}_count")
+    fam.add(name, labels, total, sample=f"{name}_sum")
 
 
 def registry_for(sources: Sources) -> CollectorRegistry:

@@ -68,8 +68,9 @@ AccountModel: Any = model_of(
     name="AccountModel",
     doc="One index space (the layer buffers sharing its slots) and its allocator activity.",
     descriptions={
-        "map_bucket_counts": "map operations per seconds-per-page-id bucket (accounting.ledger."
-        "MAP_SECONDS_BUCKETS, then one past the last bound); not cumulative"
+        "map_bucket_counts": "page ids mapped per seconds-per-page-id bucket (each page id of a "
+        "map operation observes its time / its page ids; accounting.ledger.MAP_SECONDS_BUCKETS, "
+        "then one past the last bound); not cumulative"
     },
 )
 ViolationModel: Any = model_of(

@@ -45,10 +45,14 @@ def test_values_come_from_the_snapshot():
         assert reg.get_sample_value("kvledger_pages_mapped_total", swa) == acc.pages_mapped_total
         assert reg.get_sample_value("kvledger_handle_pages", swa) == acc.handle_pages > 0
         assert reg.get_sample_value("kvledger_map_calls_total", swa) == acc.map_calls
+        # the histogram is complete: each page id mapped is one observation of its share
         assert (
             reg.get_sample_value("kvledger_map_page_seconds_bucket", {**swa, "le": "+Inf"})
-            == acc.map_calls
+            == reg.get_sample_value("kvledger_map_page_seconds_count", swa)
+            == acc.pages_mapped_total
+            > 0
         )
+        assert reg.get_sample_value("kvledger_map_page_seconds_sum", swa) == acc.map_seconds_total
         # runtime accounts have no page activity series
         c4 = {**ENG, "family": "c4_kv", "pool": "c4"}
         assert reg.get_sample_value("kvledger_pages_mapped_total", c4) is None
@@ -87,6 +91,16 @@ def test_histogram_buckets_are_cumulative():
         values = [v for _, v in samples]
         assert values == sorted(values)
         assert values[-1] == sum(counts)
+        rest = {
+            name: v
+            for name, lab, v in _samples(build_families(Scan((view,))))
+            if name in ("kvledger_map_page_seconds_count", "kvledger_map_page_seconds_sum")
+            and lab["family"] == "swa_kv"
+        }
+        assert rest == {
+            "kvledger_map_page_seconds_count": sum(counts),
+            "kvledger_map_page_seconds_sum": acc.map_seconds_total,
+        }
 
 
 def test_stale_source_exports_service_metrics_only():
@@ -101,6 +115,7 @@ def test_stale_source_exports_service_metrics_only():
             "kvledger_snapshot_age_seconds",
             "kvledger_snapshot_epoch",
             "kvledger_publish_interval_seconds",
+            "kvledger_build_info",
             "kvledger_sources_unreadable",
             "kvledger_source_errors_total",
         }

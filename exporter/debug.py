@@ -150,7 +150,10 @@ class SourceModel(BaseModel):
 
 
 class RankModel(BaseModel):
-    """Per-rank totals (one source is one engine process, i.e. one rank)."""
+    """Per-rank totals (one source is one engine process, i.e. one rank). The bytes figures
+    add up over families; the slot figures of `totals` add index spaces of different kinds
+    (tokens, compressed rows, state rows) and are not a quantity: compare slots family by
+    family (the source's `families`), as the page does."""
 
     source: str
     up: bool

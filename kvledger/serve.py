@@ -415,9 +415,12 @@ def status_line(sources: Any, source: Any, elapsed: float) -> str:
             f"{s.get('finished', 0)}"
         )
         parts.append(f"swa slots {swa.occupied_slots}/{swa.capacity_slots}")
-    # Each figure with its own unit; the headline gauge (physical, in GiB) is named as such.
+    # Each figure right after its own value, in its own unit; the headline gauge is the
+    # physical figure in GiB, named as such (never a decimal "GB" after a binary figure).
     parts.append(
-        f"physical {format_size(physical)} (sglang:kv_cache_memory_usage_gb {physical / 2**30:.3f}) mapped {format_size(mapped)} occupied {format_size(occupied)}"
+        f"physical {format_size(physical)} "
+        f"(sglang:kv_cache_memory_usage_gb {physical / 2**30:.3f} GiB) "
+        f"mapped {format_size(mapped)} occupied {format_size(occupied)}"
     )
     unattributed = [
         r.unattributed_bytes
@@ -426,5 +429,6 @@ def status_line(sources: Any, source: Any, elapsed: float) -> str:
         if r.unattributed_bytes is not None
     ]
     if unattributed:
-        parts.append(f"unattributed {sum(unattributed)} B")
+        total = sum(unattributed)
+        parts.append(f"unattributed {'-' if total < 0 else ''}{format_size(abs(total))}")
     return " | ".join(parts)

@@ -89,7 +89,7 @@ class _MetricFamilies:
         for name, samples in series.items():
             self._by_name[name].samples.extend(samples)
 
-    def part(self) -> _SourceSeries:
+    def part(self, previous: _SourceSeries | None = None) -> _SourceSeries:
         return _SourceSamples()
 
     def __iter__(self) -> Iterator[Metric]:
@@ -106,6 +106,9 @@ class _SourceSeries:
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
         raise NotImplementedError
+
+    def done(self) -> None:
+        """Called once every series was added."""
 
 
 class _SourceSamples(_SourceSeries):
@@ -148,11 +151,59 @@ class _SampleLines(_SourceSeries):
         for name, lines in series.items():
             by_name.setdefault(name, []).extend(lines)
 
-    def part(self) -> _SourceSeries:
-        return _SampleLines(self._label_str)
+    def part(self, previous: _SourceSeries | None = None) -> _SourceSeries:
+        return _LayoutLines(self._label_str, previous)
 
     def blocks(self) -> list[Block]:
         return [(s.family_name, s.type, s.help, self.by_name.get(s.name, ())) for s in m.METRICS]
+
+
+Shape = list[tuple[str, "str | None", dict[str, str]]]  # (metric, sample name, labels) per series
+Layout = tuple[list[str], tuple[tuple[str, list[int]], ...]]  # line prefixes, indices per metric
+
+
+class _LayoutLines(_SourceSeries):
+    """One source's engine series as sample lines (render()), in two steps: while
+    `_add_engine_series` adds them, each series' name and labels (the shape) and its value
+    are recorded; at `done()` each line is its prefix (name and label string, the layout)
+    and its value. The layout is written once and reused while the shape is the one of the
+    source's previous snapshot, the usual case (a new snapshot of a rank changes values,
+    not series): a republished rank then costs a line per value instead of a label string
+    and a dictionary per series. The shapes are compared in full (names and label values),
+    so a series that changed labels gets a layout of its own."""
+
+    def __init__(self, label_str: LabelMemo, previous: _SourceSeries | None) -> None:
+        super().__init__()
+        self._label_str = label_str
+        self._previous = previous if isinstance(previous, _LayoutLines) else None
+        self.shape: Shape = []
+        self._values: list[float] = []
+        self.layout: Layout = ([], ())
+
+    def add(
+        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
+    ) -> None:
+        self.shape.append((name, sample, labels))
+        self._values.append(value)
+
+    def done(self) -> None:
+        previous, self._previous = self._previous, None
+        if previous is not None and previous.shape == self.shape:
+            self.layout = previous.layout
+        else:
+            self.layout = _layout(self.shape, self._label_str)
+        prefixes, groups = self.layout
+        lines = [f"{p}{number(v)}\n" for p, v in zip(prefixes, self._values, strict=True)]
+        self._values = []
+        self.by_name = {name: [lines[i] for i in where] for name, where in groups}
+
+
+def _layout(shape: Shape, label_str: LabelMemo) -> Layout:
+    prefixes = [f"{sample or name}{label_str(labels)} " for name, sample, labels in shape]
+    groups: dict[str, list[int]] = {}
+    for i, (name, _, _) in enumerate(shape):
+        groups.setdefault(name, []).append(i)
+    return prefixes, tuple(groups.items())
 
 
 EngineCache = dict[str, tuple[Published, _SourceSeries]]
@@ -249,8 +300,9 @@ def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> _So
     hit = cache.get(v.source) if cache is not None else None
     if hit is not None and hit[0] is v.published:
         return hit[1]
-    part = top.part()
+    part = top.part(hit[1] if hit is not None else None)
     _add_engine_series(part, v)
+    part.done()
     if cache is not None:
         cache[v.source] = (v.published, part)
     return part

@@ -2,7 +2,8 @@
 
 `BasicAuth(app, users)` wraps an ASGI app: every HTTP request needs
 `Authorization: Basic ...` naming a user of `users` (name -> bcrypt hash) and its
-password; anything else gets 401 with `WWW-Authenticate: Basic`. The only importer of
+password; anything else gets 401 with `WWW-Authenticate: Basic` (a WebSocket handshake
+without them is closed before it is accepted). Lifespan events pass through. The only importer of
 `bcrypt` (the optional extra `kvledger[tls]`).
 
 A bcrypt check costs tens of milliseconds by design, so it never runs in the event
@@ -68,7 +69,11 @@ class BasicAuth:
         self._challenge = f'Basic realm="{REALM}", charset="UTF-8"'.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and not await self.allowed(_authorization(scope)):
+        kind = scope["type"]
+        if kind == "websocket" and not await self.allowed(_authorization(scope)):
+            await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
+            return
+        if kind == "http" and not await self.allowed(_authorization(scope)):
             await send(
                 {
                     "type": "http.response.start",

@@ -161,3 +161,35 @@ def test_basic_auth_checks_users_and_remembers_a_pass():
         assert all(b"s3cret" not in k for k in auth._passed)
 
     anyio.run(main)
+
+
+@pytest.mark.skipif(not basicauth.available(), reason="needs bcrypt (kvledger[tls])")
+def test_basic_auth_guards_http_and_websocket_scopes():
+    import anyio
+
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["type"])
+
+    auth = basicauth.BasicAuth(app, {"u": basicauth.hash_password("p", rounds=4).encode()})
+
+    async def call(kind: str, headers: list) -> list:
+        sent: list = []
+
+        async def send(message):
+            sent.append(message)
+
+        await auth({"type": kind, "headers": headers}, None, send)
+        return sent
+
+    async def main() -> None:
+        sent = await call("http", [])
+        assert sent[0]["status"] == 401 and not reached
+        assert (await call("websocket", []))[0] == {"type": "websocket.close", "code": 1008}
+        assert not reached
+        assert await call("lifespan", []) == [] and reached == ["lifespan"]
+        good = [(b"authorization", b"Basic dTpw")]  # u:p
+        assert await call("http", good) == [] and reached[-1] == "http"
+
+    anyio.run(main)

@@ -158,6 +158,7 @@ class _SampleLines(_SourceSeries):
         return [(s.family_name, s.type, s.help, self.by_name.get(s.name, ())) for s in m.METRICS]
 
 
+_EXACT = 2**53  # ints below this are written as they are (exposition.number)
 Shape = list[tuple[str, "str | None", dict[str, str]]]  # (metric, sample name, labels) per series
 Layout = tuple[list[str], tuple[tuple[str, list[int]], ...]]  # line prefixes, indices per metric
 
@@ -193,7 +194,11 @@ class _LayoutLines(_SourceSeries):
         else:
             self.layout = _layout(self.shape, self._label_str)
         prefixes, groups = self.layout
-        lines = [f"{p}{number(v)}\n" for p, v in zip(prefixes, self._values, strict=True)]
+        # Most values are small ints, written as str() writes them (number() says the same).
+        lines = [
+            f"{p}{v}\n" if type(v) is int and -_EXACT < v < _EXACT else f"{p}{number(v)}\n"
+            for p, v in zip(prefixes, self._values, strict=True)
+        ]
         self._values = []
         self.by_name = {name: [lines[i] for i in where] for name, where in groups}
 

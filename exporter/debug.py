@@ -69,8 +69,9 @@ AccountModel: Any = model_of(
     name="AccountModel",
     doc="One index space (the layer buffers sharing its slots) and its allocator activity.",
     descriptions={
-        "map_bucket_counts": "map operations per seconds-per-page-id bucket (accounting.ledger."
-        "MAP_SECONDS_BUCKETS, then one past the last bound); not cumulative"
+        "map_bucket_counts": "page ids mapped per seconds-per-page-id bucket (each page id of a "
+        "map operation observes its time / its page ids; accounting.ledger.MAP_SECONDS_BUCKETS, "
+        "then one past the last bound); not cumulative"
     },
 )
 ViolationModel: Any = model_of(
@@ -182,7 +183,10 @@ class SourceModel(BaseModel):
 
 
 class RankModel(BaseModel):
-    """Per-rank totals (one source is one engine process, i.e. one rank)."""
+    """Per-rank totals (one source is one engine process, i.e. one rank). The bytes figures
+    add up over families; the slot figures of `totals` add index spaces of different kinds
+    (tokens, compressed rows, state rows) and are not a quantity: compare slots family by
+    family (the source's `families`), as the page does."""
 
     source: str
     up: bool

@@ -105,12 +105,13 @@ class MetricSpec:
     @property
     def sample_names(self) -> tuple[str, ...]:
         """Series names this metric produces in Prometheus."""
-        if self.type == "histogram":  # buckets only: see exporter.collector._add_histogram
-            return (f"{self.name}_bucket",)
+        if self.type == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_count", f"{self.name}_sum")
         return (self.name,)
 
 
 HEADLINE = "sglang:kv_cache_memory_usage_gb"
+BUILD_INFO = "kvledger_build_info"
 FIGURE_PREFIX = "sglang:kv_cache_"
 
 
@@ -297,11 +298,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "kvledger_map_page_seconds",
         "histogram",
-        "Seconds per page id of each map operation (its time divided by the page ids it "
-        "mapped), one observation per operation; buckets "
+        "Seconds per page id of the VMM allocator's map operations: each page id an operation "
+        "mapped observes the operation's time divided by its page ids, so _count is the page "
+        "ids mapped and _sum the seconds spent mapping; buckets "
         + ", ".join(f"{b:g}" for b in MAP_SECONDS_BUCKETS)
-        + " s. Buckets only: the +Inf bucket is the count of map operations; for the mean use "
-        "kvledger_map_seconds_total / kvledger_pages_mapped_total.",
+        + " s.",
         _ACCOUNT,
     ),
     MetricSpec(
@@ -327,6 +328,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "Most slots occupied at once since the account was registered.",
         _ACCOUNT,
+    ),
+    MetricSpec(
+        BUILD_INFO,
+        "gauge",
+        "Always 1: the kvledger version serving, and the Python it runs on, as labels (like "
+        "node_exporter's node_exporter_build_info); join on instance to see what each exporter "
+        "runs.",
+        ("version", "python_version"),
+        engine=False,
     ),
     MetricSpec(
         "kvledger_sources_unreadable",

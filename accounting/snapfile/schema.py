@@ -354,10 +354,27 @@ def family_rows_of(d: Any) -> list[FamilyRow]:
     rows = as_list(d, "families", MAX_FAMILIES)
     if _plain_families(rows):
         return [
-            FamilyRow(row["family"], Owner(row["owner"]), Figures(*_family_figures(row)))
-            for row in rows
+            _family_of(row["family"], _OWNER_OF[row["owner"]], _family_figures(row)) for row in rows
         ]
     return [_family_row(row, i) for i, row in enumerate(rows)]
+
+
+# As for AccountRow below: a checked row's fields set through the instances' __dict__, not
+# the frozen dataclasses' __init__ (object.__setattr__ per field: 7 figures and 3 fields a
+# family, 7 families a rank, on every new version of a file). Holds while neither class has
+# a __post_init__ nor slots.
+if any(hasattr(c, "__post_init__") or hasattr(c, "__slots__") for c in (Figures, FamilyRow)):
+    raise RuntimeError(  # pragma: no cover
+        "accounting.snapfile.schema: Figures and FamilyRow must be built through __init__"
+    )
+
+
+def _family_of(family: str, owner: Owner, values: tuple[int, ...]) -> FamilyRow:
+    figures = object.__new__(Figures)
+    figures.__dict__.update(zip(FIGURE_NAMES, values, strict=True))
+    row = object.__new__(FamilyRow)
+    row.__dict__.update(family=family, owner=owner, figures=figures)
+    return row
 
 
 def _family_row(row: Any, i: int) -> FamilyRow:

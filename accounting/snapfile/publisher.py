@@ -44,7 +44,7 @@ from accounting.snapfile.process import process_start_ticks
 from accounting.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
-LOG_EVERY_S = 60.0  # a failing publisher's log lines, per reason
+FAILURE_LOG_EVERY_S = 60.0  # a publisher that keeps failing logs one line a minute
 
 
 class Publisher:
@@ -90,9 +90,10 @@ class Publisher:
         self.errors = 0
         self.errors_by_reason: dict[str, int] = dict.fromkeys(publish_errors.REASONS, 0)
         self.last_error: publish_errors.LastError | None = None
+        self._failing = 0  # failures in a row
+        self._failure_logged = 0.0
         self.last_snapshot: Snapshot | None = None
         self._write_lock = threading.Lock()
-        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last logged, held back)
         self._stop = threading.Event()
         self._closed = False
         # Due time of the next publish (monotonic). While the engine allocates, the
@@ -121,39 +122,46 @@ class Publisher:
 
     def _publish_safely(self) -> None:
         """Publish; a failure is counted and logged, never raised (it must not fail an
-        allocation, nor stop the thread); the next try is an interval later."""
+        allocation, nor stop the thread); the next try is an interval later. The first
+        failure of a run of them is logged with its traceback, the rest one line at most
+        every `FAILURE_LOG_EVERY_S`, and the first success after them says so."""
         try:
             self.publish()
         except Exception as e:
             self.errors += 1
+            self._failing += 1
             reason = publish_errors.reason_of(e)
             self.errors_by_reason[reason] += 1
             self.last_error = publish_errors.LastError(
                 reason, publish_errors.detail_of(e), time.time()
             )
             self._next_due = time.monotonic() + self.interval
-            self._log_failure(reason, e)
-
-    def _log_failure(self, reason: str, e: Exception) -> None:
-        """One line per failure reason a minute at most (with the traceback the first time),
-        however often the publish fails."""
-        now = time.monotonic()
-        last = self._logged.get(reason)
-        if last is not None and now - last[0] < LOG_EVERY_S:
-            self._logged[reason] = (last[0], last[1] + 1)
-            return
-        held = f" ({last[1]} more since the last line)" if last is not None and last[1] else ""
-        log.error(
-            "publisher %s: publishing to %s failed (%s)%s; retrying every %g s: %s",
-            self.source,
-            self.path,
-            reason,
-            held,
-            self.interval,
-            publish_errors.detail_of(e),
-            exc_info=e if last is None else None,
-        )
-        self._logged[reason] = (now, 0)
+            now = time.monotonic()
+            if self._failing == 1:
+                log.exception(
+                    "publisher %s: publishing to %s failed; retrying", self.source, self.path
+                )
+                self._failure_logged = now
+            elif now - self._failure_logged >= FAILURE_LOG_EVERY_S:
+                log.warning(
+                    "publisher %s: publishing to %s still failing (%d times in a row, %s): %s: %s",
+                    self.source,
+                    self.path,
+                    self._failing,
+                    reason,
+                    type(e).__name__,
+                    " ".join(str(e).split()),
+                )
+                self._failure_logged = now
+        else:
+            if self._failing:
+                log.info(
+                    "publisher %s: publishing to %s again, after %d failures",
+                    self.source,
+                    self.path,
+                    self._failing,
+                )
+                self._failing = 0
 
     def publish(self) -> Snapshot:
         """Take a snapshot and write it now."""

@@ -144,11 +144,10 @@ class Publisher:
                 self._failure_logged = now
             elif now - self._failure_logged >= FAILURE_LOG_EVERY_S:
                 log.warning(
-                    "publisher %s: publishing to %s still failing (%d times in a row, %s): %s: %s",
+                    "publisher %s: publishing to %s still failing (%d times in a row): %s: %s",
                     self.source,
                     self.path,
                     self._failing,
-                    reason,
                     type(e).__name__,
                     " ".join(str(e).split()),
                 )

@@ -27,7 +27,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from accounting.buffers import Owner
-from accounting.figures import FIGURES
+from accounting.figures import FIGURES, HOLDER_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.tp_status import TP_COUNTERS
 from exporter import metrics as m
@@ -276,6 +276,22 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         labels = {**eng, "family": row.family, "owner": row.owner.value}
         for metric, value in zip(_FIGURE_METRICS, row.figures.values(), strict=True):
             fam.add(metric, labels, value)
+    for held in s.holders:
+        labels = {**eng, "family": held.family, "owner": held.owner.value}
+        for holder, slots, nbytes in zip(
+            HOLDER_NAMES, held.slots.values(), held.bytes.values(), strict=True
+        ):
+            hl = {**labels, "holder": holder}
+            fam.add(m.HELD_SLOTS, hl, slots)
+            fam.add(m.HELD_BYTES, hl, nbytes)
+        fam.add("sglang:kv_cache_evicted_slots_total", labels, held.evicted_slots_total)
+        fam.add("sglang:kv_cache_evicted_bytes_total", labels, held.evicted_bytes_total)
+        fam.add(
+            "sglang:kv_cache_window_evicted_slots_total", labels, held.window_evicted_slots_total
+        )
+        fam.add(
+            "sglang:kv_cache_window_evicted_bytes_total", labels, held.window_evicted_bytes_total
+        )
     fam.add("kvledger_relation_violations", eng, len(s.violations))
     tp = s.tp
     if tp is not None:

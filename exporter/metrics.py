@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from accounting.figures import FIGURES
+from accounting.figures import FIGURES, HOLDER_NAMES, HOLDER_PRECEDENCE
 from accounting.ledger import MAP_SECONDS_BUCKETS
 
 ENGINE_LABELS: tuple[str, ...] = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
@@ -120,6 +120,57 @@ def _figure_specs() -> list[MetricSpec]:
 
 
 _ACCOUNT = ("family", "pool")
+HELD_SLOTS = FIGURE_PREFIX + "held_slots"
+HELD_BYTES = FIGURE_PREFIX + "held_bytes"
+_HOLDERS = ", ".join(HOLDER_NAMES)
+
+
+def _held_specs() -> list[MetricSpec]:
+    what = (
+        "split by holder ({holders}; accounting.figures.Held): {precedence}. Where the "
+        "holder could not be read (no tree reader for the engine), the slots are "
+        "`unattributed` and /debug/kv says why."
+    ).format(holders=_HOLDERS, precedence=HOLDER_PRECEDENCE)
+    return [
+        MetricSpec(
+            HELD_SLOTS,
+            "gauge",
+            "occupied_slots per buffer family " + what,
+            ("family", "owner", "holder"),
+        ),
+        MetricSpec(
+            HELD_BYTES,
+            "gauge",
+            "occupied_bytes per buffer family (held slots x slot_bytes, all layers) " + what,
+            ("family", "owner", "holder"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "evicted_slots_total",
+            "counter",
+            "Slots of the family the engine's prefix tree evicted (cached prefixes dropped to "
+            "make room), converted from the tree's tokens to the family's slots.",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "evicted_bytes_total",
+            "counter",
+            "Bytes of the family the prefix tree evicted (evicted slots x slot_bytes).",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "window_evicted_slots_total",
+            "counter",
+            "Slots of the family freed because they left a running request's sliding "
+            "window (SWA window eviction; not a prefix eviction, nothing reusable is lost).",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "window_evicted_bytes_total",
+            "counter",
+            "Bytes of the family freed by sliding-window eviction.",
+            ("family", "owner"),
+        ),
+    ]
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -131,6 +182,7 @@ METRICS: tuple[MetricSpec, ...] = (
         (),
     ),
     *_figure_specs(),
+    *_held_specs(),
     MetricSpec(
         "kvledger_up",
         "gauge",

@@ -27,6 +27,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from accounting.buffers import Owner
+from accounting.engine_state import REQUEST_BYTES_BUCKETS
 from accounting.figures import FIGURES, HOLDER_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.tp_status import TP_COUNTERS
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 _FIGURE_METRICS = tuple(m.figure_metric(f.name) for f in FIGURES)
 _LE = tuple(floatToGoString(b) for b in (*MAP_SECONDS_BUCKETS, float("inf")))
+_REQUEST_LE = tuple(floatToGoString(b) for b in (*REQUEST_BYTES_BUCKETS, float("inf")))
 
 
 def live_by_engine(views: Sequence[SourceView]) -> list[SourceView]:
@@ -292,6 +294,12 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         fam.add(
             "sglang:kv_cache_window_evicted_bytes_total", labels, held.window_evicted_bytes_total
         )
+    engine = s.engine
+    if engine is not None:
+        fam.add("sglang:kv_cache_retracted_requests_total", eng, engine.retracted_requests_total)
+        _add_histogram(
+            fam, "sglang:kv_cache_request_bytes", eng, engine.request_bytes_counts, _REQUEST_LE
+        )
     fam.add("kvledger_relation_violations", eng, len(s.violations))
     tp = s.tp
     if tp is not None:
@@ -322,16 +330,18 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
 
 
 def _add_histogram(
-    fam: _SeriesSet, name: str, labels: dict[str, str], counts: Sequence[int]
+    fam: _SeriesSet,
+    name: str,
+    labels: dict[str, str],
+    counts: Sequence[int],
+    bounds: tuple[str, ...] = _LE,
 ) -> None:
     """Per-bucket counts (the last one past every bound) to cumulative `le` buckets."""
-    if len(counts) != len(MAP_SECONDS_BUCKETS) + 1:
-        raise ValueError(
-            f"{name}: {len(counts)} bucket counts, expected {len(MAP_SECONDS_BUCKETS) + 1}"
-        )
+    if len(counts) != len(bounds):
+        raise ValueError(f"{name}: {len(counts)} bucket counts, expected {len(bounds)}")
     running = 0
     sample = f"{name}_bucket"
-    for le, c in zip(_LE, counts, strict=True):
+    for le, c in zip(bounds, counts, strict=True):
         running += c
         fam.add(name, {**labels, "le": le}, running, sample=sample)
     # No _count (the +Inf bucket is the count) and no _sum (the ledger keeps no sum of the

@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from accounting.engine_state import MAX_REQUESTS, REQUEST_BYTES_BUCKETS
 from accounting.figures import FIGURES, HOLDER_NAMES, HOLDER_PRECEDENCE
 from accounting.ledger import MAP_SECONDS_BUCKETS
 
@@ -169,6 +170,25 @@ def _held_specs() -> list[MetricSpec]:
             "counter",
             "Bytes of the family freed by sliding-window eviction.",
             ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "retracted_requests_total",
+            "counter",
+            "Running requests the engine retracted (sent back to its queue, their KV freed) "
+            "because the KV cache had no room for their next tokens.",
+            (),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "request_bytes",
+            "histogram",
+            "KV bytes each running request holds now, all families together (its tokens' "
+            "slots in every family it uses, state rows included), as a distribution over "
+            "the running requests: buckets "
+            + ", ".join(f"{b >> 20} MiB" for b in REQUEST_BYTES_BUCKETS)
+            + f". A gauge histogram: the +Inf bucket is the running requests now, buckets "
+            "go down as requests finish (no rate()). Buckets only, no request ids: "
+            f"/debug/kv lists the {MAX_REQUESTS} largest requests by id.",
+            (),
         ),
     ]
 

@@ -143,9 +143,7 @@ HOLDER_PRECEDENCE = (
     "tree_evictable, request_only, unattributed; so the holders are disjoint and add up to "
     "occupied_slots (and, times each buffer's slot_bytes, to occupied_bytes)"
 )
-HOLDER_RELATION = (
-    "tree_protected + tree_evictable + request_only + unattributed == occupied_slots"
-)
+HOLDER_RELATION = "tree_protected + tree_evictable + request_only + unattributed == occupied_slots"
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
+from accounting.engine_state import EngineState
 from accounting.figures import FIGURE_NAMES, FIGURES, Held
 from accounting.relations import Violation, check_account, check_buffer
-from accounting.engine_state import EngineState
 from accounting.tp_status import TpStatus
 
 SCHEMA_VERSION = 1

@@ -128,10 +128,10 @@ _HOLDERS = ", ".join(HOLDER_NAMES)
 
 def _held_specs() -> list[MetricSpec]:
     what = (
-        "split by holder ({holders}; accounting.figures.Held): {precedence}. Where the "
+        f"split by holder ({_HOLDERS}; accounting.figures.Held): {HOLDER_PRECEDENCE}. Where the "
         "holder could not be read (no tree reader for the engine), the slots are "
         "`unattributed` and /debug/kv says why."
-    ).format(holders=_HOLDERS, precedence=HOLDER_PRECEDENCE)
+    )
     return [
         MetricSpec(
             HELD_SLOTS,
@@ -191,6 +191,7 @@ def _held_specs() -> list[MetricSpec]:
             (),
         ),
     ]
+
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(

@@ -458,9 +458,7 @@ def engine_state_of(d: Any) -> EngineState | None:
         )
     running = int_of(d, "running_requests", where)
     if sum(counts) != running:
-        raise fail(
-            where, f"request_bytes_counts sum to {sum(counts)}, running_requests={running}"
-        )
+        raise fail(where, f"request_bytes_counts sum to {sum(counts)}, running_requests={running}")
     requests = []
     for i, r in enumerate(as_list(d.get("requests") or [], f"{where}.requests", MAX_REQUESTS)):
         at = f"{where}.requests[{i}]"

@@ -1,0 +1,300 @@
+"""Holders read from SGLang 0.5.23's real tree cache, allocator and request pool (marker `sglang`).
+
+A trace of requests sharing prefixes runs through SGLang's UnifiedRadixCache over its
+DeepSeek-V4 pool and SWATokenToKVPoolAllocator (tests/kvledger/sglang/tree_rig.py). At
+every step, in every family: the holders add up to occupied (no violation), the
+protected and evictable slots are the tree's own sizes converted to the family's slots,
+occupied is SGLang's own count converted, and request_only in the full-space families
+equals what the running requests hold past their tree-owned prefixes (counted from the
+requests alone). The same with the SWA family on kvledger's VMM pool (the bridge).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from accounting.figures import Held
+from accounting.ledger import Ledger
+from kvledger.sglang.holders import (
+    FULL,
+    REQ,
+    SWA,
+    HolderReader,
+    Pressure,
+    dsv4_units,
+)
+from kvledger.sglang.inventory import register_pool
+from tests.kvledger.sglang import rig
+from tests.kvledger.sglang.tree_rig import TreeScheduler, make_tree
+
+pytestmark = pytest.mark.sglang
+PAGE = rig.PAGE
+
+
+class World:
+    def __init__(self, *, bridge: Any = None, disable: bool = False) -> None:
+        self.pool = rig.make_pool()
+        self.r2t = rig.make_req_to_token()
+        self.alloc = rig.make_allocator(self.pool, self.r2t)
+        self.tree = make_tree(self.alloc, self.r2t, disable=disable)
+        self.ledger = Ledger({"model_name": "holders"})
+        self.bridge = None
+        if bridge is not None:
+            from kvledger.sglang.bridge import ENV_ENABLE, attach
+
+            self.bridge = attach(
+                self.pool,
+                self.ledger,
+                allocator=self.alloc,
+                env={ENV_ENABLE: "1"},
+                backend=bridge,
+                require=True,
+                pool_name="dsv4",
+            )
+        else:
+            register_pool(self.ledger, self.pool, name="dsv4")
+        self.accounts = {a.family: a for a in self.ledger.accounts() if a.pool == "dsv4"}
+        self.units = dsv4_units(self.pool)
+        self.pressure = Pressure()
+        self.s = TreeScheduler(self.alloc, self.r2t, self.tree)
+        self.reader = HolderReader(
+            self.ledger,
+            self.accounts,
+            tree=self.tree,
+            allocator=self.alloc,
+            req_to_token=self.r2t,
+            units=self.units,
+            bridged={f for f, a in self.accounts.items() if a.owner.value == "vmm"},
+            running=lambda: self.s.running,
+            pressure=self.pressure,
+            sync=self.bridge.flush if self.bridge is not None else None,
+        )
+        self.seen: dict[str, set[str]] = {}
+
+    def close(self) -> None:
+        self.reader.close()
+        if self.bridge is not None:
+            self.bridge.detach()
+
+    def check(self, tag: str) -> None:
+        """Every relation, per family, against SGLang's own counts."""
+        snap = self.ledger.snapshot()
+        assert not snap.violations, (tag, snap.violations)
+        a = self.alloc
+        counts = {
+            FULL: a.size_full - a.full_available_size(),
+            SWA: a.size_swa - a.swa_available_size(),
+            REQ: self.r2t.size - self.r2t.available_size(),
+        }
+        tree = {
+            FULL: (self.tree.full_protected_size(), self.tree.full_evictable_size()),
+            SWA: (self.tree.swa_protected_size(), self.tree.swa_evictable_size()),
+            REQ: (0, 0),
+        }
+        for row in snap.accounts:
+            if row.family == "other":  # storages no family claims: no slots
+                assert row.occupied_slots == 0 and row.held == Held()
+                continue
+            u = self.units[row.family]
+            held = row.held
+            assert held.total() == row.occupied_slots, (tag, row.family)
+            assert row.occupied_slots == u.of(counts[u.space]), (tag, row.family)
+            protected, evictable = tree[u.space]
+            assert (held.tree_protected, held.tree_evictable) == (
+                u.of(protected),
+                u.of(evictable),
+            ), (tag, row.family)
+            assert held.unattributed == 0
+            if u.space == FULL:
+                assert held.request_only == u.of(self.s.request_only_full_tokens()), (
+                    tag,
+                    row.family,
+                )
+            for name, v in held.to_dict().items():
+                if v:
+                    self.seen.setdefault(row.family, set()).add(name)
+        state = snap.engine
+        assert state is not None and state.holders_from == "UnifiedRadixCache"
+        assert state.running_requests == len(self.s.running)
+
+
+def trace(w: World) -> None:
+    """Three sessions share a 512-token system prompt; a second turn reuses its first;
+    the tree evicts; windows slide."""
+    s = w.s
+    system = list(range(1, 2 * PAGE + 1))
+    w.check("empty")
+    a = s.admit("a", system + list(range(5000, 5100)))
+    w.check("a admitted")
+    for _ in range(40):
+        s.decode()
+    s.evict_window(a)
+    w.check("a decoded, window slid")
+    s.checkpoint(a)  # cache_unfinished_req: a's prompt pages join the tree, locked by a
+    w.check("a checkpointed")
+    b = s.admit("b", system + list(range(7000, 7300)))  # shares the system prompt with a
+    assert b.kv.cache_protected_len == 2 * PAGE
+    w.check("b admitted on a's prefix")
+    for _ in range(30):
+        s.decode()
+        s.evict_window(a)
+        s.evict_window(b)
+    w.check("a and b decoding")
+    a_turn = list(a.tokens)
+    s.finish(a)  # a's prefix stays locked by b; its own tail becomes evictable
+    w.check("a finished")
+    c = s.admit("c", a_turn + list(range(9000, 9050)))  # a's second turn
+    assert c.kv.cache_protected_len >= 2 * PAGE
+    w.check("c admitted on a's turn")
+    s.finish(b)
+    s.finish(c)
+    w.check("all finished")
+    got = s.evict(full_tokens=PAGE)
+    assert got.num_tokens_evicted >= PAGE
+    w.check("tree evicted")
+    d = s.admit("d", system + [1])
+    w.check("d admitted")
+    s.finish(d, cache=False)
+    w.check("d finished uncached")
+
+
+@pytest.fixture
+def world() -> Iterator[World]:
+    with rig.published():
+        w = World()
+        try:
+            yield w
+        finally:
+            w.close()
+
+
+def test_holders_add_up_and_equal_the_trees_own_sizes_at_every_step(world: World) -> None:
+    trace(world)
+    for family in ("c4_kv", "c128_kv", "c4_indexer", "swa_kv"):
+        assert world.seen[family] >= {"tree_protected", "tree_evictable", "request_only"}, family
+    assert world.seen["c128_state"] == {"request_only"}
+
+
+def test_the_same_with_the_swa_family_on_kvledgers_vmm_pool() -> None:
+    from allocator.host import HostBackend
+
+    with rig.published():
+        w = World(bridge=HostBackend())
+        try:
+            assert w.accounts["swa_kv"].owner.value == "vmm"
+            trace(w)
+            assert w.seen["swa_kv"] >= {"tree_protected", "tree_evictable", "request_only"}
+        finally:
+            w.close()
+
+
+def test_tree_and_window_evictions_are_counted_apart_per_family(world: World) -> None:
+    from kvledger.sglang.plugin import server_hooks
+
+    w = world
+    s = w.s
+    p = w.pressure
+    a = s.admit("a", list(range(1, 3 * PAGE + 1)))
+    for _ in range(10):
+        s.decode()
+    before = a.kv.get_evicted_seqlen(s.swa)
+    s.evict_window(a)
+    p.window_evicted(a.kv.get_evicted_seqlen(s.swa) - before)  # what the hook adds
+    s.finish(a)
+    result = s.evict(full_tokens=PAGE)
+    server_hooks.count_tree_eviction(result, pressure=p)  # what the AFTER hook runs
+    snap = w.ledger.snapshot()
+    rows = {r.family: r for r in snap.accounts}
+    assert p.window_swa_tokens >= PAGE
+    assert rows["swa_kv"].window_evicted_slots_total == p.window_swa_tokens
+    assert rows["c4_attn_state"].window_evicted_slots_total == p.window_swa_tokens * 8 // PAGE
+    assert rows["c4_kv"].evicted_slots_total == result.num_tokens_evicted // 4
+    assert rows["c128_kv"].evicted_slots_total == result.num_tokens_evicted // 128
+    assert rows["c4_kv"].window_evicted_slots_total == 0
+    assert rows["swa_kv"].evicted_slots_total == result.swa_num_tokens_evicted
+    assert rows["c128_state"].evicted_slots_total == 0
+
+
+def test_per_request_footprints_name_who_holds_the_swa_family(world: World) -> None:
+    s = world.s
+    big = s.admit("big", list(range(1, 3 * PAGE)))
+    small = s.admit("small", list(range(9000, 9010)))
+    state = world.ledger.snapshot().engine
+    assert [r.rid for r in state.requests] == ["big", "small"]
+    top = state.requests[0]
+    slot = {f: sum(b.slot_bytes for b in a.buffers) for f, a in world.accounts.items()}
+    assert top.tokens == big.seq_len
+    assert top.bytes_by_family["c4_kv"] == big.seq_len // 4 * slot["c4_kv"]
+    assert top.bytes_by_family["swa_kv"] == big.seq_len * slot["swa_kv"]
+    assert top.bytes_by_family["c128_state"] == 128 * slot["c128_state"]
+    assert top.bytes == sum(top.bytes_by_family.values())
+    assert state.running_requests == 2 and sum(state.request_bytes_counts) == 2
+    s.finish(small, cache=False)
+
+
+def test_a_disabled_radix_cache_leaves_every_slot_with_requests() -> None:
+    with rig.published():
+        w = World(disable=True)
+        try:
+            w.s.admit("a", list(range(1, 300)))
+            snap = w.ledger.snapshot()
+            assert not snap.violations
+            for row in snap.accounts:
+                if row.family != "other":
+                    assert row.held == Held(request_only=row.occupied_slots), row.family
+            assert any("radix cache disabled" in n for n in snap.engine.notes)
+        finally:
+            w.close()
+
+
+class _Odd:
+    """A cache class kvledger does not know."""
+
+
+class _Broken:
+    """A known class name whose sizes raise."""
+
+    def full_protected_size(self) -> int:
+        raise RuntimeError("boom")
+
+
+_Broken.__name__ = "RadixCache"
+
+
+@pytest.mark.parametrize(
+    "tree, holder, note",
+    [
+        (None, "request_only", "no tree cache"),
+        (_Odd(), "unattributed", "_Odd is not one kvledger reads"),
+        (_Broken(), "unattributed", "RuntimeError: boom"),
+    ],
+)
+def test_odd_caches_report_what_they_can_and_name_what_they_cannot(tree, holder, note) -> None:
+    with rig.published():
+        w = World()
+        try:
+            w.s.admit("a", list(range(1, 300)))
+            w.reader.close()
+            reader = HolderReader(
+                w.ledger,
+                w.accounts,
+                tree=tree,
+                allocator=w.alloc,
+                req_to_token=w.r2t,
+                units=w.units,
+                running=lambda: w.s.running,
+            )
+            snap = w.ledger.snapshot()  # never raises
+            assert not snap.violations
+            for row in snap.accounts:
+                if row.family == "other":
+                    continue
+                assert row.occupied_slots > 0
+                assert getattr(row.held, holder) == row.occupied_slots, row.family
+            assert any(note in n for n in snap.engine.notes), snap.engine.notes
+            reader.close()
+        finally:
+            w.close()

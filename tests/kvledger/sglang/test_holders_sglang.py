@@ -155,7 +155,7 @@ def trace(w: World) -> None:
     got = s.evict(full_tokens=PAGE)
     assert got.num_tokens_evicted >= PAGE
     w.check("tree evicted")
-    d = s.admit("d", system + [1])
+    d = s.admit("d", [*system, 1])
     w.check("d admitted")
     s.finish(d, cache=False)
     w.check("d finished uncached")

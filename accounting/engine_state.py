@@ -110,7 +110,9 @@ def engine_state(
         counts[bisect.bisect_left(REQUEST_BYTES_BUCKETS, r.bytes)] += 1
     top = sorted(everyone, key=lambda r: (-r.bytes, r.rid))[:MAX_REQUESTS]
     top = [
-        dataclasses.replace(
+        r
+        if len(r.rid) <= MAX_RID and math.isfinite(r.age_seconds)
+        else dataclasses.replace(
             r,
             rid=r.rid[:MAX_RID],
             age_seconds=r.age_seconds if math.isfinite(r.age_seconds) else 0.0,

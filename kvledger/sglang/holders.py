@@ -181,6 +181,11 @@ class HolderReader:
         self._failed = ""
         self._closed = False
         self.static_notes = self._static_notes()
+        self._per_slot = tuple(
+            (f, u.space, u.num, u.den, sum(b.slot_bytes for b in self.accounts[f].buffers))
+            for f, u in self.units.items()
+        )
+        self._swa_component = _swa_component()
         for family, units in self.units.items():  # evictions from now on
             self._evicted_seen[family] = self._evicted_now(units)
         ledger.add_probe(self.read)
@@ -319,27 +324,26 @@ class HolderReader:
         now = time.time()
         out = []
         seen: dict[str, float] = {}
-        per_slot = {
-            family: (units, sum(b.slot_bytes for b in self.accounts[family].buffers))
-            for family, units in self.units.items()
-        }
+        first_seen = self._first_seen
+        per_slot = self._per_slot
+        swa_ct = self._swa_component
         for req in self.running():
             kv = getattr(req, "kv", req)
             if getattr(kv, "req_pool_idx", None) is None:
                 continue
             rid = str(getattr(req, "rid", kv.req_pool_idx))
             tokens = int(getattr(kv, "kv_allocated_len", 0) or getattr(req, "seq_len", 0) or 0)
-            swa_gone = _swa_evicted(kv)
-            by_family = {}
-            for family, (units, slot_bytes) in per_slot.items():
-                if units.space == FULL:
-                    held = units.of(tokens)
-                elif units.space == SWA:
-                    held = units.of(max(tokens - swa_gone, 0))
-                else:
-                    held = units.of(1)
-                by_family[family] = held * slot_bytes
-            first = self._first_seen.get(rid, now)
+            swa_tokens = tokens
+            if swa_ct is not None:
+                get = getattr(kv, "get_evicted_seqlen", None)
+                if get is not None:
+                    swa_tokens = max(tokens - int(get(swa_ct)), 0)
+            count = {FULL: tokens, SWA: swa_tokens, REQ: 1}
+            by_family = {
+                family: count[space] * num // den * slot_bytes
+                for family, space, num, den, slot_bytes in per_slot
+            }
+            first = first_seen.get(rid, now)
             seen[rid] = first
             out.append(
                 RequestHeld(rid, tokens, max(now - first, 0.0), sum(by_family.values()), by_family)
@@ -372,13 +376,11 @@ class HolderReader:
         self.close()
 
 
-def _swa_evicted(kv: Any) -> int:
-    get = getattr(kv, "get_evicted_seqlen", None)
-    if not callable(get):
-        return 0
+def _swa_component() -> Any:
+    """SGLang's ComponentType.SWA (what a request's SWA evicted length is keyed by), or None."""
     try:
         from sglang.srt.mem_cache.base_prefix_cache import ComponentType
 
-        return int(get(ComponentType.SWA))
+        return ComponentType.SWA
     except Exception:
-        return 0
+        return None

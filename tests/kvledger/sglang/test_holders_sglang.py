@@ -298,3 +298,51 @@ def test_odd_caches_report_what_they_can_and_name_what_they_cannot(tree, holder,
             reader.close()
         finally:
             w.close()
+
+
+def test_the_plugins_rank_reads_the_schedulers_tree_and_publishes_the_holders(tmp_path) -> None:
+    """RankLedger.attach_scheduler (what the AFTER Scheduler.__init__ hook runs) on a
+    scheduler's real tree cache, allocator and request pool: the published file carries the
+    holders, the exporter's reader accepts it, close() leaves nothing held."""
+    import time
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from accounting.snapfile.head import load
+    from kvledger.sglang.plugin.rank import RankLedger
+
+    with rig.published():
+        pool = rig.make_pool()
+        r2t = rig.make_req_to_token()
+        alloc = rig.make_allocator(pool, r2t)
+        tree = make_tree(alloc, r2t)
+        s = TreeScheduler(alloc, r2t, tree)
+        rank = RankLedger({"model_name": "m"}, directory=str(tmp_path), interval=60)
+        try:
+            rank.add_runner(
+                SimpleNamespace(token_to_kv_pool=pool, token_to_kv_pool_allocator=alloc)
+            )
+            scheduler = SimpleNamespace(
+                tree_cache=tree,
+                token_to_kv_pool_allocator=alloc,
+                req_to_token_pool=r2t,
+                running_batch=SimpleNamespace(reqs=s.running),
+            )
+            reader = rank.attach_scheduler(scheduler)
+            assert reader is not None
+            a = s.admit("a", list(range(1, 2 * PAGE + 10)))
+            s.checkpoint(a)
+            s.admit("b", list(range(1, 2 * PAGE + 1)) + [7] * 20)
+            rank.publisher.publish()
+            data = Path(rank.publisher.path).read_bytes()
+            head = load(data, Path(rank.publisher.path).name, time.time())
+            c4 = next(h for h in head.summary.holders if h.family == "c4_kv")
+            assert c4.slots.tree_protected == 2 * PAGE // 4  # a's checkpointed prefix, locked
+            assert c4.slots.request_only > 0 and c4.slots.unattributed == 0
+            assert [r.rid for r in head.summary.engine.requests] == ["b", "a"]  # b holds more
+            assert not head.summary.violations
+            for r in list(s.running):
+                s.finish(r)
+        finally:
+            rank.close()
+        assert rank.holders is None and not rank.ledger.accounts()

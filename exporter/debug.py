@@ -121,11 +121,8 @@ _HELD_DOC = (
     + HOLDER_PRECEDENCE[1:]
     + "."
 )
-HeldModel: Any = create_model(
-    "Held",
-    __doc__=_HELD_DOC,
-    **{h.name: (int, Field(description=h.meaning)) for h in HOLDERS},
-)
+_HELD_FIELDS: dict[str, Any] = {h.name: (int, Field(description=h.meaning)) for h in HOLDERS}
+HeldModel: Any = create_model("Held", __doc__=_HELD_DOC, **_HELD_FIELDS)
 
 
 class HoldersModel(BaseModel):

@@ -80,7 +80,7 @@ class Units:
 def dsv4_units(pool: Any) -> dict[str, Units]:
     """The DeepSeek-V4 families' units, from the pool's ring sizes and layout
     (docs/background.md#the-families)."""
-    page = int(getattr(pool, "swa_page_size", None) or getattr(pool, "page_size", 256))
+    page = int(getattr(pool, "swa_page_size", None) or getattr(pool, "page_size", None) or 256)
     ring4 = _ring(pool, 4, 8)
     ring128 = _ring(pool, 128, 128)
     unified = bool(getattr(pool, "_unified_kv", False))
@@ -186,8 +186,8 @@ class HolderReader:
             for f, u in self.units.items()
         )
         self._swa_component = _swa_component()
-        for family, units in self.units.items():  # evictions from now on
-            self._evicted_seen[family] = self._evicted_now(units)
+        for family, u in self.units.items():  # evictions from now on
+            self._evicted_seen[family] = self._evicted_now(u)
         ledger.add_probe(self.read)
         ledger.set_engine_state(self.state)
 

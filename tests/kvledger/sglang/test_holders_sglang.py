@@ -35,7 +35,9 @@ PAGE = rig.PAGE
 
 
 class World:
-    def __init__(self, *, bridge: Any = None, disable: bool = False) -> None:
+    def __init__(
+        self, *, bridge: Any = None, disable: bool = False, pressure: Pressure | None = None
+    ) -> None:
         self.pool = rig.make_pool()
         self.r2t = rig.make_req_to_token()
         self.alloc = rig.make_allocator(self.pool, self.r2t)
@@ -58,7 +60,7 @@ class World:
             register_pool(self.ledger, self.pool, name="dsv4")
         self.accounts = {a.family: a for a in self.ledger.accounts() if a.pool == "dsv4"}
         self.units = dsv4_units(self.pool)
-        self.pressure = Pressure()
+        self.pressure = Pressure() if pressure is None else pressure
         self.s = TreeScheduler(self.alloc, self.r2t, self.tree)
         self.reader = HolderReader(
             self.ledger,
@@ -191,31 +193,48 @@ def test_the_same_with_the_swa_family_on_kvledgers_vmm_pool() -> None:
             w.close()
 
 
-def test_tree_and_window_evictions_are_counted_apart_per_family(world: World) -> None:
+def test_tree_and_window_evictions_are_counted_apart_per_family() -> None:
+    """Through the plugin's hook functions around SGLang's own calls (the AROUND wrapper of
+    free_swa_out_of_window_slots, the AFTER hook of UnifiedRadixCache._evict), into the
+    process's pressure totals, converted per family by the reader."""
+    import functools
+
+    from sglang.srt.mem_cache import common
+
+    from kvledger.sglang.holders import PRESSURE
     from kvledger.sglang.plugin import server_hooks
 
-    w = world
-    s = w.s
-    p = w.pressure
-    a = s.admit("a", list(range(1, 3 * PAGE + 1)))
-    for _ in range(10):
-        s.decode()
-    before = a.kv.get_evicted_seqlen(s.swa)
-    s.evict_window(a)
-    p.window_evicted(a.kv.get_evicted_seqlen(s.swa) - before)  # what the hook adds
-    s.finish(a)
-    result = s.evict(full_tokens=PAGE)
-    server_hooks.count_tree_eviction(result, pressure=p)  # what the AFTER hook runs
-    snap = w.ledger.snapshot()
-    rows = {r.family: r for r in snap.accounts}
-    assert p.window_swa_tokens >= PAGE
-    assert rows["swa_kv"].window_evicted_slots_total == p.window_swa_tokens
-    assert rows["c4_attn_state"].window_evicted_slots_total == p.window_swa_tokens * 8 // PAGE
-    assert rows["c4_kv"].evicted_slots_total == result.num_tokens_evicted // 4
-    assert rows["c128_kv"].evicted_slots_total == result.num_tokens_evicted // 128
-    assert rows["c4_kv"].window_evicted_slots_total == 0
-    assert rows["swa_kv"].evicted_slots_total == result.swa_num_tokens_evicted
-    assert rows["c128_state"].evicted_slots_total == 0
+    with rig.published():
+        w = World(pressure=PRESSURE)
+        try:
+            s = w.s
+            window0, tree0 = PRESSURE.window_swa_tokens, PRESSURE.tree_full_tokens
+            wrapped = functools.partial(
+                server_hooks.count_window_eviction, common.free_swa_out_of_window_slots
+            )
+            a = s.admit("a", list(range(1, 3 * PAGE + 1)))
+            for _ in range(10):
+                s.decode()
+            before = a.kv.get_evicted_seqlen(s.swa)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(common, "free_swa_out_of_window_slots", wrapped)
+                s.evict_window(a)  # looks the function up on the module: the wrapper
+            window = PRESSURE.window_swa_tokens - window0
+            assert window == a.kv.get_evicted_seqlen(s.swa) - before >= PAGE
+            s.finish(a)
+            result = s.evict(full_tokens=PAGE)
+            server_hooks.count_tree_eviction(result, w.tree)  # the AFTER hook: (result, self)
+            assert PRESSURE.tree_full_tokens - tree0 == result.num_tokens_evicted >= PAGE
+            rows = {r.family: r for r in w.ledger.snapshot().accounts}
+            assert rows["swa_kv"].window_evicted_slots_total == window
+            assert rows["c4_attn_state"].window_evicted_slots_total == window * 8 // PAGE
+            assert rows["c4_kv"].evicted_slots_total == result.num_tokens_evicted // 4
+            assert rows["c128_kv"].evicted_slots_total == result.num_tokens_evicted // 128
+            assert rows["c4_kv"].window_evicted_slots_total == 0
+            assert rows["swa_kv"].evicted_slots_total == result.swa_num_tokens_evicted
+            assert rows["c128_state"].evicted_slots_total == 0
+        finally:
+            w.close()
 
 
 def test_per_request_footprints_name_who_holds_the_swa_family(world: World) -> None:
@@ -346,3 +365,15 @@ def test_the_plugins_rank_reads_the_schedulers_tree_and_publishes_the_holders(tm
         finally:
             rank.close()
         assert rank.holders is None and not rank.ledger.accounts()
+
+
+def test_retractions_are_counted_and_a_bad_result_never_raises() -> None:
+    from kvledger.sglang.holders import PRESSURE
+    from kvledger.sglang.plugin import server_hooks
+
+    before = PRESSURE.retracted_requests
+    server_hooks.count_retraction((["r1", "r2"], 0.5, []), object())
+    assert PRESSURE.retracted_requests == before + 2
+    server_hooks.count_retraction(None)  # not SGLang's shape: ignored
+    server_hooks.count_tree_eviction(object())
+    assert PRESSURE.retracted_requests == before + 2

@@ -22,7 +22,9 @@ Prefix sharing, as an engine's prefix tree would do it for the full-token famili
 (`c4_kv`, `c4_indexer`, `c128_kv`): `shared_prefixes` system prompts (lengths drawn once
 from `prefix_tokens`) start `prefix_share` of the requests. The first request with a
 prompt computes its prefix rows; when it finishes they stay cached instead of being freed.
-A later request with that prompt reuses them (a hit: it allocates only its own rows) and
+The SWA slots of the prompt's last window are kept with them (an engine's tree keeps
+that much SWA of a cached prefix). A later request with that prompt reuses them (a hit:
+it allocates only its own rows) and
 holds them locked while it runs. At most `cache_prefixes` prompts stay cached: past that,
 or when an admission lacks room, the least recently used unlocked one is evicted (its
 rows released, counted as evicted). After every step the accounts' holders are set
@@ -139,6 +141,7 @@ class CachedPrefix:
     rows: dict[str, int]
     locks: int = 0  # running requests that reuse it
     last_used: float = 0.0
+    swa: list[int] = field(default_factory=list)  # SWA slots of its last window, kept
 
 
 @dataclass
@@ -292,6 +295,7 @@ class Workload:
         except CapacityError:
             self.counts["admission_waits"] += 1
             r.hit = False
+            self._evict_one(keep=r.prefix_id)  # SWA room for the next try
             return
         self.waiting.popleft()
         if entry is not None:
@@ -322,6 +326,11 @@ class Workload:
             return False
         _, k = min(free)
         entry = self.cache.pop(k)
+        if entry.swa:
+            with contextlib.suppress(Exception):  # a pool already closed freed them itself
+                self.pool.free(entry.swa)
+            if self.swa_account is not None:
+                self.swa_account.count_evicted(len(entry.swa))
         for f, rows in entry.rows.items():
             if rows:
                 self.accounts[f].release(rows)
@@ -354,7 +363,11 @@ class Workload:
             and r.prefix_id not in self.cache
         ):  # its prefix rows stay, cached
             keep = {f: self._rules[f](r.prefix) for f in PREFIX_FAMILIES if f in self._rules}
-            self.cache[r.prefix_id] = CachedPrefix(r.prefix, keep, 0, self.clock)
+            try:  # the tree keeps the SWA entries of the prefix's last window
+                swa = self.pool.alloc(min(self.config.window, r.prefix)).tolist()
+            except CapacityError:
+                swa = []
+            self.cache[r.prefix_id] = CachedPrefix(r.prefix, keep, 0, self.clock, swa)
         for f, held in r.rows.items():
             give = held - keep.get(f, 0)
             if give:
@@ -374,7 +387,9 @@ class Workload:
             locked = sum(e.rows.get(f, 0) for e in self.cache.values() if e.locks)
             setter(locked, self._cached_rows(f) - locked)
         if self.swa_account is not None:
-            self.swa_account.set_holders(0, 0)  # the demo caches no SWA prefix
+            locked = sum(len(e.swa) for e in self.cache.values() if e.locks)
+            cached = sum(len(e.swa) for e in self.cache.values())
+            self.swa_account.set_holders(locked, cached - locked)
         per_slot = {
             f: sum(b.slot_bytes for b in getattr(a, "buffers", ()))
             for f, a in {**self.accounts, "swa_kv": self.swa_account}.items()

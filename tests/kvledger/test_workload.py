@@ -125,13 +125,19 @@ def test_shared_prefixes_make_every_holder_move_and_they_add_up():
         w = Workload(sl.pool, {**accounts, "swa_kv": sl.swa}, config)
         ledger.set_engine_state(w.engine_state)
         seen: set[str] = set()
+        seen_swa: set[str] = set()
         for _ in range(600):
             w.step()
             snap = ledger.snapshot()
             assert snap.violations == (), snap.violations
             row = next(a for a in snap.accounts if a.family == "c4_kv")
             seen |= {k for k, v in row.held.to_dict().items() if v}
+            swa = sl.ledger.snapshot()
+            assert swa.violations == (), swa.violations
+            (swa_row,) = [a for a in swa.accounts if a.family == "swa_kv"]
+            seen_swa |= {k for k, v in swa_row.held.to_dict().items() if v}
         assert seen == {"tree_protected", "tree_evictable", "request_only"}
+        assert seen_swa == {"tree_protected", "tree_evictable", "request_only"}
         stats = w.stats()
         assert stats["prefix_hits"] > 5 and stats["prefix_evictions"] > 0, stats
         assert sum(a.evicted_slots_total for a in ledger.snapshot().accounts) > 0

@@ -24,7 +24,14 @@ from pydantic import BaseModel, Field, create_model
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.engine_state import MAX_REQUESTS, RequestHeld
-from accounting.figures import FIGURES, HOLDER_PRECEDENCE, HOLDERS, Figure, Figures
+from accounting.figures import (
+    FIGURES,
+    HOLDER_PRECEDENCE,
+    HOLDER_RELATION,
+    HOLDERS,
+    Figure,
+    Figures,
+)
 from accounting.relations import Violation
 from accounting.snapfile.summary import Reconciliation
 from accounting.snapshot import AccountRow, BufferRow
@@ -239,10 +246,29 @@ class FileProblemModel(BaseModel):
     detail: str
 
 
+class HolderDef(BaseModel):
+    name: str
+    meaning: str
+
+
+class HoldersTable(BaseModel):
+    """The holders of occupied slots, their precedence and the relation the ledger checks."""
+
+    holders: list[HolderDef] = Field(
+        default_factory=lambda: [HolderDef(name=h.name, meaning=h.meaning) for h in HOLDERS]
+    )
+    precedence: str = HOLDER_PRECEDENCE
+    relation: str = HOLDER_RELATION
+
+
 class DebugKv(BaseModel):
     generated_at: float
     filters: Filters
     figures: list[FigureDef] = Field(description="the figures table: what each figure counts")
+    holders: HoldersTable = Field(
+        default_factory=lambda: HoldersTable(),
+        description="the holders table: who can hold an occupied slot (accounting.figures)",
+    )
     ranks: list[RankModel]
     sources: list[SourceModel]
     files_not_served: list[FileProblemModel] = Field(

@@ -233,3 +233,5 @@ def test_chromium_shows_who_holds_each_family_and_the_largest_requests():
     rids = list(dict.fromkeys(e["data-rid"] for e in parsed.elements if "data-rid" in e))
     assert rids == ["sess-big", "sess-small"]
     assert "binding" in text
+    assert doc["holders"]["relation"] in text  # listed, and ticked, with the other relations
+    assert "every relation holds" in text

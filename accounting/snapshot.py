@@ -19,7 +19,10 @@ from accounting.figures import FIGURE_NAMES, FIGURES, Held
 from accounting.relations import Violation, check_account, check_buffer
 from accounting.tp_status import TpStatus
 
-SCHEMA_VERSION = 1
+# 2: account rows carry slot_bytes, the holders (held_*) and the eviction counters, and a
+# snapshot may carry the engine's state (accounting.engine_state); a reader of 1 would drop
+# them silently, so the version says so.
+SCHEMA_VERSION = 2
 ROLLUP_KEYS = ("family", "pool", "owner")
 
 

@@ -377,3 +377,31 @@ def test_retractions_are_counted_and_a_bad_result_never_raises() -> None:
     server_hooks.count_retraction(None)  # not SGLang's shape: ignored
     server_hooks.count_tree_eviction(object())
     assert PRESSURE.retracted_requests == before + 2
+
+
+def test_a_hicache_host_tier_is_named_as_not_counted_and_the_device_holders_still_read() -> None:
+    with rig.published():
+        w = World()
+        try:
+            w.reader.close()
+            w.tree.cache_controller = object()  # what init_hicache leaves on the tree
+            reader = HolderReader(
+                w.ledger,
+                w.accounts,
+                tree=w.tree,
+                allocator=w.alloc,
+                req_to_token=w.r2t,
+                units=w.units,
+                running=lambda: w.s.running,
+            )
+            a = w.s.admit("a", list(range(1, 2 * PAGE + 5)))
+            w.s.checkpoint(a)
+            snap = w.ledger.snapshot()
+            c4 = next(r for r in snap.accounts if r.family == "c4_kv")
+            assert c4.held.tree_protected == 2 * PAGE // 4 and c4.held.unattributed == 0
+            assert any("HiCache host tier" in n for n in snap.engine.notes)
+            reader.close()
+            w.s.finish(a)
+        finally:
+            w.tree.cache_controller = None
+            w.close()

@@ -147,3 +147,15 @@ def test_shared_prefixes_make_every_holder_move_and_they_add_up():
         w.close()
         snap = ledger.snapshot()
         assert all(a.occupied_slots == 0 and a.held.total() == 0 for a in snap.accounts)
+
+
+def test_every_runtime_family_of_a_v41_buffer_map_has_a_row_rule():
+    """The demo's workload moves V4.1's low-ratio families too (served with a V4.1 config)."""
+    from kvledger.sglang.dsv4 import Knobs, plan
+    from tests.kvledger.sglang.dsv4.fixtures import v41
+
+    bm = plan(v41(), Knobs(max_running_requests=8), full_tokens=16384)
+    assert set(bm.families) - {"swa_kv"} == set(row_rules())
+    rules = row_rules()
+    assert (rules["c1_kv"](300), rules["c2_kv"](300), rules["c2_state"](300)) == (300, 150, 2)
+    assert row_rules(speculative=True)["c2_state"](1) == 8

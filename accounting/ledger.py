@@ -106,6 +106,11 @@ class Account:
         self.window_evicted_slots_total = 0
 
     @property
+    def reported(self) -> bool:
+        """Whether an attached allocator reports this account's slots (`attach`)."""
+        return self._flush is not None
+
+    @property
     def occupied_slots(self) -> int:
         """Slots held now (an attached allocator reports its count first). Not to be read
         under the ledger's lock: the allocator's lock comes first."""

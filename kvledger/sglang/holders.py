@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,7 +153,7 @@ class HolderReader:
     def __init__(
         self,
         ledger: Ledger,
-        accounts: Mapping[str, Account],
+        accounts: Mapping[str, Account | Sequence[Account]],
         *,
         tree: Any,
         allocator: Any,
@@ -165,7 +165,12 @@ class HolderReader:
         sync: Callable[[], None] | None = None,
     ) -> None:
         self.ledger = ledger
-        self.accounts = dict(accounts)
+        # family -> its accounts (one index space, or one per buffer where SGLang's own VMM
+        # owner registers each buffer apart: each gets the family's slots)
+        self.family_accounts: dict[str, tuple[Account, ...]] = {
+            f: (a,) if isinstance(a, Account) else tuple(a) for f, a in accounts.items()
+        }
+        self.accounts = {f: accs[0] for f, accs in self.family_accounts.items() if accs}
         self.tree = tree
         self.allocator = allocator
         self.req_to_token = req_to_token
@@ -182,12 +187,19 @@ class HolderReader:
         self._closed = False
         self.static_notes = self._static_notes()
         self._per_slot = tuple(
-            (f, u.space, u.num, u.den, sum(b.slot_bytes for b in self.accounts[f].buffers))
+            (
+                f,
+                u.space,
+                u.num,
+                u.den,
+                sum(b.slot_bytes for a in self.family_accounts[f] for b in a.buffers),
+            )
             for f, u in self.units.items()
         )
         self._swa_component = _swa_component()
         for family, u in self.units.items():  # evictions from now on
-            self._evicted_seen[family] = self._evicted_now(u)
+            for account in self.family_accounts[family]:
+                self._evicted_seen[account.key] = self._evicted_now(u)
         ledger.add_probe(self.read)
         ledger.set_engine_state(self.state)
 
@@ -242,7 +254,7 @@ class HolderReader:
                         "kvledger: reading the KV holders failed: %s: %s", type(e).__name__, e
                     )
                 self._failed = f"reading the holders failed: {type(e).__name__}: {e}"
-                for account in self.accounts.values():
+                for account in self._all():
                     account.clear_holders()
                 self._state = engine_state(
                     holders_from=tree_class(self.tree),
@@ -254,24 +266,26 @@ class HolderReader:
         if self.sync is not None and self.bridged:
             self.sync()
         counts = self._counts()
-        for family, account in self.accounts.items():  # occupancy first: known even if
-            units = self.units.get(family)  # the tree's sizes then fail
+        for family, accounts in self.family_accounts.items():  # occupancy first: known
+            units = self.units.get(family)  # even if the tree's sizes then fail
             if units is not None and family not in self.bridged:
                 occupied = units.of(counts[units.space])
-                account.on_slots(occupied, max(occupied, account.peak_occupied_slots))
+                for account in accounts:
+                    account.on_slots(occupied, max(occupied, account.peak_occupied_slots))
         mode = self._tree_mode()
         tree = self._tree_tokens() if mode == "tree" else None
-        for family, account in self.accounts.items():
+        for family, accounts in self.family_accounts.items():
             units = self.units.get(family)
-            if units is None or mode == "unknown":
-                account.clear_holders()
-            elif tree is None or units.space == REQ:
-                account.set_holders(0, 0)
-            else:
-                protected, evictable = tree[units.space]
-                account.set_holders(units.of(protected), units.of(evictable))
-            if units is not None:
-                self._count_evicted(family, account, units)
+            for account in accounts:
+                if units is None or mode == "unknown":
+                    account.clear_holders()
+                elif tree is None or units.space == REQ:
+                    account.set_holders(0, 0)
+                else:
+                    protected, evictable = tree[units.space]
+                    account.set_holders(units.of(protected), units.of(evictable))
+                if units is not None:
+                    self._count_evicted(account, units)
         self._state = engine_state(
             holders_from=tree_class(self.tree),
             notes=self.static_notes,
@@ -310,12 +324,12 @@ class HolderReader:
             return (units.of(p.tree_swa_tokens), units.of(p.window_swa_tokens))
         return (0, 0)
 
-    def _count_evicted(self, family: str, account: Account, units: Units) -> None:
+    def _count_evicted(self, account: Account, units: Units) -> None:
         now = self._evicted_now(units)
-        seen = self._evicted_seen.setdefault(family, now)
+        seen = self._evicted_seen.setdefault(account.key, now)
         account.count_evicted(now[0] - seen[0])
         account.count_evicted(now[1] - seen[1], window=True)
-        self._evicted_seen[family] = now
+        self._evicted_seen[account.key] = now
 
     # -- per request --------------------------------------------------------------------
     def _requests(self) -> list[RequestHeld]:
@@ -351,6 +365,9 @@ class HolderReader:
         self._first_seen = seen
         return out
 
+    def _all(self) -> Iterable[Account]:
+        return (a for accs in self.family_accounts.values() for a in accs)
+
     def state(self) -> EngineState:
         return self._state
 
@@ -364,10 +381,11 @@ class HolderReader:
             self._closed = True
         self.ledger.remove_probe(self.read)
         self.ledger.set_engine_state(None)
-        for family, account in self.accounts.items():
-            account.clear_holders()
-            if family in self.units and family not in self.bridged:
-                account.on_slots(0, account.peak_occupied_slots)
+        for family, accounts in self.family_accounts.items():
+            for account in accounts:
+                account.clear_holders()
+                if family in self.units and family not in self.bridged:
+                    account.on_slots(0, account.peak_occupied_slots)
 
     def __enter__(self) -> HolderReader:
         return self

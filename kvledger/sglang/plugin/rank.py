@@ -272,9 +272,14 @@ class RankLedger:
             if self.holders is not None:
                 self.holders.close()
                 self.holders = None
-            accounts = {a.family: a for a in self.ledger.accounts() if a.pool == record.name}
+            accounts: dict[str, list[Any]] = {}
+            for a in self.ledger.accounts():
+                if a.pool == record.name:
+                    accounts.setdefault(a.family, []).append(a)
             units = dsv4_units(pool) if record.kind == "dsv4" else GENERIC_UNITS
-            bridged = {f for f, a in accounts.items() if a.owner.value == "vmm"}
+            # Families whose slots an attached allocator reports (the bridge's SWA family);
+            # the reader sets the others' from SGLang's counts.
+            bridged = {f for f, accs in accounts.items() if any(a.reported for a in accs)}
 
             def running() -> Any:
                 batch = getattr(scheduler, "running_batch", None)

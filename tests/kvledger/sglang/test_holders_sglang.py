@@ -319,15 +319,20 @@ def test_odd_caches_report_what_they_can_and_name_what_they_cannot(tree, holder,
             w.close()
 
 
-def test_the_plugins_rank_reads_the_schedulers_tree_and_publishes_the_holders(tmp_path) -> None:
+@pytest.mark.parametrize("bridge", [False, True], ids=["native", "bridged"])
+def test_the_plugins_rank_reads_the_schedulers_tree_and_publishes_the_holders(
+    tmp_path, bridge
+) -> None:
     """RankLedger.attach_scheduler (what the AFTER Scheduler.__init__ hook runs) on a
     scheduler's real tree cache, allocator and request pool: the published file carries the
-    holders, the exporter's reader accepts it, close() leaves nothing held."""
+    holders, the exporter's reader accepts it, close() leaves nothing held. Bridged, the SWA
+    family's slots stay the bridge's (its allocator reports them)."""
     import time
     from pathlib import Path
     from types import SimpleNamespace
 
     from accounting.snapfile.head import load
+    from kvledger.sglang.bridge import ENV_ENABLE
     from kvledger.sglang.plugin.rank import RankLedger
 
     with rig.published():
@@ -336,7 +341,12 @@ def test_the_plugins_rank_reads_the_schedulers_tree_and_publishes_the_holders(tm
         alloc = rig.make_allocator(pool, r2t)
         tree = make_tree(alloc, r2t)
         s = TreeScheduler(alloc, r2t, tree)
-        rank = RankLedger({"model_name": "m"}, directory=str(tmp_path), interval=60)
+        rank = RankLedger(
+            {"model_name": "m"},
+            directory=str(tmp_path),
+            interval=60,
+            bridge_env={ENV_ENABLE: "1" if bridge else "0"},
+        )
         try:
             rank.add_runner(
                 SimpleNamespace(token_to_kv_pool=pool, token_to_kv_pool_allocator=alloc)
@@ -349,6 +359,7 @@ def test_the_plugins_rank_reads_the_schedulers_tree_and_publishes_the_holders(tm
             )
             reader = rank.attach_scheduler(scheduler)
             assert reader is not None
+            assert reader.bridged == ({"swa_kv"} if bridge else set())
             a = s.admit("a", list(range(1, 2 * PAGE + 10)))
             s.checkpoint(a)
             s.admit("b", list(range(1, 2 * PAGE + 1)) + [7] * 20)
@@ -357,6 +368,10 @@ def test_the_plugins_rank_reads_the_schedulers_tree_and_publishes_the_holders(tm
             head = load(data, Path(rank.publisher.path).name, time.time())
             c4 = next(h for h in head.summary.holders if h.family == "c4_kv")
             assert c4.slots.tree_protected == 2 * PAGE // 4  # a's checkpointed prefix, locked
+            swa = next(h for h in head.summary.holders if h.family == "swa_kv")
+            assert swa.owner.value == ("vmm" if bridge else "runtime")
+            assert swa.slots.total() == alloc.size_swa - alloc.swa_available_size()
+            assert swa.slots.tree_protected == tree.swa_protected_size()
             assert c4.slots.request_only > 0 and c4.slots.unattributed == 0
             assert [r.rid for r in head.summary.engine.requests] == ["b", "a"]  # b holds more
             assert not head.summary.violations
@@ -404,4 +419,40 @@ def test_a_hicache_host_tier_is_named_as_not_counted_and_the_device_holders_stil
             w.s.finish(a)
         finally:
             w.tree.cache_controller = None
+            w.close()
+
+
+def test_a_family_of_one_account_per_buffer_gets_the_familys_slots_on_each() -> None:
+    """SGLang's own VMM owner registers each buffer as an account of its own
+    (kvledger.sglang.vmm_owner): each gets the family's occupancy and holders."""
+    from tests.accounting.helpers import runtime_specs
+
+    with rig.published():
+        w = World()
+        try:
+            w.reader.close()
+            extra = w.ledger.add_account(
+                runtime_specs("dsv4b", "c4_kv", 1, rows=10_000, row_bytes=8)
+            )
+            accounts: dict[str, Any] = dict(w.accounts)
+            accounts["c4_kv"] = [w.accounts["c4_kv"], extra]
+            reader = HolderReader(
+                w.ledger,
+                accounts,
+                tree=w.tree,
+                allocator=w.alloc,
+                req_to_token=w.r2t,
+                units=w.units,
+            )
+            a = w.s.admit("a", list(range(1, 2 * PAGE + 5)))
+            w.s.checkpoint(a)
+            snap = w.ledger.snapshot()
+            assert not snap.violations
+            rows = [r for r in snap.accounts if r.family == "c4_kv"]
+            assert len(rows) == 2 and rows[0].held == rows[1].held
+            assert rows[0].held.tree_protected == 2 * PAGE // 4
+            reader.close()
+            w.s.finish(a)
+            w.ledger.remove_account(extra)
+        finally:
             w.close()

@@ -28,7 +28,8 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from accounting.buffers import Owner
-from accounting.figures import FIGURES
+from accounting.engine_state import REQUEST_BYTES_BUCKETS
+from accounting.figures import FIGURES, HOLDER_NAMES
 from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.tp_status import TP_COUNTERS
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 _FIGURE_METRICS = tuple(m.figure_metric(f.name) for f in FIGURES)
 _LE = tuple(floatToGoString(b) for b in (*MAP_SECONDS_BUCKETS, float("inf")))
+_REQUEST_LE = tuple(floatToGoString(b) for b in (*REQUEST_BYTES_BUCKETS, float("inf")))
 _BUILD_LABELS = {"version": __version__, "python_version": platform.python_version()}
 
 
@@ -342,6 +344,33 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         labels = {**eng, "family": row.family, "owner": row.owner.value}
         for metric, value in zip(_FIGURE_METRICS, row.figures.values(), strict=True):
             fam.add(metric, labels, value)
+    for held in s.holders:
+        labels = {**eng, "family": held.family, "owner": held.owner.value}
+        for holder, slots, nbytes in zip(
+            HOLDER_NAMES, held.slots.values(), held.bytes.values(), strict=True
+        ):
+            hl = {**labels, "holder": holder}
+            fam.add(m.HELD_SLOTS, hl, slots)
+            fam.add(m.HELD_BYTES, hl, nbytes)
+        fam.add("sglang:kv_cache_evicted_slots_total", labels, held.evicted_slots_total)
+        fam.add("sglang:kv_cache_evicted_bytes_total", labels, held.evicted_bytes_total)
+        fam.add(
+            "sglang:kv_cache_window_evicted_slots_total", labels, held.window_evicted_slots_total
+        )
+        fam.add(
+            "sglang:kv_cache_window_evicted_bytes_total", labels, held.window_evicted_bytes_total
+        )
+    engine = s.engine
+    if engine is not None:
+        fam.add("sglang:kv_cache_retracted_requests_total", eng, engine.retracted_requests_total)
+        _add_histogram(
+            fam,
+            "sglang:kv_cache_request_bytes",
+            eng,
+            engine.request_bytes_counts,
+            engine.request_bytes_sum,
+            _REQUEST_LE,
+        )
     fam.add("kvledger_relation_violations", eng, len(s.violations))
     tp = s.tp
     if tp is not None:
@@ -382,17 +411,20 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
 
 
 def _add_histogram(
-    fam: _SeriesSet, name: str, labels: dict[str, str], counts: Sequence[int], total: float
+    fam: _SeriesSet,
+    name: str,
+    labels: dict[str, str],
+    counts: Sequence[int],
+    total: float,
+    bounds: tuple[str, ...] = _LE,
 ) -> None:
     """Per-bucket counts (the last one past every bound) to cumulative `le` buckets, then
     `_count` (the +Inf bucket) and `_sum` (`total`, the sum of the observations)."""
-    if len(counts) != len(MAP_SECONDS_BUCKETS) + 1:
-        raise ValueError(
-            f"{name}: {len(counts)} bucket counts, expected {len(MAP_SECONDS_BUCKETS) + 1}"
-        )
+    if len(counts) != len(bounds):
+        raise ValueError(f"{name}: {len(counts)} bucket counts, expected {len(bounds)}")
     running = 0
     sample = f"{name}_bucket"
-    for le, c in zip(_LE, counts, strict=True):
+    for le, c in zip(bounds, counts, strict=True):
         running += c
         fam.add(name, {**labels, "le": le}, running, sample=sample)
     fam.add(name, labels, running, sample=f"{name}_count")

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from accounting.figures import FIGURES
+from accounting.engine_state import MAX_REQUESTS, REQUEST_BYTES_BUCKETS
+from accounting.figures import FIGURES, HOLDER_NAMES, HOLDER_PRECEDENCE
 from accounting.gpu_parts import PARTS
 from accounting.ledger import MAP_SECONDS_BUCKETS
 
@@ -141,6 +142,77 @@ def _figure_specs() -> list[MetricSpec]:
 
 
 _ACCOUNT = ("family", "pool")
+HELD_SLOTS = FIGURE_PREFIX + "held_slots"
+HELD_BYTES = FIGURE_PREFIX + "held_bytes"
+_HOLDERS = ", ".join(HOLDER_NAMES)
+
+
+def _held_specs() -> list[MetricSpec]:
+    what = (
+        f"split by holder ({_HOLDERS}; accounting.figures.Held): {HOLDER_PRECEDENCE}. Where the "
+        "holder could not be read (no tree reader for the engine), the slots are "
+        "`unattributed` and /debug/kv says why."
+    )
+    return [
+        MetricSpec(
+            HELD_SLOTS,
+            "gauge",
+            "occupied_slots per buffer family " + what,
+            ("family", "owner", "holder"),
+        ),
+        MetricSpec(
+            HELD_BYTES,
+            "gauge",
+            "occupied_bytes per buffer family (held slots x slot_bytes, all layers) " + what,
+            ("family", "owner", "holder"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "evicted_slots_total",
+            "counter",
+            "Slots of the family the engine's prefix tree evicted (cached prefixes dropped to "
+            "make room), converted from the tree's tokens to the family's slots.",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "evicted_bytes_total",
+            "counter",
+            "Bytes of the family the prefix tree evicted (evicted slots x slot_bytes).",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "window_evicted_slots_total",
+            "counter",
+            "Slots of the family freed because they left a running request's sliding "
+            "window (SWA window eviction; not a prefix eviction, nothing reusable is lost).",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "window_evicted_bytes_total",
+            "counter",
+            "Bytes of the family freed by sliding-window eviction.",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "retracted_requests_total",
+            "counter",
+            "Running requests the engine retracted (sent back to its queue, their KV freed) "
+            "because the KV cache had no room for their next tokens.",
+            (),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "request_bytes",
+            "histogram",
+            "KV bytes each running request holds now, all families together (its tokens' "
+            "slots in every family it uses, state rows included), as a distribution over "
+            "the running requests: buckets "
+            + ", ".join(f"{b >> 20} MiB" for b in REQUEST_BYTES_BUCKETS)
+            + ". A gauge histogram: the +Inf bucket (and _count) is the running requests "
+            "now, _sum their KV bytes; both go down as requests finish (no rate()). No "
+            f"request ids: /debug/kv lists the {MAX_REQUESTS} largest requests by id.",
+            (),
+        ),
+    ]
+
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -152,6 +224,7 @@ METRICS: tuple[MetricSpec, ...] = (
         (),
     ),
     *_figure_specs(),
+    *_held_specs(),
     MetricSpec(
         "kvledger_up",
         "gauge",

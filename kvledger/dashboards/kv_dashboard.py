@@ -278,6 +278,97 @@ def occupancy_row(slots: tuple[Panel, ...]) -> Row:
     )
 
 
+def holders_row() -> Row:
+    """Who holds the KV cache: per family the holders stacked (they add up to occupied
+    bytes), the binding family, and the eviction rates."""
+    from accounting.figures import HOLDER_PRECEDENCE, HOLDERS
+
+    held = r.metric(m.HELD_BYTES)
+    meanings = " ".join(f"{h.name}: {h.meaning}." for h in HOLDERS)
+    return Row(
+        "Who holds the KV cache",
+        (
+            Panel(
+                "$family: occupied bytes by holder (stacked)",
+                f"{held} of the family, stacked by holder, summed over the selected ranks: the "
+                f"holders add up to the family's occupied bytes. {HOLDER_PRECEDENCE}. {meanings}",
+                (
+                    Target(
+                        f'sum by (holder) ({held}{{{SEL}, family=~"$family"}})',
+                        "{{holder}}",
+                    ),
+                ),
+                BYTES,
+                stack=True,
+                width=8,
+                repeat="family",
+            ),
+            Panel(
+                "Unreclaimable share per family (the binding constraint)",
+                f"{r.UNRECLAIMABLE.help}. Alert KvCacheNonFullFamilyBinding fires when a family "
+                f"other than the full-token ones passes {r.BINDING_RATIO:.0%} (or evicts "
+                f"prefixes) while the full family is under {1 - r.FULL_ROOM_RATIO:.0%} occupied.",
+                (
+                    Target(
+                        f"max by (family) ({r.UNRECLAIMABLE.record}{{{FAM}}})",
+                        "{{family}}",
+                    ),
+                ),
+                RATIO,
+                min=0,
+                max=1,
+                thresholds=((None, "green"), (r.BINDING_RATIO, "red")),
+                width=8,
+            ),
+            Panel(
+                "Prefix-tree and window evictions per family",
+                f"{r.EVICTED_RATE.help} (prefix), and {r.WINDOW_EVICTED_RATE.help} (window), "
+                "summed over the selected ranks. Prefix evictions in one family while the "
+                "others have room mean that family is too small.",
+                (
+                    Target(_by_family(r.EVICTED_RATE.record), "{{family}} prefix"),
+                    Target(_by_family(r.WINDOW_EVICTED_RATE.record), "{{family}} window"),
+                ),
+                "short",
+                axis_label="slots / s",
+                width=8,
+            ),
+            Panel(
+                "Requests retracted for lack of KV",
+                f"rate of {r.metric('sglang:kv_cache_retracted_requests_total')}: running "
+                "requests sent back to the queue, their KV freed, because the cache had no "
+                "room for their next tokens.",
+                (
+                    Target(
+                        f"sum(rate({r.metric('sglang:kv_cache_retracted_requests_total')}"
+                        f"{{{SEL}}}[{RATE}]))",
+                        "retracted / s",
+                    ),
+                ),
+                "short",
+                axis_label="requests / s",
+                width=12,
+            ),
+            Panel(
+                "KV bytes per running request (median, 90th percentile)",
+                "Quantiles of sglang:kv_cache_request_bytes over the running requests of the "
+                "selected ranks: the KV bytes one request holds, all families together. "
+                "/debug/kv lists the largest requests by id.",
+                tuple(
+                    Target(
+                        f"histogram_quantile({q}, sum by (le) "
+                        f"({r.metric('sglang:kv_cache_request_bytes_bucket')}{{{SEL}}}))",
+                        f"p{int(q * 100)}",
+                    )
+                    for q in (0.5, 0.9)
+                ),
+                BYTES,
+                width=12,
+            ),
+        ),
+    )
+
+
 def allocator_row() -> Row:
     mapped, unmapped = (
         r.metric("kvledger_pages_mapped_total"),
@@ -588,6 +679,7 @@ def dashboard() -> Dashboard:
             where_row(),
             gpu_row(),
             occupancy_row(slot_panels),
+            holders_row(),
             allocator_row(),
             health_row(),
             fleet_row(),

@@ -36,6 +36,11 @@ TARGETS = {
     "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
     "sglang.srt.model_executor.model_runner.ModelRunner.post_capture_resize_kv_pool",
     "sglang.srt.managers.scheduler.Scheduler.release_host_resources",
+    "sglang.srt.managers.scheduler.Scheduler.__init__",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._evict",
+    "sglang.srt.mem_cache.common.free_swa_out_of_window_slots",
+    "sglang.srt.mem_cache.unified_cache.components.swa.free_swa_out_of_window_slots",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
 }
 LABELS = {
     "model_name": "kvl-plugin-test",

@@ -31,6 +31,7 @@ from accounting.figures import FIGURES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.tp_status import TP_COUNTERS
 from exporter import metrics as m
+from exporter import vllm
 from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
 from exporter.failures import SourceFailures
 from exporter.metrics import EngineKey, engine_key, engine_labels
@@ -271,6 +272,11 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     s = v.summary
     eng = engine_labels(s.labels)
+    role = vllm.role(s.labels)
+    if role is not None:
+        _add_vllm_series(fam, v, role)
+        fam.add("kvledger_relation_violations", eng, len(s.violations))
+        return
     fam.add(m.HEADLINE, eng, s.totals.physical_bytes / GIB)
     for row in sorted(s.families, key=lambda r: (r.family, r.owner.value)):
         labels = {**eng, "family": row.family, "owner": row.owner.value}
@@ -303,6 +309,41 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         fam.add("kvledger_mapped_pages", labels, acc.mapped_pages)
         fam.add("kvledger_peak_handle_pages", labels, acc.peak_handle_pages)
         _add_histogram(fam, "kvledger_map_page_seconds", labels, acc.map_bucket_counts)
+
+
+_V = m.VLLM_PREFIX
+
+
+def _add_vllm_series(fam: _SeriesSet, v: SourceView, role: str) -> None:
+    """A vLLM source's series (exporter.vllm): a worker's bytes, an engine core's blocks,
+    under vLLM's labels; none of SGLang's names."""
+    if role == vllm.WORKER:
+        w = vllm.worker_of(v.published)
+        labels = vllm.worker_labels(v.summary.labels)
+        fam.add(_V + "kv_cache_physical_bytes", labels, w.physical_bytes)
+        fam.add(_V + "kv_cache_blocks", labels, w.blocks)
+        fam.add(_V + "kv_block_bytes", labels, w.block_bytes)
+        for g in w.groups:
+            gl = {**labels, "group": str(g.group), "kind": g.kind}
+            fam.add(_V + "group_tensor_bytes", gl, g.tensor_bytes)
+            fam.add(_V + "group_reserved_bytes", gl, g.reserved_bytes)
+            fam.add(_V + "group_physical_bytes", gl, g.physical_bytes)
+            fam.add(_V + "group_slot_bytes", gl, g.slot_bytes)
+            fam.add(_V + "group_block_size", gl, g.block_size)
+            fam.add(_V + "group_layers", gl, g.layers)
+        return
+    e = vllm.engine_view(v.summary)
+    labels = vllm.engine_labels(v.summary.labels)
+    fam.add(_V + "blocks", labels, e.blocks)
+    fam.add(_V + "occupied_blocks", labels, e.occupied_blocks)
+    fam.add(_V + "evictable_blocks", labels, e.evictable_blocks)
+    fam.add(_V + "free_blocks", labels, e.free_blocks)
+    for g in e.groups:
+        gl = {**labels, "group": str(g.group), "kind": g.kind}
+        fam.add(_V + "group_capacity_slots", gl, g.capacity_slots)
+        fam.add(_V + "group_occupied_slots", gl, g.occupied_slots)
+        fam.add(_V + "group_evictable_slots", gl, g.evictable_slots)
+        fam.add(_V + "group_free_slots", gl, g.free_slots)
 
 
 def _add_histogram(

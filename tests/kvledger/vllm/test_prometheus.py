@@ -40,7 +40,7 @@ E = '{model_name="tiny", engine="0"}'
 class Worker:
     """tests.kvledger.vllm.worker_proc in a child process; `.truth` what it printed."""
 
-    def __init__(self, snapdir: Path) -> None:
+    def __init__(self, snapdir: Path, *, wait: bool = False) -> None:
         env = {
             **repo_env(),
             "KVLEDGER_VLLM": "1",
@@ -50,7 +50,12 @@ class Worker:
         }
         env.pop("KVLEDGER_VLLM_REQUIRE", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kvledger.vllm.worker_proc"],
+            [
+                sys.executable,
+                "-m",
+                "tests.kvledger.vllm.worker_proc",
+                *(["--wait"] if wait else []),
+            ],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,
@@ -58,9 +63,18 @@ class Worker:
             stderr=subprocess.PIPE,
             text=True,
         )
-        assert self.proc.stdout is not None
+        self.truth: dict = {}
+        if not wait:
+            self.start()
+
+    def start(self) -> None:
+        """Allocate (a --wait worker), and read what the tensors say."""
+        assert self.proc.stdout is not None and self.proc.stdin is not None
         from tests.kvledger.vllm.worker_proc import MARK
 
+        if self.proc.args[-1] == "--wait":
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith(MARK):
                 self.truth = json.loads(line.removeprefix(MARK))
@@ -75,6 +89,8 @@ class Worker:
         self.proc.wait(10)
 
     def close(self) -> None:
+        if self.proc.returncode is not None and self.proc.stdout.closed:
+            return
         if self.proc.poll() is None:
             self.proc.kill()
         _, err = self.proc.communicate(timeout=10)
@@ -161,10 +177,11 @@ def test_vllm_figures_through_kvledger_serve_and_prometheus(tmp_path, monkeypatc
     cfg, config = worker_proc.build()
     assert len(config.kv_cache_groups) == 2  # full attention and sliding window
     worker = Worker(snapdir)
+    successor = Worker(snapdir, wait=True)  # vLLM imported while the first one runs
     try:
         with (
             ServeProcess(["--port", "0", "--no-demo", "--snapshot-dir", str(snapdir)]) as serve,
-            Prometheus([serve.url.removeprefix("http://")], interval="1s") as prom,
+            Prometheus([serve.url.removeprefix("http://")], interval="250ms") as prom,
         ):
             assert hooks.install()
             manager = _manager(config)
@@ -224,7 +241,8 @@ def test_vllm_figures_through_kvledger_serve_and_prometheus(tmp_path, monkeypatc
             assert old.exists()  # no successor yet: listed down until --forget-after
 
             # It restarts under the same labels: the dead one's file goes, the new one serves.
-            worker = Worker(snapdir)
+            worker = successor
+            worker.start()
             _wait_equal(
                 prom,
                 {'kvledger_up{engine_type="vllm_worker"}': 1, **_worker_expected(worker.truth)},
@@ -233,4 +251,5 @@ def test_vllm_figures_through_kvledger_serve_and_prometheus(tmp_path, monkeypatc
             wait_until(lambda: not old.exists(), 10, "the dead worker's file removed")
     finally:
         worker.close()
+        successor.close()
         hooks.uninstall()

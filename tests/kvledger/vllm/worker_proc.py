@@ -5,7 +5,10 @@ worker's file. Prints one line, MARK and JSON: what the tensors themselves say (
 per group its layers, the bytes its views address and their bytes per slot), then waits
 to be killed or for stdin to close.
 
-    python -m tests.kvledger.vllm.worker_proc   (KVLEDGER_SNAPSHOT_DIR etc. in the env)
+    python -m tests.kvledger.vllm.worker_proc [--wait]   (KVLEDGER_SNAPSHOT_DIR etc. in the env)
+
+`--wait`: import vLLM and plan, then allocate only once a line comes on stdin (a restart
+that is ready at once).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def main() -> None:
     from tests.kvledger.vllm.test_plugin import _runner
 
     cfg, config = build()
+    if "--wait" in sys.argv[1:]:  # imported and planned; allocate when told (a restart)
+        sys.stdin.readline()
     assert hooks.install(), "kvledger did not patch vLLM"
     kv = GPUModelRunner.initialize_kv_cache_tensors(_runner(cfg, config), config, None)
     ledger = hooks.worker_ledger()

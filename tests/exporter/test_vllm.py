@@ -19,6 +19,7 @@ from exporter.app import create_app
 from exporter.collector import build_families
 from exporter.sources import Sources
 from kvledger.vllm.groups import register_worker_cache
+from tests import browser
 from tests.servers import UvicornThread
 
 BLOCKS, BLOCK = 10, 16
@@ -211,3 +212,42 @@ def test_a_worker_whose_buffer_rows_fail_is_left_out_and_the_rest_served(tmp_pat
     assert "kvledger_vllm_kv_cache_physical_bytes" not in names  # the worker: left out
     assert _get(s, "kvledger_vllm_occupied_blocks", model_name="tiny") == 2  # the rest: served
     assert _get(s, "kvledger_source_errors_total", reason="render") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not browser.available(), reason="needs Debian's chromium")
+def test_chromium_shows_the_vllm_groups() -> None:
+    from exporter import html
+
+    kv, config, _ = _worker_cache(["full_attention", "sliding_window"])
+    worker = Ledger(WORKER)
+    register_worker_cache(worker, config, kv, kind_of=_kind_of)
+    engine = _engine_ledger(["full_attention", "sliding_window"], 3, 1, [32, 16])
+    sources = Sources()
+    sources.add_ledger(worker, "w")
+    sources.add_ledger(engine, "e")
+    with UvicornThread(create_app(sources, debug_html=html.page)) as server:
+        parsed = browser.parse(browser.dump_dom(f"{server.url}/debug/kv"))
+    roles = {e["data-vllm-role"] for e in parsed.elements if "data-vllm-role" in e}
+    assert roles == {"vllm_worker", "vllm_scheduler"}
+    addressed = {
+        e["data-group"]: int(e["data-tensor-bytes"])
+        for e in parsed.elements
+        if "data-tensor-bytes" in e
+    }
+    views = [
+        sum(kv[n].numel() * kv[n].element_size() for n in g.layer_names)
+        for g in config.kv_cache_groups
+    ]
+    assert addressed == {"0": views[0], "1": views[1]}
+    kinds = {e["data-vllm-group"]: e["data-kind"] for e in parsed.elements if "data-kind" in e}
+    assert kinds == {"0": "full_attention", "1": "sliding_window"}
+    occupied = {
+        e["data-group"]: int(e["data-occupied-slots"])
+        for e in parsed.elements
+        if "data-occupied-slots" in e
+    }
+    assert occupied == {"0": 32, "1": 16}
+    text = " ".join(parsed.text)
+    assert "vLLM tiny engine 0 worker tp1 pp0" in text and "vLLM tiny engine 0 engine core" in text
+    assert "3 in use, 7 free (1 of them evictable" in text

@@ -323,14 +323,14 @@ def _add_vllm_series(fam: _SeriesSet, v: SourceView, role: str) -> None:
         fam.add(_V + "kv_cache_physical_bytes", labels, w.physical_bytes)
         fam.add(_V + "kv_cache_blocks", labels, w.blocks)
         fam.add(_V + "kv_block_bytes", labels, w.block_bytes)
-        for g in w.groups:
-            gl = {**labels, "group": str(g.group), "kind": g.kind}
-            fam.add(_V + "group_tensor_bytes", gl, g.tensor_bytes)
-            fam.add(_V + "group_reserved_bytes", gl, g.reserved_bytes)
-            fam.add(_V + "group_physical_bytes", gl, g.physical_bytes)
-            fam.add(_V + "group_slot_bytes", gl, g.slot_bytes)
-            fam.add(_V + "group_block_size", gl, g.block_size)
-            fam.add(_V + "group_layers", gl, g.layers)
+        for wg in w.groups:
+            gl = {**labels, "group": str(wg.group), "kind": wg.kind}
+            fam.add(_V + "group_tensor_bytes", gl, wg.tensor_bytes)
+            fam.add(_V + "group_reserved_bytes", gl, wg.reserved_bytes)
+            fam.add(_V + "group_physical_bytes", gl, wg.physical_bytes)
+            fam.add(_V + "group_slot_bytes", gl, wg.slot_bytes)
+            fam.add(_V + "group_block_size", gl, wg.block_size)
+            fam.add(_V + "group_layers", gl, wg.layers)
         return
     e = vllm.engine_view(v.summary)
     labels = vllm.engine_labels(v.summary.labels)

@@ -142,7 +142,7 @@ class VllmModel(BaseModel):
     labels: dict[str, str] = Field(description="vLLM's labels on its kvledger_vllm_* metrics")
     worker: VllmWorkerModel | None = None
     engine: VllmEngineModel | None = None
-    error: str | None = Field(None, description="why the worker's groups are not shown")
+    error: str | None = Field(default=None, description="why the worker's groups are not shown")
 
 
 class FamilyModel(BaseModel):

@@ -13,14 +13,17 @@ and restarted (the dead one's file removed, the new one served).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -64,6 +67,7 @@ class Worker:
             text=True,
         )
         self.truth: dict = {}
+        self.wait = wait
         if not wait:
             self.start()
 
@@ -72,7 +76,7 @@ class Worker:
         assert self.proc.stdout is not None and self.proc.stdin is not None
         from tests.kvledger.vllm.worker_proc import MARK
 
-        if self.proc.args[-1] == "--wait":
+        if self.wait:
             self.proc.stdin.write("go\n")
             self.proc.stdin.flush()
         for line in self.proc.stdout:
@@ -83,14 +87,16 @@ class Worker:
         raise RuntimeError(f"worker_proc printed no figures: {self.stderr[-3000:]}")
 
     stderr = ""
+    closed = False
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
     def close(self) -> None:
-        if self.proc.returncode is not None and self.proc.stdout.closed:
+        if self.closed:
             return
+        self.closed = True
         if self.proc.poll() is None:
             self.proc.kill()
         _, err = self.proc.communicate(timeout=10)
@@ -197,11 +203,11 @@ def test_vllm_figures_through_kvledger_serve_and_prometheus(tmp_path, monkeypatc
             # Allocate, free (cached blocks become evictable), prefix hit, fill (eviction on
             # reuse), evict_blocks, free all, reset_prefix_cache: equal at every step.
             a = _request("a", list(range(100)))
-            steps = [lambda: _run(a, manager), lambda: manager.free(a)]
+            steps: list[Callable[[], Any]] = [lambda: _run(a, manager), lambda: manager.free(a)]
             b = _request("b", list(range(100)) + [7] * 20)
             steps += [lambda: _run(b, manager), lambda: manager.free(b)]
             fill = [_request(f"f{i}", [1000 + i] * 64) for i in range(6)]
-            steps += [lambda r=r: _run(r, manager) for r in fill]
+            steps += [functools.partial(_run, r, manager) for r in fill]
             steps.append(
                 lambda: manager.evict_blocks({blk.block_id for blk in manager.block_pool.blocks})
             )

@@ -61,13 +61,12 @@ def main() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from kvledger.vllm import hooks
-    from tests.kvledger.vllm.test_plugin import _runner
 
     cfg, config = build()
     if "--wait" in sys.argv[1:]:  # imported and planned; allocate when told (a restart)
         sys.stdin.readline()
     assert hooks.install(), "kvledger did not patch vLLM"
-    kv = GPUModelRunner.initialize_kv_cache_tensors(_runner(cfg, config), config, None)
+    kv = GPUModelRunner.initialize_kv_cache_tensors(vs.runner(cfg, config), config, None)
     ledger = hooks.worker_ledger()
     assert ledger is not None and ledger.publisher is not None, "the worker did not publish"
     print(MARK + json.dumps({**truth(config, kv), "path": ledger.publisher.path}), flush=True)

@@ -222,6 +222,31 @@ def test_vllm_figures_through_kvledger_serve_and_prometheus(tmp_path, monkeypatc
             assert results[2] > 0  # b's prompt hit a's cached blocks
             assert evictable[1] > 0 and evictable[-1] == 0  # cached after a free; reset: none
 
+            # A request running: the joins of the engine core's slots with the worker's bytes
+            # (the dashboard's PromQL) give its bytes per group and the memory left.
+            c = _request("c", list(range(500, 700)))
+            _run(c, manager)
+            _publish(sched)
+            expected = _engine_expected(manager, truth)
+            _wait_equal(prom, expected, "a request running")
+            free = manager.block_pool.get_num_free_blocks()
+            joins = {
+                f"kvledger_vllm_free_blocks{E} * on(model_name, engine) group_right "
+                f"kvledger_vllm_kv_block_bytes{W}": free * truth["block_bytes"]
+            }
+            from tests.kvledger.vllm.test_occupancy import _truth
+
+            held = _truth(manager)
+            for g in truth["groups"]:
+                sel = f'{{group="{g["group"]}"}}'
+                q = (
+                    f"kvledger_vllm_group_occupied_slots{sel} * on(model_name, engine, group) "
+                    f"group_right kvledger_vllm_group_slot_bytes{sel}"
+                )
+                joins[q] = held[g["group"]] * g["slot_bytes"]
+                assert joins[q] > 0
+            _wait_equal(prom, joins, "the joins")
+
             # The dashboard's vLLM row reads what is stored.
             from kvledger.dashboards.kv_dashboard import vllm_row
 

@@ -71,8 +71,10 @@ def _slots(ledger: Ledger, family: str, capacity: int, occupied: int) -> None:
     acc.on_slots(occupied, occupied)
 
 
-def _engine_ledger(kinds: list[str], in_use: int, evictable: int, held: list[int]) -> Ledger:
-    ledger = Ledger(ENGINE)
+def _engine_ledger(
+    kinds: list[str], in_use: int, evictable: int, held: list[int], engine: str = "0"
+) -> Ledger:
+    ledger = Ledger({**ENGINE, "engine": engine, "dp_rank": engine})
     _slots(ledger, "kv_pool", BLOCKS, in_use)
     _slots(ledger, "kv_pool_evictable", BLOCKS, evictable)
     for i, (kind, h) in enumerate(zip(kinds, held, strict=True)):
@@ -251,3 +253,28 @@ def test_chromium_shows_the_vllm_groups() -> None:
     text = " ".join(parsed.text)
     assert "vLLM tiny engine 0 worker tp1 pp0" in text and "vLLM tiny engine 0 engine core" in text
     assert "3 in use, 7 free (1 of them evictable" in text
+
+
+def test_tp_ranks_and_dp_engines_are_series_of_their_own() -> None:
+    """Two TP workers of engine 0, one of engine 1, and both engine cores: no two claim the
+    same engine labels (none is taken for a conflict) and each is its own series."""
+    sources = Sources()
+    for engine, tp in (("0", "0"), ("0", "1"), ("1", "0")):
+        kv, config, _ = _worker_cache(["full_attention"])
+        ledger = Ledger({**WORKER, "engine": engine, "dp_rank": engine, "tp_rank": tp})
+        register_worker_cache(ledger, config, kv, kind_of=_kind_of)
+        sources.add_ledger(ledger, f"w{engine}{tp}")
+    for engine, in_use in (("0", 3), ("1", 5)):
+        ledger = _engine_ledger(["full_attention"], in_use, 0, [16], engine=engine)
+        sources.add_ledger(ledger, f"e{engine}")
+    scan = sources.read()
+    assert all(v.up for v in scan.views), [v.stale_reason for v in scan.views]
+    s = _samples(sources)
+    workers = {
+        (dict(ls)["engine"], dict(ls)["tp_rank"])
+        for (n, ls), _ in s.items()
+        if n == "kvledger_vllm_kv_cache_physical_bytes"
+    }
+    assert workers == {("0", "0"), ("0", "1"), ("1", "0")}
+    assert _get(s, "kvledger_vllm_occupied_blocks", engine="0") == 3
+    assert _get(s, "kvledger_vllm_occupied_blocks", engine="1") == 5

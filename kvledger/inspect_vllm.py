@@ -130,7 +130,15 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             config = get_kv_cache_configs(cfg, [specs], [memory], groups)[0]
         except ValueError as e:
             raise UsageError(str(e).splitlines()[0]) from None
-    return _document(config, specs, memory, layout=cfg.cache_config.get_resolved_kv_cache_layout())
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    doc = _document(config, specs, memory, layout=cfg.cache_config.get_resolved_kv_cache_layout())
+    # vLLM's own "KV cache size: N tokens, maximum concurrency ..." line, from its function.
+    tokens, concurrency = get_kv_cache_capacity(cfg, config)
+    doc["vllm_kv_cache_size_tokens"] = tokens
+    doc["vllm_max_concurrency"] = concurrency
+    doc["max_model_len"] = cfg.model_config.max_model_len
+    return doc
 
 
 def _document(config: Any, specs: dict[str, Any], memory: int, *, layout: Any) -> dict[str, Any]:
@@ -183,5 +191,10 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"buffer: {doc['num_blocks']} blocks of {format_size(doc['bytes_per_block'])} = "
         f"{format_size(doc['buffer_bytes'])} (one per worker; groups alias it)"
+    )
+    print(
+        f"vLLM's KV cache size: {doc['vllm_kv_cache_size_tokens']:,} tokens, maximum "
+        f"concurrency for {doc['max_model_len']:,} tokens per request: "
+        f"{doc['vllm_max_concurrency']:.2f}x"
     )
     return 0

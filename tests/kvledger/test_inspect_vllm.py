@@ -101,6 +101,8 @@ def test_deepseek_v4_flash_five_groups_from_vllms_planner(capsys) -> None:
         assert g["addressed_bytes"] == g["bytes_per_block"] * doc["num_blocks"]
     # Bytes per token differ by group (#51041: 4 to 92 KiB on one machine).
     assert len({g["bytes_per_token"] for g in doc["groups"]}) == 5
+    # vLLM's own capacity figure (its "KV cache size: N tokens" line) for this plan.
+    assert doc["vllm_kv_cache_size_tokens"] == int(doc["vllm_max_concurrency"] * 4096) > 0
 
 
 @pytest.mark.vllm

@@ -5,7 +5,10 @@ scrapes: `collect()` reads `Sources` once and builds every family of
 `exporter.metrics.METRICS` from that one `Scan` (the views and what went wrong
 reading them), so all series of one scrape come from the same snapshots. The work
 is O(sources x (families + accounts)), read from each source's typed `Summary`; it
-never touches slot counts or buffer lists.
+never touches slot counts or buffer lists, but for a vLLM worker's per-group layers and
+bytes (`exporter.vllm`: its buffer rows, one per layer view, read once per change of its
+ledger, not per scrape). A vLLM source exports the `kvledger_vllm_*` metrics under vLLM's
+labels instead of the `sglang:` ones.
 
 A stale source exports only its service metrics (`kvledger_up 0`, its age, epoch,
 interval): its figures are no longer true. Two live sources never carry the same

@@ -278,3 +278,27 @@ def test_tp_ranks_and_dp_engines_are_series_of_their_own() -> None:
     assert workers == {("0", "0"), ("0", "1"), ("1", "0")}
     assert _get(s, "kvledger_vllm_occupied_blocks", engine="0") == 3
     assert _get(s, "kvledger_vllm_occupied_blocks", engine="1") == 5
+
+
+def test_a_workers_rows_are_read_once_per_change_not_per_heartbeat(tmp_path, monkeypatch) -> None:
+    import time
+
+    calls = []
+    real = vllm.worker_view
+    monkeypatch.setattr(vllm, "worker_view", lambda *a: calls.append(1) or real(*a))
+    kv, config, nbytes = _worker_cache(["full_attention"])
+    worker = Ledger(WORKER)
+    register_worker_cache(worker, config, kv, kind_of=_kind_of)
+    with Publisher(worker, tmp_path, interval=0.1), Sources(tmp_path) as sources:
+        first = sources.read().views[0].published
+        assert _get(_samples(sources), "kvledger_vllm_kv_cache_physical_bytes") == nbytes
+        time.sleep(0.35)  # heartbeats: new versions of the file, the same rows
+        assert sources.read().views[0].published is not first
+        assert _get(_samples(sources), "kvledger_vllm_kv_cache_physical_bytes") == nbytes
+        assert len(calls) == 1
+        kv2, config2, nbytes2 = _worker_cache(["full_attention", "sliding_window"])
+        worker.remove_account(worker.accounts()[0])  # a change: the rows are read again
+        register_worker_cache(worker, config2, kv2, kind_of=_kind_of, pool="vllm2")
+        time.sleep(0.25)
+        _samples(sources)
+        assert len(calls) == 2

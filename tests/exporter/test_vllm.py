@@ -283,9 +283,14 @@ def test_tp_ranks_and_dp_engines_are_series_of_their_own() -> None:
 def test_a_workers_rows_are_read_once_per_change_not_per_heartbeat(tmp_path, monkeypatch) -> None:
     import time
 
-    calls = []
+    calls: list[int] = []
     real = vllm.worker_view
-    monkeypatch.setattr(vllm, "worker_view", lambda *a: calls.append(1) or real(*a))
+
+    def counting(*a):
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(vllm, "worker_view", counting)
     kv, config, nbytes = _worker_cache(["full_attention"])
     worker = Ledger(WORKER)
     register_worker_cache(worker, config, kv, kind_of=_kind_of)
@@ -296,7 +301,7 @@ def test_a_workers_rows_are_read_once_per_change_not_per_heartbeat(tmp_path, mon
         assert sources.read().views[0].published is not first
         assert _get(_samples(sources), "kvledger_vllm_kv_cache_physical_bytes") == nbytes
         assert len(calls) == 1
-        kv2, config2, nbytes2 = _worker_cache(["full_attention", "sliding_window"])
+        kv2, config2, _ = _worker_cache(["full_attention", "sliding_window"])
         worker.remove_account(worker.accounts()[0])  # a change: the rows are read again
         register_worker_cache(worker, config2, kv2, kind_of=_kind_of, pool="vllm2")
         time.sleep(0.25)

@@ -16,6 +16,7 @@ value no source has is a `FilterError` naming the parameter and what exists.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -37,10 +38,11 @@ from accounting.relations import Violation
 from accounting.snapfile.summary import Reconciliation
 from accounting.snapshot import AccountRow, BufferRow
 from accounting.tp_status import TpStatus
+from exporter import vllm
 from exporter.collector import GIB
 from exporter.metrics import engine_labels
 from exporter.models import json_type, model_of
-from exporter.sources import Scan, SourceView
+from exporter.sources import BufferMapError, Scan, SourceView
 
 _FIGURE_FIELDS: dict[str, Any] = {
     f.name: (int, Field(description=f"{f.meaning} (unit: {f.unit}). Relation: {f.relation}."))
@@ -120,6 +122,41 @@ ReconciliationModel: Any = model_of(
         "total_bytes": "the device's memory size (NVML total), or null",
     },
 )
+
+
+# A vLLM source's figures (exporter.vllm), as its kvledger_vllm_* metrics carry them.
+VllmWorkerGroupModel: Any = model_of(
+    vllm.WorkerGroup, name="VllmWorkerGroupModel", doc="One KV-cache group as a worker holds it."
+)
+VllmEngineGroupModel: Any = model_of(
+    vllm.EngineGroup,
+    name="VllmEngineGroupModel",
+    doc="One KV-cache group's slots in the engine core's block pool.",
+)
+VllmWorkerModel: Any = model_of(
+    vllm.WorkerView,
+    name="VllmWorkerModel",
+    doc="A vLLM worker's KV storage (counted once) and its groups (aliasing the storage).",
+    drop=("groups",),
+    extra={"groups": list[VllmWorkerGroupModel]},
+)
+VllmEngineModel: Any = model_of(
+    vllm.EngineView,
+    name="VllmEngineModel",
+    doc="A vLLM engine core's block pool (shared by every group) and each group's slots.",
+    drop=("groups",),
+    extra={"groups": list[VllmEngineGroupModel]},
+)
+
+
+class VllmModel(BaseModel):
+    """A vLLM source's groups: a worker's bytes or an engine core's occupancy."""
+
+    role: str = Field(description="vllm_worker (the bytes) or vllm_scheduler (the blocks)")
+    labels: dict[str, str] = Field(description="vLLM's labels on its kvledger_vllm_* metrics")
+    worker: VllmWorkerModel | None = None
+    engine: VllmEngineModel | None = None
+    error: str | None = Field(default=None, description="why the worker's groups are not shown")
 
 
 class GpuPartModel(BaseModel):
@@ -251,6 +288,7 @@ class SourceModel(BaseModel):
     engine: EngineModel | None = Field(
         None, description="the engine's holder reader: source, notes, per-request footprints"
     )
+    vllm: VllmModel | None = Field(None, description="present for a vLLM source (docs/vllm.md)")
 
 
 class RankModel(BaseModel):
@@ -464,6 +502,34 @@ def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceMo
         tp=TpModel(**d.tp.to_dict()) if d.tp is not None else None,
         holders=_holders(d, family),
         engine=EngineModel(**d.engine.to_dict()) if d.engine is not None else None,
+        vllm=_vllm(v),
+    )
+
+
+def _vllm(v: SourceView) -> Any:
+    role = vllm.role(v.summary.labels)
+    if role is None:
+        return None
+    if role == vllm.SCHEDULER:
+        e = vllm.engine_view(v.summary)
+        return VllmModel(
+            role=role,
+            labels=vllm.engine_labels(v.summary.labels),
+            engine=VllmEngineModel(
+                **{**dataclasses.asdict(e), "groups": [dataclasses.asdict(g) for g in e.groups]}
+            ),
+        )
+    labels = vllm.worker_labels(v.summary.labels)
+    try:
+        w = vllm.worker_of(v.published)
+    except BufferMapError as err:
+        return VllmModel(role=role, labels=labels, error=str(err))
+    return VllmModel(
+        role=role,
+        labels=labels,
+        worker=VllmWorkerModel(
+            **{**dataclasses.asdict(w), "groups": [dataclasses.asdict(g) for g in w.groups]}
+        ),
     )
 
 

@@ -621,6 +621,105 @@ def fleet_row() -> Row:
     )
 
 
+VSEL = 'instance=~"$instance", model_name=~"$model_name"'
+WORKER_LEGEND = "{{model_name}} engine {{engine}} tp{{tp_rank}} pp{{pp_rank}}"
+GROUP_LEGEND = "g{{group}} {{kind}} engine {{engine}} tp{{tp_rank}}"
+
+
+def _v(name: str) -> str:
+    return r.metric(m.VLLM_PREFIX + name)
+
+
+def vllm_row() -> Row:
+    """vLLM engines (kvledger.vllm): a worker's bytes per KV-cache group and the engine
+    core's blocks, joined on vLLM's labels (`model_name`, `engine`, `group`)."""
+    occ, slot = _v("group_occupied_slots"), _v("group_slot_bytes")
+    free, block = _v("free_blocks"), _v("kv_block_bytes")
+    return Row(
+        "vLLM: KV-cache groups (tensor bytes per worker, blocks per engine)",
+        (
+            Panel(
+                "vLLM: KV storage per worker",
+                f"{_v('kv_cache_physical_bytes')} per worker: the one KV buffer vLLM allocates "
+                f"for all groups, counted once. {_help(_v('kv_cache_physical_bytes'))}",
+                (Target(f"{_v('kv_cache_physical_bytes')}{{{VSEL}}}", WORKER_LEGEND),),
+                BYTES,
+            ),
+            Panel(
+                "vLLM: bytes per token, per group",
+                f"{slot} per worker and KV-cache group: what one token (a state, for a Mamba "
+                "group) costs in the group's layers; groups differ (DeepSeek-V4's five, vLLM "
+                f"#51041). {_help(slot)}",
+                (Target(f"{slot}{{{VSEL}}}", GROUP_LEGEND),),
+                BYTES,
+            ),
+            Panel(
+                "vLLM: bytes each group addresses",
+                f"{_v('group_tensor_bytes')}: the group's layer views. Groups alias one storage, "
+                f"so these do not add up to it (not stacked). {_help(_v('group_tensor_bytes'))}",
+                (Target(f"{_v('group_tensor_bytes')}{{{VSEL}}}", GROUP_LEGEND),),
+                BYTES,
+            ),
+            Panel(
+                "vLLM: blocks per engine (occupied, evictable, free)",
+                "The engine core's block pool, shared by every group: blocks in use, free blocks "
+                "still holding a cached prefix (evictable, a subset of free), and free blocks. "
+                f"{_help(_v('evictable_blocks'))}",
+                (
+                    Target(f"{_v('occupied_blocks')}{{{VSEL}}}", "occupied engine {{engine}}"),
+                    Target(f"{_v('evictable_blocks')}{{{VSEL}}}", "evictable engine {{engine}}"),
+                    Target(f"{free}{{{VSEL}}}", "free engine {{engine}}"),
+                ),
+                "short",
+                axis_label="blocks",
+            ),
+            Panel(
+                "vLLM: slot occupancy per group",
+                f"{occ} / {_v('group_capacity_slots')} per engine and group: the share of the "
+                "group's slots held by running requests.",
+                (
+                    Target(
+                        f"{occ}{{{VSEL}}} / ({_v('group_capacity_slots')}{{{VSEL}}} > 0)",
+                        "g{{group}} {{kind}} engine {{engine}}",
+                    ),
+                ),
+                RATIO,
+                min=0,
+                max=1,
+            ),
+            Panel(
+                "vLLM: occupied bytes per worker and group",
+                f"The engine core's {occ} times each worker's {slot} (joined on model_name, "
+                "engine, group): the bytes of each worker's KV storage holding running "
+                "requests' entries, per group.",
+                (
+                    Target(
+                        f"{occ}{{{VSEL}}} * on(model_name, engine, group) group_right "
+                        f"{slot}{{{VSEL}}}",
+                        GROUP_LEGEND,
+                    ),
+                ),
+                BYTES,
+                width=12,
+            ),
+            Panel(
+                "vLLM: available KV memory per worker",
+                f"The engine core's {free} times each worker's {block} (joined on model_name, "
+                "engine): device memory new requests can take, cached prefixes included "
+                "(vLLM #26850).",
+                (
+                    Target(
+                        f"{free}{{{VSEL}}} * on(model_name, engine) group_right {block}{{{VSEL}}}",
+                        WORKER_LEGEND,
+                    ),
+                ),
+                BYTES,
+                width=12,
+            ),
+        ),
+    )
+
+
 def _values(label: str, series: str) -> str:
     return f"label_values({series}, {label})"
 
@@ -683,5 +782,6 @@ def dashboard() -> Dashboard:
             allocator_row(),
             health_row(),
             fleet_row(),
+            vllm_row(),
         ),
     )

@@ -9,9 +9,11 @@ mapped page ids checked) is left out. The ratios are paired by round
 (`kvledger.bench.bootstrap`): rounds continue past the minimum until the bridged/native
 interval is within the width asked for, or the maximum is reached.
 
-Bridge figures are read through the bridge's public API (`Bridge.stats()`,
-`Bridge.backend.granularity`) and the ledger the bench gave it (the `swa_kv` VMM
-account's map and unmap totals, in page ids).
+Bridge figures are read through the bridge's public API (`Bridge.stats()` between
+cases, `Bridge.backend.granularity`), its page store's `stats()` between steps (which
+replays nothing: `Bridge.stats()` replays the journal first, work no round would time) and
+the ledger the bench gave it (the `swa_kv` VMM account's map and unmap totals, in page
+ids).
 """
 
 from __future__ import annotations
@@ -52,13 +54,15 @@ class Variant:
             return 0, 0
         return self.account.pages_mapped_total, self.account.pages_unmapped_total
 
+    # The bench's own reads of the bridge: the page store's figures as they are, never a
+    # replay of the journal (`Bridge.stats()` replays first: work the rounds would not time).
     def mapped_pages(self) -> int:
-        return int(self.bridge.stats()["mapped_pages"]) if self.bridge is not None else 0
+        return self.mapped_and_spare()[0]
 
     def mapped_and_spare(self) -> tuple[int, int]:
         if self.bridge is None:
             return 0, 0
-        stats = self.bridge.stats()
+        stats = self.bridge.store.stats()
         return int(stats["mapped_pages"]), int(stats["spare_pages"])
 
 

@@ -179,7 +179,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    results = cases.run_all(args, threads=torch.get_num_threads())
+    results = cases.run_all(
+        args,
+        threads=torch.get_num_threads(),
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     for line in report(results):
         print(line)
     if args.json:

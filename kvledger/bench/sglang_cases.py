@@ -481,7 +481,10 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
     }
 
 
-def run_all(args: Any, *, threads: int) -> dict[str, Any]:
+def run_all(
+    args: Any, *, threads: int, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Every case on the three engines; `progress` gets a line after each case."""
     import importlib.metadata
 
     import torch
@@ -538,7 +541,14 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
         ]
         for name, case in cases:
             before = _waits(bridge)
+            t0 = time.perf_counter()
             results[name] = case()
+            if progress is not None:
+                ci = interval_of(results[name])
+                progress(
+                    f"bench sglang: {name}: {ci.n} rounds in {time.perf_counter() - t0:.0f} s, "
+                    f"bridged/native {ci.median:.3f}x [{ci.low:.3f}, {ci.high:.3f}]"
+                )
             after = _waits(bridge)
             if before is not None and after is not None:
                 waits_by_case[name] = after - before

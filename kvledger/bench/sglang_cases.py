@@ -40,6 +40,8 @@ COUNTER_DRIVER_WAITS = "waited_allocs"
 ROUND_TRIP_TOKENS = 4096
 CHURN_LOW, CHURN_HIGH = 0.10, 0.90
 CHECK_EVERY = 10  # rounds between two looks at whether the interval is narrow enough
+# The targets, bridged/native at most (issue 23), by case; judged on the interval's ends.
+TARGETS = {"decode_step": 1.03, "round_trip_4096": 1.05, "fill_drain": 1.3, "churn_event": 1.3}
 
 
 @dataclass
@@ -124,11 +126,12 @@ def run_rounds(
     least: int,
     most: int,
     width: float,
+    target: float | None = None,
 ) -> dict[str, list[float]]:
     """Round times per engine: `one_round(variant, i)` returns the seconds of round `i` of
     that engine (all of it: every step and replay). At least `least` rounds; then every
-    CHECK_EVERY rounds, stop once the bridged/native interval is within +-`width`; at most
-    `most` rounds."""
+    CHECK_EVERY rounds, stop once the bridged/native interval is within +-`width` and, with
+    a `target`, lies wholly on one side of it (met or not met); at most `most` rounds."""
     times: dict[str, list[float]] = {v.name: [] for v in vs}
     i = 0
     while i < most:
@@ -139,7 +142,10 @@ def run_rounds(
         i += 1
         if i >= least and (i - least) % CHECK_EVERY == 0:
             ratio = bootstrap.ratios(times[bridged_of(vs).name], times["native"])
-            if bootstrap.median_ci(ratio).within(width):
+            ci = bootstrap.median_ci(ratio)
+            if ci.within(width) and (
+                target is None or ci.verdict(target) != bootstrap.NOT_RESOLVED
+            ):
                 break
     return times
 
@@ -234,10 +240,11 @@ class TimedCase:
     warm: Callable[[Engine, Any], None]
     step: Callable[[Engine, Any], None]
     per_round: str  # the argument giving the steps of one round
+    key: str  # the case's name in the results (and in TARGETS)
 
 
-DECODE_STEP = TimedCase(warm=ramp_up, step=decode_step, per_round="steps")
-ROUND_TRIP = TimedCase(warm=round_trip, step=round_trip, per_round="trips")
+DECODE_STEP = TimedCase(warm=ramp_up, step=decode_step, per_round="steps", key="decode_step")
+ROUND_TRIP = TimedCase(warm=round_trip, step=round_trip, per_round="trips", key="round_trip_4096")
 
 
 def _settle(v: Variant) -> None:
@@ -288,7 +295,9 @@ def bench_timed(vs: Variants, args: Any, case: TimedCase) -> dict[str, Any]:
         return seconds
 
     least, most = limits(args, "steps")
-    times = run_rounds(vs, one_round, least=least, most=most, width=args.ci_width)
+    times = run_rounds(
+        vs, one_round, least=least, most=most, width=args.ci_width, target=TARGETS[case.key]
+    )
     m1, u1 = bridged.map_totals()
     return {
         **{k: summary(t) for k, t in times.items()},
@@ -366,7 +375,9 @@ def bench_fill_drain(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict
         return seconds
 
     least, most = limits(args, "cycles")
-    times = run_rounds(vs, one_round, least=least, most=most, width=args.ci_width)
+    times = run_rounds(
+        vs, one_round, least=least, most=most, width=args.ci_width, target=TARGETS["fill_drain"]
+    )
     return {**{k: summary(t) for k, t in times.items()}, "paired": paired(times), "cycles": cycles}
 
 
@@ -449,7 +460,9 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
         return seconds + _timed(_settle, v)
 
     least, most = limits(args, "churn")
-    times = run_rounds(vs, one_round, least=least, most=most, width=args.ci_width)
+    times = run_rounds(
+        vs, one_round, least=least, most=most, width=args.ci_width, target=TARGETS["churn_event"]
+    )
     for v in vs:
         v.engine.finish_all()
     excess = [m - b for m, b in samples]

@@ -185,3 +185,16 @@ def test_rounds_go_on_to_the_most_while_the_interval_is_wide() -> None:
     pr = paired(times)
     assert pr["rounds"] == 40 and pr["bridged"]["half_width"] > 0.02
     assert pr["control"]["median"] == pr["control"]["low"] == pr["control"]["high"] == 1.0
+
+
+def test_rounds_go_on_while_a_narrow_interval_straddles_the_target() -> None:
+    from kvledger.bench.sglang_cases import run_rounds
+
+    def one_round(v: Any, i: int) -> float:
+        return (1.02 + 0.02 * (i % 2)) if v.name == "bridged" else 1.0  # 1.02 / 1.04
+
+    for target, rounds in ((1.03, 40), (1.05, 10), (1.01, 10)):
+        times = run_rounds(_variants(), one_round, least=10, most=40, width=0.02, target=target)
+        # within +-1 % from the start; decided against 1.05 (met) and 1.01 (not met) at
+        # once, never against 1.03: on to the most
+        assert len(times["bridged"]) == rounds, target

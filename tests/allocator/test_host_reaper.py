@@ -69,7 +69,12 @@ def test_release_returns_before_the_blocks_are_punched_and_the_truth_waits_for_t
         g = be.granularity
         h = be.create(g)
         done = threading.Event()
-        releaser = threading.Thread(target=lambda: (be.release(h), done.set()))
+
+        def release() -> None:
+            be.release(h)
+            done.set()
+
+        releaser = threading.Thread(target=release)
         releaser.start()
         # The punch is held back, yet release has returned: it did not wait for the kernel.
         assert done.wait(5), "release waited for the punch"

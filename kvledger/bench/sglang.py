@@ -18,8 +18,8 @@ another engine's round). Each round gives one ratio per engine, its round time o
 native's; a case reports the median of those ratios and its 95 % bootstrap interval over
 rounds (`kvledger.bench.bootstrap`: 4000 resamples, fixed seed 20261202). Rounds
 continue past `--rounds` (`--cycles` for fill/drain, `--churn-events` for churn), in
-steps of 10, until the bridged/native interval is within +-`--ci-width` (2 %) or
-`--max-rounds` (`--max-cycles`) is reached; where it is not reached, the report says so
+steps of 10, until the bridged/native interval is within +-`--ci-width` (2 %) and lies
+on one side of the case's target, or `--max-rounds` (`--max-cycles`) is reached; where it is not reached, the report says so
 with the control/native interval beside it (the machine's own spread). A target ("at
 most X native") is met only when the interval's upper end is under it, not met when its
 lower end is at or above it, and not resolved otherwise.
@@ -237,7 +237,7 @@ def report(r: dict[str, Any]) -> list[str]:
         f"  each case timed as whole rounds (every step and replay), paired by round with "
         f"native; median of the per-round ratios [95% bootstrap interval over rounds, "
         f"{bootstrap.RESAMPLES} resamples, seed {bootstrap.SEED}]; rounds added until "
-        f"bridged/native is within +-{width:.0%}",
+        f"bridged/native is within +-{width:.0%} and on one side of the target",
     ]
     targets = []
     for key, title, unit in CASES:

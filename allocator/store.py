@@ -621,7 +621,13 @@ class PageStore:
 
     def begin_unmap(self, p: int) -> None:
         """Step 1, lock held: spare `p` becomes BUSY, leaves the spares (its fence too) and
-        counts in `busy`; the user is told."""
+        counts in `busy`; the user is told. A fence of `p` not done yet is waited for first
+        (the one rule every unmap keeps: docs/allocator.md#the-cuda-fence-rule): the spare
+        policy's own trims never pick such a page, a TP follower's trim (rank 0's plan, taken
+        as it comes) or a direct caller may."""
+        fence = self.policy.fences.get(p)
+        if fence is not None and not fence.done():
+            fence.wait()
         self.state[p] = _BUSY
         self.busy += 1
         self.spares.pop(p, None)
@@ -697,7 +703,11 @@ class PageStore:
         whatever the driver says (failures are counted and logged, never raised).
 
         A background mapper or TP coordinator still attached is stopped first (off the lock:
-        its thread may be waiting for it); pending fences are waited for. Takes the lock."""
+        its thread may be waiting for it); pending fences are waited for, and then the
+        device: pages still in use carry no fence, and device work queued on them (the
+        engine's last kernels, a copy of their rows back into native buffers a moment ago)
+        must run before they are unmapped (`Backend.synchronize`; a failure is counted and
+        the unmaps go ahead: the driver has lost the context by then). Takes the lock."""
         if self._mapper is not None:
             self._mapper.close()
         if self._tp is not None:  # gives back its pages mapped ahead and detaches
@@ -711,6 +721,7 @@ class PageStore:
                 self.cond.wait(timeout=1.0)
             self.policy.wait_fences()
             reporter = self.reporter
+            self._drain_device()
             reporter.occupied = 0
             reporter.report()
             reporter.observer.detach(self.report_slots)
@@ -739,6 +750,16 @@ class PageStore:
                 self.pages.free_reservations()
             except Exception as e:  # the backend's close frees what is left
                 reporter.failed("free_reservation", e)
+
+    def _drain_device(self) -> None:
+        """Wait for all device work queued so far (close: before pages in use are unmapped)."""
+        sync = getattr(self.pages.backend, "synchronize", None)
+        if sync is None or not any(s == _MAPPED for s in self.state):
+            return
+        try:
+            sync()
+        except Exception as e:
+            self.reporter.failed("synchronize", e)
 
     def __enter__(self) -> PageStore:
         return self

@@ -427,6 +427,39 @@ def test_detach_restores_native_buffers_and_leaves_nothing_mapped(r: Rig) -> Non
     assert r.backend.physical_bytes() == 0 and r.ledger.accounts() == ()
 
 
+def test_detach_unmaps_only_after_its_copy_back_has_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the copy of the live rows back into native buffers is queued on the stream when
+    detach unmaps the pages; the store's close must wait for it (issue 23: without, an
+    illegal address on a busy H200). Modelled with tests.allocator.queued.QueuedDevice: the
+    copies' source rows are queued device work until a synchronize."""
+    from kvledger.sglang.bridge import bridge as bridge_mod
+    from tests.allocator.queued import QueuedDevice
+
+    rg = Rig()
+    dev = QueuedDevice(rg.backend)
+    rg.backend = dev  # type: ignore[assignment]
+    try:
+        br = rg.attach(pool_options=EXACT)
+        rg.sched.prefill(2 * rig.PAGE)
+        br.flush()
+        real = bridge_mod.native_copy
+
+        def queued_copy(vmm: list[Any], follower: Any, facts: Any) -> list[Any]:
+            out = real(vmm, follower, facts)
+            for t in vmm:
+                for row in [0, *follower.held().tolist()]:
+                    dev.queue(t[row].data_ptr(), ROW)  # read by a copy not run yet
+            return out
+
+        monkeypatch.setattr(bridge_mod, "native_copy", queued_copy)
+        br.detach()
+        assert dev.queued == [] and dev.syncs == 1
+        assert dev.faults == []
+        assert rg.backend.physical_bytes() == 0
+    finally:
+        rg.close()
+
+
 def test_detach_closes_a_backend_the_bridge_made(r: Rig) -> None:
     made: list[HostBackend] = []
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from accounting.ledger import Account, Ledger
 from accounting.publisher import Publisher
+from kvledger.sglang.bridge.compact_policy import CompactionPolicy
 from kvledger.sglang.inventory import UNKNOWN, pool_kind, register_pool
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class RankLedger:
         self.interval = interval
         self.bridge_env = bridge_env
         self.pools: dict[str, PoolRecord] = {}
+        # The production compaction policy (kvledger.sglang.bridge.compact_policy), for
+        # every bridged pool of this process; off with KVLEDGER_SGLANG_DSV4_COMPACT=0.
+        self.compaction = CompactionPolicy.from_env(bridge_env)
         self.truth: Any = None
         self.publisher: Publisher | None = None
         self._lock = threading.Lock()
@@ -152,6 +156,17 @@ class RankLedger:
         if self.publisher is not None:
             self.publisher.publish()
         return got
+
+    def compact_step(self) -> int:
+        """One compaction step for each bridged pool (the scheduler's hooks call it with no
+        batch in flight); returns the rows moved."""
+        if not self.compaction.enabled or self._closed:
+            return 0
+        moved = 0
+        for record in list(self.pools.values()):
+            if record.bridged:
+                moved += self.compaction.step(record.bridge)
+        return moved
 
     # -- lifetime --------------------------------------------------------------------------
     @property

@@ -23,6 +23,8 @@ from accounting.buffers import Owner
 from accounting.ledger import Account, Ledger
 from accounting.snapfile.publisher import Publisher
 from kvledger.bench.sglang_engine import PAGE, WINDOW, Engine, Request, Shape, published
+from kvledger.bench.sglang_memory import SwaMemory
+from kvledger.sglang.bridge.compact_policy import CompactionPolicy
 
 # The counter of allocations that waited for a driver map (Bridge.stats(), docs/sglang-bridge.md).
 COUNTER_DRIVER_WAITS = "waited_allocs"
@@ -45,11 +47,11 @@ class Variant:
     def mapped_pages(self) -> int:
         return int(self.bridge.stats()["mapped_pages"]) if self.bridge is not None else 0
 
-    def mapped_and_spare(self) -> tuple[int, int]:
+    def mapped_spare_physical(self) -> tuple[int, int, int]:
         if self.bridge is None:
-            return 0, 0
+            return 0, 0, 0
         stats = self.bridge.stats()
-        return int(stats["mapped_pages"]), int(stats["spare_pages"])
+        return int(stats["mapped_pages"]), int(stats["spare_pages"]), int(stats["physical_bytes"])
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
@@ -328,6 +330,9 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
     occ: list[float] = []
     samples: list[tuple[int, int]] = []  # (mapped, bound) after warm-up
     spares: list[int] = []  # spare page ids at each of those samples
+    # The production compaction policy, exactly as the plugin runs it (one step per event).
+    policy = CompactionPolicy.from_env()
+    memory = SwaMemory(row_bytes=rb, layers=args.layers, rows=args.swa_pages)
     for v in vs:
         v.engine.finish_all()
     for _, v in _rounds(vs, args.rounds):
@@ -338,7 +343,7 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
             t0 = time.perf_counter()
             kind = churn.event(e)
             if v.bridge is not None:  # between batches: the bridge may move held rows
-                v.bridge.compact()
+                policy.step(v.bridge)
                 e.sync()
             times[v.name].append(time.perf_counter() - t0)
             if v.bridge is None:
@@ -348,9 +353,10 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
             occ.append(held / args.swa_pages)
             if churn.done > args.churn_warmup:
                 bound = math.ceil((held + 1) * rb / gran) + args.max_spare_pages + 1
-                mapped, spare = v.mapped_and_spare()
+                mapped, spare, physical = v.mapped_spare_physical()
                 samples.append((mapped, bound))
                 spares.append(spare)
+                memory.add(physical, held)
     for v in vs:
         v.engine.finish_all()
     excess = [m - b for m, b in samples]
@@ -358,6 +364,8 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
     return {
         **{k: summary(t) for k, t in times.items()},
         "rows_moved": int(bridged_of(vs).bridge.stats()["rows_moved"]),
+        "compaction": {**policy.stats(), "describe": policy.describe()},
+        "swa_memory": memory.result(),
         "events": args.churn_events,
         "admits": kinds["admit"],
         "finishes": kinds["finish"],

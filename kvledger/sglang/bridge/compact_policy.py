@@ -5,8 +5,9 @@ sglang` both run (docs/sglang-bridge.md#compaction-in-a-server).
 (the plugin: after each batch's result in SGLang's normal loop, and when the scheduler is
 idle in either loop; the bench: after each churn event). It costs a count of the store's
 mapped pages unless compaction is due, which is when the page ids mapped exceed the packing
-bound (the held rows packed, plus the spares the store keeps, plus one:
-`allocator.rows.packing.fragmented`) by more than `excess_pages`. Then `Bridge.compact`
+bound (the held rows packed, plus the spares the store keeps, plus one: the bound
+`allocator.rows.packing.fragmented` checks, with the rows SGLang took or gave back since
+the journal's last replay counted from the hooks' records, so the check replays nothing) by more than `excess_pages`. Then `Bridge.compact`
 moves at most `max_moves` rows: a budget per step, so that one call costs at most
 `max_moves` row copies in every layer (about 0.75 ms of copies for 128 rows of
 DeepSeek-V4's 43 layers on an H200); a finish that leaves more to move is worked off over
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from allocator.checks import check_count
-from allocator.rows import packing
 from allocator.states import PageState
 
 EXCESS_PAGES = 0  # compact as soon as the mapped page ids exceed the packing bound
@@ -54,12 +54,17 @@ class CompactionPolicy:
         return cls(enabled=compaction_enabled(env))
 
     def excess(self, bridge: Any) -> int:
-        """Page ids mapped beyond the packing bound now (as the follower last saw the held
-        rows; 0 when the bridge is not active)."""
-        f, store = bridge.follower, bridge.store
-        if not bridge.active or f is None or store is None:
+        """Page ids mapped beyond the packing bound now (0 when the bridge is not active).
+        The held rows are the follower's plus the net rows SGLang's allocator took since the
+        journal's last replay (counts the hooks recorded: nothing replayed or read from the
+        device; a release staged for a merge counts once the merge is replayed)."""
+        f, store, policy = bridge.follower, bridge.store, bridge.policy
+        if not bridge.active or f is None or store is None or policy is None:
             return 0
-        bound = packing.packed_pages(f) + store.policy.max_spare_pages + 1
+        j = policy.journal
+        held = max(0, f.held_rows + j.net - j.replayed_net)
+        packed = -(-((held + f.first_row) * f.row_bytes) // store.page_bytes)
+        bound = packed + store.policy.max_spare_pages + 1
         return store.state.count(PageState.MAPPED) - bound
 
     def due(self, bridge: Any) -> bool:
@@ -75,6 +80,14 @@ class CompactionPolicy:
         moved = int(bridge.compact(self.max_moves))
         self.rows_moved += moved
         return moved
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "off (KVLEDGER_SGLANG_DSV4_COMPACT=0)"
+        return (
+            f"when mapped page ids exceed the packing bound by more than {self.excess_pages}, "
+            f"at most {self.max_moves} rows a step"
+        )
 
     def stats(self) -> dict[str, int]:
         return {

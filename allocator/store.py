@@ -59,8 +59,9 @@ The unmap transaction
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from threading import Condition, RLock
 from typing import Any, Protocol
@@ -73,6 +74,8 @@ from allocator.reporting import Reporter
 from allocator.spares import Fence, SparePolicy
 from allocator.states import PageState
 from allocator.transaction import Transaction
+
+QUIESCE_TIMEOUT_S = 0.5  # `quiescent` waits this long at most for driver calls in flight
 
 # Bound once: reading a member off the enum class costs a few hundred ns, and `set_use` runs
 # for every page an allocation touches.
@@ -686,6 +689,21 @@ class PageStore:
                 self.live_sets -= 1
                 self.reporter.emit(PoolEvent.HANDLES_RELEASED, 1)
                 self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def quiescent(self, timeout: float = QUIESCE_TIMEOUT_S) -> Iterator[None]:
+        """Hold the lock with no driver call in flight (`busy` 0), waiting up to `timeout` for
+        those under way (the background mapper's maps and releases, off the lock) to end:
+        the backend's memory and what the store has reported are then the same. For a
+        ledger snapshot's truth (accounting.reconcile.HostMemfdTruth). Takes the lock."""
+        with self.lock:
+            deadline = time.monotonic() + timeout
+            while self.busy and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break  # a stuck driver call: read anyway, the figure may be a page off
+                self.cond.wait(left)
+            yield
 
     # -- lifetime ----------------------------------------------------------------------------------
     @property

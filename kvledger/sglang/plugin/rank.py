@@ -132,7 +132,7 @@ class RankLedger:
         if bridge.active and not record.device.startswith("cuda"):
             from accounting.reconcile import host_memfd_truth
 
-            self.ledger.add_truth(host_memfd_truth(bridge.physical_bytes))
+            self.ledger.add_truth(host_memfd_truth(bridge.physical_bytes, bridge.quiescent))
 
     def _add_nvml_truth(self, device: str) -> None:
         import torch

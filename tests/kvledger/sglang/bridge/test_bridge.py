@@ -66,7 +66,9 @@ class Rig:
         kw.setdefault("backend", self.backend)
         self.bridge = attach(self.pool, self.ledger, allocator=self.alloc, **kw)
         if self.bridge.active and not self._truth:
-            self.ledger.add_truth(host_memfd_truth(self.backend.physical_bytes))
+            self.ledger.add_truth(
+                host_memfd_truth(self.backend.physical_bytes, self.bridge.quiescent)
+            )
             self._truth = True
         return self.bridge
 

@@ -173,8 +173,14 @@ def family_figure(samples: list, figure: str) -> dict[tuple[str, str], float]:
 def test_sglang_discovers_kvledger_and_off_registers_nothing() -> None:
     from importlib.metadata import entry_points
 
-    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
-    assert eps.get("kvledger") == "kvledger.sglang.plugin:register"
+    want = "kvledger.sglang.plugin:register"
+    if dist.installed():
+        eps = {ep.name: ep.value for ep in entry_points(group=dist.GROUP)}
+        assert eps.get("kvledger") == want
+    else:  # a plain copy of the tree: the child finds the dist-info an install would write
+        info = Path(_dist_path() or "")
+        (ep,) = info.glob("kvledger-*.dist-info/entry_points.txt")
+        assert ep.read_text() == f"[{dist.GROUP}]\nkvledger = {want}\n"
     proc = Proc(_env())  # KVLEDGER_SGLANG unset
     assert proc.wait() == 0
     assert proc.first["hooks"] == [] and proc.first["patched"] == []

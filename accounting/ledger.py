@@ -468,7 +468,7 @@ class Ledger:
         if readers:
             snap = snap.with_reconciliation(
                 [
-                    dict(r(snap) if m is None else r.reconcile(snap, m[0]))
+                    dict(r(snap) if m is None else r.reconcile(snap, m[0]))  # type: ignore[attr-defined]
                     for r, m in zip(readers, measured, strict=True)
                 ]
             )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -32,7 +32,7 @@ def _queue_page(dev: QueuedDevice, store: PageStore, page: int) -> None:
 
 
 def test_close_waits_for_work_queued_on_pages_still_in_use(dev: QueuedDevice) -> None:
-    store = PageStore(dev, layers=2, page_bytes=G, num_pages=4)  # type: ignore[arg-type]
+    store = PageStore(dev, layers=2, page_bytes=G, num_pages=4)
     with store.lock:
         store.map_locked([1, 2])
         store.set_use(1, True)  # in use: no fence (a page gets one when it empties)
@@ -45,12 +45,12 @@ def test_close_waits_for_work_queued_on_pages_still_in_use(dev: QueuedDevice) ->
 
 
 def test_close_of_a_store_with_nothing_mapped_does_not_wait(dev: QueuedDevice) -> None:
-    PageStore(dev, layers=2, page_bytes=G, num_pages=4).close()  # type: ignore[arg-type]
+    PageStore(dev, layers=2, page_bytes=G, num_pages=4).close()
     assert dev.syncs == 0
 
 
 def test_an_unmap_waits_for_its_pages_fence_first(dev: QueuedDevice) -> None:
-    store = PageStore(dev, layers=2, page_bytes=G, num_pages=4, max_spare_pages=4)  # type: ignore[arg-type]
+    store = PageStore(dev, layers=2, page_bytes=G, num_pages=4, max_spare_pages=4)
     fence = LateFence(dev.log, "page 1")
     with store.lock:
         store.map_locked([1])
@@ -76,9 +76,9 @@ def test_a_tp_followers_trim_waits_for_a_fence_not_done(world1: Any) -> None:
 
     with (
         HostBackend(tp_worker.GRANULARITY) as be,
-        SwaPool(QueuedDevice(be), layers=2, layout=tp_worker.LAYOUT, max_spare_pages=1) as pool,  # type: ignore[arg-type]
+        SwaPool(QueuedDevice(be), layers=2, layout=tp_worker.LAYOUT, max_spare_pages=1) as pool,
     ):
-        dev = pool.store.pages.backend
+        dev = cast(QueuedDevice, pool.store.pages.backend)
         with TpCoordinator(pool, timeout_s=5) as tp:
             store = pool.store
             ids = pool.alloc(40)  # 584-byte slots: several 4 KiB pages

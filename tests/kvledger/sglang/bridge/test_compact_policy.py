@@ -77,7 +77,7 @@ def test_the_rows_taken_since_the_last_replay_count_without_a_replay() -> None:
 @pytest.mark.parametrize(("field", "bad"), [("excess_pages", -1), ("max_moves", 0)])
 def test_bad_settings_are_refused_naming_the_value(field: str, bad: int) -> None:
     with pytest.raises(ValueError, match=f"{field}={bad}"):
-        CompactionPolicy(**{field: bad})
+        CompactionPolicy(**{field: bad})  # type: ignore[arg-type]
 
 
 def test_from_env_reads_the_switch() -> None:

@@ -25,7 +25,10 @@ from accounting.tp_status import TpStatus
 _SLOTS_OCCUPIED = PoolEvent.SLOTS_OCCUPIED
 _SLOTS_FREED = PoolEvent.SLOTS_FREED
 
-# Upper bounds (seconds) of the map-latency histogram buckets for one page id.
+# Upper bounds (seconds) of the map-latency histogram buckets for one page id. A map
+# operation of n page ids took t seconds: each of its n page ids observes t / n, so the
+# buckets count page ids (they add up to pages_mapped_total) and the observations add up to
+# map_seconds_total, the histogram's _count and _sum (exporter.collector).
 MAP_SECONDS_BUCKETS: tuple[float, ...] = (
     0.0001,
     0.00025,
@@ -143,8 +146,11 @@ class Account:
                 self.pages_mapped_total += count
                 self.map_seconds_total += seconds
                 self.map_calls += 1
-                per_page = seconds / count if count else 0.0
-                self.map_bucket_counts[bisect.bisect_left(MAP_SECONDS_BUCKETS, per_page)] += 1
+                if count:
+                    per_page = seconds / count
+                    self.map_bucket_counts[bisect.bisect_left(MAP_SECONDS_BUCKETS, per_page)] += (
+                        count
+                    )
             elif event is PoolEvent.PAGES_UNMAPPED:
                 self._require_vmm(event)
                 self._check_nonnegative(self.mapped_pages - count, "mapped_pages", event)

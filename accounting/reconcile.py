@@ -14,6 +14,11 @@ keys, so the exporter and the debug endpoint treat them alike:
     ledger_bytes        the ledger figure it is held against
     unattributed_bytes  device_bytes - ledger_bytes (None when unavailable)
     detail              source-specific figures (dict)
+    parts               the GPU parts (accounting.gpu_parts: name -> bytes), {} when the
+                        reader does not split the device
+    uuid, gpu           the GPU's NVML UUID and index (dcgm-exporter's `UUID` and `gpu`
+                        labels); "" for a truth that is not a GPU
+    total_bytes         the device's memory size (NVML total), None when not known
 
 Host backend: the memfd's allocated blocks against the VMM physical total; exact
 to the page when no allocator call is in flight, and always when the reader has the page
@@ -41,6 +46,10 @@ def result(
     reason: str = "",
     basis: str = "",
     detail: dict[str, Any] | None = None,
+    parts: dict[str, int] | None = None,
+    uuid: str = "",
+    gpu: str = "",
+    total_bytes: int | None = None,
 ) -> dict[str, Any]:
     available = device_bytes is not None
     return {
@@ -52,6 +61,10 @@ def result(
         "ledger_bytes": ledger_bytes,
         "unattributed_bytes": device_bytes - ledger_bytes if device_bytes is not None else None,
         "detail": detail or {},
+        "parts": dict(parts or {}) if available else {},
+        "uuid": uuid,
+        "gpu": gpu,
+        "total_bytes": total_bytes,
     }
 
 

@@ -9,16 +9,35 @@ how it travels from an engine process to the exporter.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.figures import FIGURE_NAMES, FIGURES
+from accounting.gpu_parts import check_parts
 from accounting.relations import Violation, check_account, check_buffer
 from accounting.tp_status import TpStatus
 
 SCHEMA_VERSION = 1
+TRUTH_SUBJECT = "truth "  # subject of a truth result's violations: "truth nvml"
+
+
+def parts_violations(r: Mapping[str, Any]) -> list[Violation]:
+    """The relations of a truth result's GPU parts (none for a result without parts)."""
+    parts = r.get("parts") or {}
+    if not parts:
+        return []
+    detail = r.get("detail") or {}
+    return check_parts(
+        parts,
+        device_used=detail.get("used_bytes"),
+        process_used=detail.get("process_used_bytes"),
+        basis=str(r.get("basis") or ""),
+        subject=f"{TRUTH_SUBJECT}{r.get('source', 'unknown')}",
+    )
+
+
 ROLLUP_KEYS = ("family", "pool", "owner")
 
 
@@ -142,7 +161,16 @@ class Snapshot:
         )
 
     def with_reconciliation(self, results: Iterable[dict[str, Any]]) -> Snapshot:
-        return dataclasses.replace(self, reconciliation=tuple(results), _rollups={})
+        """The snapshot with these truth results; the GPU parts of each are held against
+        its NVML figures (`accounting.gpu_parts.check_parts`), a broken relation listed
+        among the violations under the subject `truth <source>`."""
+        results = tuple(results)
+        kept = [v for v in self.violations if not v.subject.startswith(TRUTH_SUBJECT)]
+        for r in results:
+            kept += parts_violations(r)
+        return dataclasses.replace(
+            self, reconciliation=results, violations=tuple(kept), _rollups={}
+        )
 
     # -- rollups: views over rows, never counters of their own ------------------
     def rollup(self, *by: str) -> dict[tuple[str, ...], dict[str, int]]:

@@ -37,8 +37,10 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"size {text!r}: expected {_EXPECTED}")
     if isinstance(text, int):
         if text < 0:
-            raise ValueError(f"size {text!r}: expected a non-negative number of bytes")
+            raise ValueError(f"size {text!r}: negative, expected a size >= 0")
         return text
+    if text.strip().startswith("-"):
+        raise ValueError(f"size {text!r}: negative, expected a size >= 0 such as 80GiB")
     m = _SIZE.match(text)
     if m is None:
         raise ValueError(f"size {text!r}: expected {_EXPECTED}")

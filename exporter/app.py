@@ -38,9 +38,11 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exporter import debug
+from exporter.apidocs import add_docs
 from exporter.collector import KvLedgerCollector
 from exporter.serving import HealthEndpoint, MetricsBodies, MetricsEndpoint, SourceReader
 from exporter.sources import Sources
+from kvledger import __version__
 
 DEBUG_PARAMS = ("family", "rank", "layer")
 
@@ -283,9 +285,15 @@ def create_app(
 ) -> ExporterApp:
     app = ExporterApp(
         title=title,
+        version=__version__,
         summary="KV-cache memory accounting: tensor, reserved, physical and occupied bytes "
         "per buffer family",
+        # FastAPI's Swagger UI and ReDoc come from a CDN: blank offline. exporter.apidocs
+        # serves a page of the package's own at /docs instead.
+        docs_url=None,
+        redoc_url=None,
     )
+    add_docs(app)
     router = create_router(sources, token=token, debug_html=debug_html)
     app.include_router(router)
     app.hot_paths = hot_paths(router)

@@ -17,6 +17,7 @@ logged by name and counted (`exporter.failures`); the other sources are served.
 from __future__ import annotations
 
 import logging
+import platform
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, TypeVar
@@ -28,18 +29,21 @@ from prometheus_client.utils import floatToGoString
 
 from accounting.buffers import Owner
 from accounting.figures import FIGURES
+from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.tp_status import TP_COUNTERS
 from exporter import metrics as m
 from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
 from exporter.failures import SourceFailures
-from exporter.metrics import EngineKey, engine_key, engine_labels
+from exporter.metrics import EngineKey, device_labels, engine_key, engine_labels
 from exporter.sources import Published, Scan, Sources, SourceView
+from kvledger import __version__
 
 log = logging.getLogger(__name__)
 GIB = 2**30
 _FIGURE_METRICS = tuple(m.figure_metric(f.name) for f in FIGURES)
 _LE = tuple(floatToGoString(b) for b in (*MAP_SECONDS_BUCKETS, float("inf")))
+_BUILD_LABELS = {"version": __version__, "python_version": platform.python_version()}
 
 
 def live_by_engine(views: Sequence[SourceView]) -> list[SourceView]:
@@ -86,7 +90,7 @@ class _MetricFamilies:
         for name, samples in series.items():
             self._by_name[name].samples.extend(samples)
 
-    def part(self) -> _SourceSeries:
+    def part(self, previous: _SourceSeries | None = None) -> _SourceSeries:
         return _SourceSamples()
 
     def __iter__(self) -> Iterator[Metric]:
@@ -103,6 +107,9 @@ class _SourceSeries:
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
         raise NotImplementedError
+
+    def done(self) -> None:
+        """Called once every series was added."""
 
 
 class _SourceSamples(_SourceSeries):
@@ -145,11 +152,64 @@ class _SampleLines(_SourceSeries):
         for name, lines in series.items():
             by_name.setdefault(name, []).extend(lines)
 
-    def part(self) -> _SourceSeries:
-        return _SampleLines(self._label_str)
+    def part(self, previous: _SourceSeries | None = None) -> _SourceSeries:
+        return _LayoutLines(self._label_str, previous)
 
     def blocks(self) -> list[Block]:
         return [(s.family_name, s.type, s.help, self.by_name.get(s.name, ())) for s in m.METRICS]
+
+
+_EXACT = 2**53  # ints below this are written as they are (exposition.number)
+Shape = list[tuple[str, "str | None", dict[str, str]]]  # (metric, sample name, labels) per series
+Layout = tuple[list[str], tuple[tuple[str, list[int]], ...]]  # line prefixes, indices per metric
+
+
+class _LayoutLines(_SourceSeries):
+    """One source's engine series as sample lines (render()), in two steps: while
+    `_add_engine_series` adds them, each series' name and labels (the shape) and its value
+    are recorded; at `done()` each line is its prefix (name and label string, the layout)
+    and its value. The layout is written once and reused while the shape is the one of the
+    source's previous snapshot, the usual case (a new snapshot of a rank changes values,
+    not series): a republished rank then costs a line per value instead of a label string
+    and a dictionary per series. The shapes are compared in full (names and label values),
+    so a series that changed labels gets a layout of its own."""
+
+    def __init__(self, label_str: LabelMemo, previous: _SourceSeries | None) -> None:
+        super().__init__()
+        self._label_str = label_str
+        self._previous = previous if isinstance(previous, _LayoutLines) else None
+        self.shape: Shape = []
+        self._values: list[float] = []
+        self.layout: Layout = ([], ())
+
+    def add(
+        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
+    ) -> None:
+        self.shape.append((name, sample, labels))
+        self._values.append(value)
+
+    def done(self) -> None:
+        previous, self._previous = self._previous, None
+        if previous is not None and previous.shape == self.shape:
+            self.layout = previous.layout
+        else:
+            self.layout = _layout(self.shape, self._label_str)
+        prefixes, groups = self.layout
+        # Most values are small ints, written as str() writes them (number() says the same).
+        lines = [
+            f"{p}{v}\n" if type(v) is int and -_EXACT < v < _EXACT else f"{p}{number(v)}\n"
+            for p, v in zip(prefixes, self._values, strict=True)
+        ]
+        self._values = []
+        self.by_name = {name: [lines[i] for i in where] for name, where in groups}
+
+
+def _layout(shape: Shape, label_str: LabelMemo) -> Layout:
+    prefixes = [f"{sample or name}{label_str(labels)} " for name, sample, labels in shape]
+    groups: dict[str, list[int]] = {}
+    for i, (name, _, _) in enumerate(shape):
+        groups.setdefault(name, []).append(i)
+    return prefixes, tuple(groups.items())
 
 
 EngineCache = dict[str, tuple[Published, _SourceSeries]]
@@ -231,6 +291,7 @@ def _build(
     if cache is not None:
         for source in set(cache) - {v.source for v in scan.views if id(v) in live}:
             del cache[source]
+    top.add(m.BUILD_INFO, _BUILD_LABELS, 1)
     top.add("kvledger_sources_unreadable", {}, scan.files.unreadable)
     for reason, count in sorted(scan.files.error_counts.items()):
         top.add("kvledger_snapshot_file_errors_total", {"reason": reason}, count)
@@ -245,8 +306,9 @@ def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> _So
     hit = cache.get(v.source) if cache is not None else None
     if hit is not None and hit[0] is v.published:
         return hit[1]
-    part = top.part()
+    part = top.part(hit[1] if hit is not None else None)
     _add_engine_series(part, v)
+    part.done()
     if cache is not None:
         cache[v.source] = (v.published, part)
     return part
@@ -263,14 +325,18 @@ _SERVICE_METRICS = (
 def _service_values(v: SourceView) -> tuple[dict[str, str], tuple[float, ...]]:
     """A source's own series, live or not (labels, and a value per `_SERVICE_METRICS`): up,
     age, epoch, publish interval."""
-    labels = {**engine_labels(v.labels), "source": v.source}
+    labels = {
+        **engine_labels(v.labels),
+        **device_labels(v.summary.reconciliation),
+        "source": v.source,
+    }
     return labels, (1 if v.up else 0, v.age_seconds, v.summary.epoch, v.published.interval)
 
 
 def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     s = v.summary
-    eng = engine_labels(s.labels)
+    eng = {**engine_labels(s.labels), **device_labels(s.reconciliation)}
     fam.add(m.HEADLINE, eng, s.totals.physical_bytes / GIB)
     for row in sorted(s.families, key=lambda r: (r.family, r.owner.value)):
         labels = {**eng, "family": row.family, "owner": row.owner.value}
@@ -288,6 +354,12 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
             fam.add("kvledger_truth_bytes", labels, float(r.device_bytes))
             if r.unattributed_bytes is not None:
                 fam.add("kvledger_unattributed_bytes", labels, float(r.unattributed_bytes))
+        if r.available and r.parts:
+            for part in PART_NAMES:
+                if part in r.parts:
+                    fam.add("kvledger_gpu_memory_bytes", {**eng, "part": part}, r.parts[part])
+        if r.available and r.total_bytes is not None:
+            fam.add("kvledger_gpu_memory_total_bytes", eng, r.total_bytes)
     for acc in s.accounts:
         labels = {**eng, "family": acc.family, "pool": acc.pool}
         fam.add("kvledger_peak_occupied_slots", labels, acc.peak_occupied_slots)
@@ -302,13 +374,18 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         fam.add("kvledger_handle_pages", labels, acc.handle_pages)
         fam.add("kvledger_mapped_pages", labels, acc.mapped_pages)
         fam.add("kvledger_peak_handle_pages", labels, acc.peak_handle_pages)
-        _add_histogram(fam, "kvledger_map_page_seconds", labels, acc.map_bucket_counts)
+        # Each page id observes its operation's seconds / page ids: the observations add up
+        # to map_seconds_total (accounting.ledger.MAP_SECONDS_BUCKETS).
+        _add_histogram(
+            fam, "kvledger_map_page_seconds", labels, acc.map_bucket_counts, acc.map_seconds_total
+        )
 
 
 def _add_histogram(
-    fam: _SeriesSet, name: str, labels: dict[str, str], counts: Sequence[int]
+    fam: _SeriesSet, name: str, labels: dict[str, str], counts: Sequence[int], total: float
 ) -> None:
-    """Per-bucket counts (the last one past every bound) to cumulative `le` buckets."""
+    """Per-bucket counts (the last one past every bound) to cumulative `le` buckets, then
+    `_count` (the +Inf bucket) and `_sum` (`total`, the sum of the observations)."""
     if len(counts) != len(MAP_SECONDS_BUCKETS) + 1:
         raise ValueError(
             f"{name}: {len(counts)} bucket counts, expected {len(MAP_SECONDS_BUCKETS) + 1}"
@@ -318,8 +395,8 @@ def _add_histogram(
     for le, c in zip(_LE, counts, strict=True):
         running += c
         fam.add(name, {**labels, "le": le}, running, sample=sample)
-    # No _count (the +Inf bucket is the count) and no _sum (the ledger keeps no sum of the
-    # per-page observations): OpenMetrics allows neither without the other.
+    fam.add(name, labels, running, sample=f"{name}_count")
+    fam.add(name, labels, total, sample=f"{name}_sum")
 
 
 def registry_for(sources: Sources) -> CollectorRegistry:

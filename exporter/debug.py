@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, create_model
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.figures import FIGURES, Figure, Figures
+from accounting.gpu_parts import PARTS
 from accounting.relations import Violation
 from accounting.snapfile.summary import Reconciliation
 from accounting.snapshot import AccountRow, BufferRow
@@ -68,8 +69,9 @@ AccountModel: Any = model_of(
     name="AccountModel",
     doc="One index space (the layer buffers sharing its slots) and its allocator activity.",
     descriptions={
-        "map_bucket_counts": "map operations per seconds-per-page-id bucket (accounting.ledger."
-        "MAP_SECONDS_BUCKETS, then one past the last bound); not cumulative"
+        "map_bucket_counts": "page ids mapped per seconds-per-page-id bucket (each page id of a "
+        "map operation observes its time / its page ids; accounting.ledger.MAP_SECONDS_BUCKETS, "
+        "then one past the last bound); not cumulative"
     },
 )
 ViolationModel: Any = model_of(
@@ -104,8 +106,37 @@ ReconciliationModel: Any = model_of(
         "device_bytes": "what the truth says is held",
         "ledger_bytes": "the ledger figure it is held against",
         "unattributed_bytes": "device_bytes - ledger_bytes",
+        "parts": "the GPU's used memory split into parts (accounting.gpu_parts), or {}",
+        "uuid": "the GPU's NVML UUID (dcgm-exporter's UUID label), or empty",
+        "gpu": "the GPU's NVML index (dcgm-exporter's gpu label), or empty",
+        "total_bytes": "the device's memory size (NVML total), or null",
     },
 )
+
+
+class GpuPartModel(BaseModel):
+    part: str
+    scope: str = Field(description="process (this process's memory) or device (the rest)")
+    bytes: int
+    meaning: str
+
+
+class GpuModel(BaseModel):
+    """Where this source's GPU went (accounting.gpu_parts), from its NVML truth."""
+
+    uuid: str = Field(description="NVML's UUID of the GPU (dcgm-exporter's UUID label)")
+    gpu: str = Field(description="NVML's index of the GPU (dcgm-exporter's gpu label)")
+    readable: bool = Field(description="False when NVML could not be read (reason says why)")
+    reason: str
+    basis: str = Field(
+        description="process: the process's parts add up to NVML's per-process figure; "
+        "device: NVML does not list this process, device-wide figures are used"
+    )
+    basis_note: str = Field(description="why NVML's per-process figure is not read, or 'read'")
+    device_used_bytes: int | None = Field(description="NVML device-wide used (the parts' sum)")
+    process_used_bytes: int | None = Field(description="NVML's figure for this process")
+    total_bytes: int | None = Field(description="the device's memory size")
+    parts: list[GpuPartModel]
 
 
 class FamilyModel(BaseModel):
@@ -145,11 +176,17 @@ class SourceModel(BaseModel):
         'in kvledger_snapshot_file_errors_total{reason="buffers"})',
     )
     reconciliation: list[ReconciliationModel]
+    gpu: GpuModel | None = Field(
+        None, description="where the GPU went, for a source whose truth is NVML"
+    )
     tp: TpModel | None = Field(None, description="present for a pool under tensor parallelism")
 
 
 class RankModel(BaseModel):
-    """Per-rank totals (one source is one engine process, i.e. one rank)."""
+    """Per-rank totals (one source is one engine process, i.e. one rank). The bytes figures
+    add up over families; the slot figures of `totals` add index spaces of different kinds
+    (tokens, compressed rows, state rows) and are not a quantity: compare slots family by
+    family (the source's `families`), as the page does."""
 
     source: str
     up: bool
@@ -260,6 +297,34 @@ def _buffers(v: SourceView) -> tuple[Sequence[BufferRow], str | None]:
     return (snap.buffers if snap is not None else ()), error
 
 
+def _gpu(reconciliation: Sequence[Reconciliation]) -> GpuModel | None:
+    r = next((r for r in reconciliation if r.uuid or r.source == "nvml"), None)
+    if r is None:
+        return None
+    detail = r.detail
+
+    def _int(key: str) -> int | None:
+        value = detail.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return GpuModel(
+        uuid=r.uuid,
+        gpu=r.gpu,
+        readable=r.available,
+        reason=r.reason,
+        basis=r.basis,
+        basis_note=str(detail.get("process_figure") or ""),
+        device_used_bytes=_int("used_bytes"),
+        process_used_bytes=_int("process_used_bytes"),
+        total_bytes=r.total_bytes,
+        parts=[
+            GpuPartModel(part=p.name, scope=p.scope, bytes=r.parts[p.name], meaning=p.meaning)
+            for p in PARTS
+            if p.name in r.parts
+        ],
+    )
+
+
 def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceModel:
     """Figures, accounts and violations from the summary the metrics are built from;
     the buffer rows from the buffer map."""
@@ -305,5 +370,6 @@ def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceMo
         violations=[ViolationModel(**x.to_dict()) for x in violations],
         buffers_error=buffers_error,
         reconciliation=[ReconciliationModel(**r.to_dict()) for r in d.reconciliation],
+        gpu=_gpu(d.reconciliation),
         tp=TpModel(**d.tp.to_dict()) if d.tp is not None else None,
     )

@@ -7,21 +7,29 @@ server stores (a counter's name carries its `_total`); every one is a valid
 legacy (pre-UTF-8) metric name, so no escaping scheme rewrites it.
 
 Every metric except those marked `engine=False` also carries the source's engine
-labels, SGLang's: `ENGINE_LABELS`, plus `dp_rank` where the engine sets it (`engine_labels`).
+labels, SGLang's: `ENGINE_LABELS`, plus `dp_rank` where the engine sets it (`engine_labels`),
+and, for a source whose device truth is a GPU (NVML), that GPU's `UUID` and `gpu` (NVML's
+index): dcgm-exporter's two labels, so a query joins kvledger's series with the fleet's
+(`DEVICE_LABELS`, docs/metrics.md#joining-dcgm-exporter).
 No label ever takes the value "total": totals are separate metrics or sums in PromQL.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from accounting.figures import FIGURES
+from accounting.gpu_parts import PARTS
 from accounting.ledger import MAP_SECONDS_BUCKETS
 
 ENGINE_LABELS: tuple[str, ...] = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
 OPTIONAL_ENGINE_LABELS: tuple[str, ...] = ("dp_rank",)
+# dcgm-exporter's names for the GPU a series is about: the NVML UUID and NVML index. Carried by
+# every engine series of a source whose truth reader names its GPU (`device_labels`).
+DEVICE_LABELS: tuple[str, ...] = ("UUID", "gpu")
 # Values used when a source's ledger does not set an engine label.
 ENGINE_LABEL_DEFAULTS: dict[str, str] = {
     "model_name": "unknown",
@@ -46,6 +54,18 @@ def engine_labels(labels: Mapping[str, str]) -> dict[str, str]:
         if labels.get(k) not in (None, ""):
             out[k] = str(labels[k])
     return out
+
+
+def device_labels(reconciliation: Iterable[Any]) -> dict[str, str]:
+    """`UUID` and `gpu` of the GPU a source's truth names (the first reconciliation entry
+    with a UUID: `accounting.snapfile.summary.Reconciliation`), {} for a source on no GPU."""
+    for r in reconciliation:
+        if r.uuid:
+            out = {"UUID": r.uuid}
+            if r.gpu:
+                out["gpu"] = r.gpu
+            return out
+    return {}
 
 
 EngineKey = tuple[tuple[str, str], ...]
@@ -85,12 +105,13 @@ class MetricSpec:
     @property
     def sample_names(self) -> tuple[str, ...]:
         """Series names this metric produces in Prometheus."""
-        if self.type == "histogram":  # buckets only: see exporter.collector._add_histogram
-            return (f"{self.name}_bucket",)
+        if self.type == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_count", f"{self.name}_sum")
         return (self.name,)
 
 
 HEADLINE = "sglang:kv_cache_memory_usage_gb"
+BUILD_INFO = "kvledger_build_info"
 FIGURE_PREFIX = "sglang:kv_cache_"
 
 
@@ -184,6 +205,23 @@ METRICS: tuple[MetricSpec, ...] = (
         ("truth",),
     ),
     MetricSpec(
+        "kvledger_gpu_memory_bytes",
+        "gauge",
+        "Where the GPU's used memory went, per part (accounting.gpu_parts): "
+        + "; ".join(f"{p.name}: {p.meaning}" for p in PARTS)
+        + ". The parts add up to NVML's device-wide used memory, and this process's parts "
+        "plus unattributed to NVML's per-process figure, at every publish (broken: "
+        "kvledger_relation_violations). Exported where the truth is NVML and readable.",
+        ("part",),
+    ),
+    MetricSpec(
+        "kvledger_gpu_memory_total_bytes",
+        "gauge",
+        "The GPU's memory size as NVML reports it (total), next to which the parts of "
+        "kvledger_gpu_memory_bytes stack up to the device's used memory.",
+        (),
+    ),
+    MetricSpec(
         "kvledger_relation_violations",
         "gauge",
         "Relations between figures (occupied <= mapped <= physical, mapped <= reserved, whole "
@@ -260,11 +298,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "kvledger_map_page_seconds",
         "histogram",
-        "Seconds per page id of each map operation (its time divided by the page ids it "
-        "mapped), one observation per operation; buckets "
+        "Seconds per page id of the VMM allocator's map operations: each page id an operation "
+        "mapped observes the operation's time divided by its page ids, so _count is the page "
+        "ids mapped and _sum the seconds spent mapping; buckets "
         + ", ".join(f"{b:g}" for b in MAP_SECONDS_BUCKETS)
-        + " s. Buckets only: the +Inf bucket is the count of map operations; for the mean use "
-        "kvledger_map_seconds_total / kvledger_pages_mapped_total.",
+        + " s.",
         _ACCOUNT,
     ),
     MetricSpec(
@@ -290,6 +328,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "Most slots occupied at once since the account was registered.",
         _ACCOUNT,
+    ),
+    MetricSpec(
+        BUILD_INFO,
+        "gauge",
+        "Always 1: the kvledger version serving, and the Python it runs on, as labels (like "
+        "node_exporter's node_exporter_build_info); join on instance to see what each exporter "
+        "runs.",
+        ("version", "python_version"),
+        engine=False,
     ),
     MetricSpec(
         "kvledger_sources_unreadable",
@@ -322,6 +369,12 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
+# Exported only by a source whose device truth is a GPU read through NVML (none on the host
+# backend): the dashboard's "Where the GPU went" row is empty without a GPU.
+GPU_ONLY: frozenset[str] = frozenset(
+    ("kvledger_gpu_memory_bytes", "kvledger_gpu_memory_total_bytes")
+)
+
 METRIC: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 if len(METRIC) != len(METRICS):  # pragma: no cover - a table edit gone wrong
     raise RuntimeError("exporter.metrics: a metric name is declared twice")
@@ -336,7 +389,7 @@ def markdown_table() -> str:
     """The metric table as Markdown (docs/metrics.md embeds it; a test keeps them equal)."""
     rows = ["| metric | type | labels | help |", "|---|---|---|---|"]
     for s in METRICS:
-        labels = [*ENGINE_LABELS, "[dp_rank]"] if s.engine else []
+        labels = [*ENGINE_LABELS, "[dp_rank]", "[UUID]", "[gpu]"] if s.engine else []
         labels += list(s.labels)
         if s.type == "histogram":
             labels.append("le")

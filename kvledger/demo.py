@@ -42,8 +42,7 @@ from accounting.snapfile.publisher import Publisher
 from accounting.units import format_size
 from allocator import BackgroundMapper, HostBackend, SlotLayout, SwaPool
 from kvledger import hostmem
-from kvledger.configfile import read_shape
-from kvledger.sglang.dsv4 import Knobs, plan
+from kvledger.sglang.dsv4 import Knobs, load_config, plan
 from kvledger.sglang.dsv4.buffermap import BufferMap
 from kvledger.workload import Workload, WorkloadConfig
 
@@ -99,7 +98,7 @@ class DemoSource:
     def _build(self, o: DemoOptions) -> None:
         if o.backend not in ("host", "cuda"):
             raise ValueError(f"backend={o.backend!r}, expected 'host' or 'cuda'")
-        shape = read_shape(o.config_path or default_config_path())
+        shape = load_config(o.config_path or default_config_path())
         knobs = Knobs(max_running_requests=o.max_running_requests, context_length=o.context_length)
         self.buffer_map: BufferMap = plan(shape, knobs, budget_bytes=o.budget_bytes)
         self.ledger = Ledger(o.labels or {})
@@ -171,6 +170,7 @@ class DemoSource:
         if o.backend == "cuda":
             try:
                 from accounting.nvml import nvml_truth
+                from accounting.torch_memory import CudaTorchMemory
                 from allocator.cuda import CudaBackend
             except ImportError as e:
                 raise ValueError(f"backend='cuda' is not available here: {e}") from e
@@ -182,9 +182,9 @@ class DemoSource:
             torch.ones(1, device=f"cuda:{o.device}").add_(1).item()
             torch.cuda.synchronize(o.device)
             torch.cuda.empty_cache()  # torch's reserved bytes then start at 0 with the baseline
-            truth = nvml_truth(
-                o.device, torch_reserved=lambda: torch.cuda.memory_reserved(o.device)
-            )
+            # split into the GPU's parts too (accounting.gpu_parts; the demo has no model,
+            # so no weights)
+            truth = nvml_truth(o.device, torch_memory=CudaTorchMemory(o.device))
             backend: Any = self._stack.enter_context(CudaBackend(o.device))
             self.ledger.add_truth(truth)
         else:

@@ -1,5 +1,7 @@
-"""`kvledger inspect`: the DeepSeek-V4 buffer map for a config and a size, as SGLang 0.5.23 lays it out.
+"""`kvledger inspect`: the DeepSeek-V4 buffer map (V4.1 included) for a config and a size, as SGLang 0.5.23 lays it out.
 
+A V4.1 config (compress ratios 1 and 2 with kv_source_layer_ids) is detected from the
+config and laid out in the V4.1 KV layouts (--kv-layout auto; v4, v41 or v41_new force one).
 Prints one row per buffer family: buffers, shape of one layer's buffer, dtype,
 the planner's predicted bytes, the bytes really allocated, and the overhead.
 With --json, a document whose `families` carry every figure of
@@ -20,8 +22,7 @@ from typing import Any
 from accounting import FIGURES, Ledger
 from accounting.units import format_size, parse_size
 from kvledger.cli import UsageError
-from kvledger.configfile import read_shape
-from kvledger.sglang.dsv4 import FAMILIES, BufferMap, ConfigError, Knobs, plan
+from kvledger.sglang.dsv4 import BufferMap, ConfigError, Knobs, load_config, plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         metavar="CONFIG.json",
-        help="a Hugging Face DeepSeek-V4 config.json (required); the fields SGLang reads for KV "
-        "sizing: layer count, compress_ratios, head and indexer dims, sliding_window",
+        help="a Hugging Face DeepSeek-V4 or V4.1 config.json (required); the fields SGLang reads "
+        "for KV sizing: layer count, compress_ratios, kv_source_layer_ids, head and indexer dims, "
+        "sliding_window",
     )
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
@@ -115,6 +117,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cap mode: SGLang's --disable-overlap-schedule (1 prefill chunk in flight, not 2)",
     )
     parser.add_argument(
+        "--kv-layout",
+        choices=("auto", "v4", "v41", "v41_new"),
+        default="auto",
+        help="the SWA KV layout, SGLang's SGLANG_DSV4_KV_LAYOUT: 584-byte V4 entries or 528-byte "
+        "V4.1 ones; auto is what SGLang picks on an SM100 GPU: v41 for a V4.1 config (ratio 1/2 "
+        "layers), else v4 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--compressed-kv-layout",
+        choices=("auto", "fp8", "fp4"),
+        default="auto",
+        help="V4.1 compressed caches, SGLang's SGLANG_DSV4_COMPRESSED_KV_LAYOUT: auto keeps "
+        "ratios 1 and 2 in fp4 (288 B) and 4 and 128 in fp8 (528 B) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--low-ratio-index-page",
+        choices=("64", "128"),
+        default="64",
+        help="V4.1 ratio-1/2 indexer page in slots: 64, or 128 where DeepGEMM's paged MQA "
+        "logits kernel is installed (SGLang's DSV41_INDEX_PAGE_SIZE) (default: %(default)s)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print a JSON document with every figure and buffer"
     )
 
@@ -150,11 +174,14 @@ def build(args: argparse.Namespace) -> BufferMap:
             swa_prefix_tails=_int(args.swa_prefix_tails, "--swa-prefix-tails", 0),
             disable_radix_cache=args.disable_radix_cache,
             disable_overlap_schedule=args.disable_overlap_schedule,
+            kv_layout=args.kv_layout,
+            compressed_kv_layout=args.compressed_kv_layout,
+            low_ratio_index_page=int(args.low_ratio_index_page),
         )
     except ValueError as e:
         raise UsageError(_flag_names(str(e))) from None
     try:
-        shape = read_shape(args.config)
+        shape = load_config(args.config)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     try:
@@ -204,6 +231,8 @@ def _flag_names(message: str) -> str:
         "context_length",
         "swa_sizing",
         "chunked_prefill_size",
+        "kv_layout",
+        "compressed_kv_layout",
         "budget_bytes",
         "full_tokens",
     ):
@@ -218,23 +247,23 @@ def family_figures(bm: BufferMap) -> dict[str, dict[str, int]]:
     allocation: all runtime-owned, so physical and reserved bytes are the tensor bytes)."""
     ledger = Ledger()
     specs = bm.specs(pool="dsv4")
-    for family in FAMILIES:
+    for family in bm.families:
         fam_specs = [s for s in specs if s.family == family]
         if fam_specs:
             ledger.add_account(fam_specs, key=f"dsv4/{family}")
     rollup = ledger.snapshot(reconcile=False).rollup("family")
     zero = {f.name: 0 for f in FIGURES}
-    return {family: dict(rollup.get((family,), zero)) for family in FAMILIES}
+    return {family: dict(rollup.get((family,), zero)) for family in bm.families}
 
 
 def document(bm: BufferMap) -> dict[str, Any]:
     d = bm.to_dict()
     figures = family_figures(bm)
     d["figures"] = [f.name for f in FIGURES]
-    d["families"] = {family: {**figures[family], **d["families"][family]} for family in FAMILIES}
+    d["families"] = {family: {**figures[family], **d["families"][family]} for family in bm.families}
     d["totals"] = {
         **{
-            f.name: sum(figures[fam][f.name] for fam in FAMILIES)
+            f.name: sum(figures[fam][f.name] for fam in bm.families)
             for f in FIGURES
             if not f.per_account
         },
@@ -246,11 +275,25 @@ def document(bm: BufferMap) -> dict[str, Any]:
 def table(bm: BufferMap) -> str:
     s = bm.sizes
     k = bm.knobs
+    sh = bm.shape
+    low = "".join(
+        f", {len(sh.layers(r))} x C{r} ({len(sh.sources(r))} kv_source)"
+        for r in (1, 2)
+        if sh.layers(r)
+    )
+    layouts = ", ".join(
+        f"{'swa' if r == 0 else f'c{r}'} {lay}"
+        for r, lay in bm.pricing.kv_layouts.items()
+        if r == 0 or sh.owner_layers(r)
+    )
     lines = [
-        f"DeepSeek-V4 buffer map (SGLang 0.5.23 layout) for {bm.shape.source}",
-        f"  layers {bm.shape.num_hidden_layers}: {len(bm.shape.layers(0))} x SWA only, "
-        f"{len(bm.shape.layers(4))} x C4, {len(bm.shape.layers(128))} x C128"
-        + _mtp_note(len(bm.shape.mtp_ratios)),
+        f"DeepSeek-V4{'.1' if sh.has_low_ratios else ''} buffer map (SGLang 0.5.23 layout) "
+        f"for {sh.source}",
+        f"  layers {sh.num_hidden_layers}: {len(sh.layers(0))} x SWA only, "
+        f"{len(sh.layers(4))} x C4, {len(sh.layers(128))} x C128"
+        + low
+        + _mtp_note(len(sh.mtp_ratios)),
+        f"  KV layouts: {layouts}",
         f"  knobs: page {k.page_size}, state {k.state_dtype}, indexer {k.indexer_dtype}, "
         f"draft tokens {k.speculative_draft_tokens}, "
         + (
@@ -267,6 +310,7 @@ def table(bm: BufferMap) -> str:
             f"  budget {bm.budget_bytes} B ({format_size(bm.budget_bytes)}): "
             f"{bm.pricing.bytes_per_full_token:.2f} B per full token, "
             f"{bm.fixed_bytes} B fixed (c128 state for {bm.planning_max_running_requests} requests"
+            + (", ratio-2 pair state" if bm.families.get("c2_state") else "")
             + (", SWA cap" if bm.pricing.swa_cap_tokens is not None else "")
             + ")"
             + (
@@ -277,8 +321,7 @@ def table(bm: BufferMap) -> str:
         )
     header = ("family", "buffers", "shape", "dtype", "planned bytes", "allocated bytes", "overhead")
     rows = [header]
-    for family in FAMILIES:
-        fp = bm.families[family]
+    for family, fp in bm.families.items():
         pct = "-" if fp.overhead_pct is None else f"{fp.overhead_pct:+.3f}%"
         shape = "x".join(map(str, fp.shape)) if fp.shape else "-"
         rows.append(

@@ -38,8 +38,8 @@ def bind(host: str, port: int, *, token: bool, insecure_no_token: bool) -> socke
     if not token and not insecure_no_token and not is_loopback(addr):
         raise UsageError(
             f"--host {host} ({addr[0]}) is reachable from other machines and /debug/* would be "
-            "open: give a token (--token-file FILE or $KVLEDGER_TOKEN), or pass "
-            "--insecure-no-token if that is intended"
+            "open: give a token (--token-file FILE or $KVLEDGER_TOKEN) or basic_auth_users "
+            "in --web.config.file, or pass --insecure-no-token if that is intended"
         )
     sock = socket.socket(family, kind, proto)
     try:

@@ -19,6 +19,7 @@ import argparse
 import gc
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -79,6 +80,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"default: ${ENV} if set, else no token",
     )
     net.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: see run()
+    net.add_argument(
+        "--web.config.file",
+        dest="web_config_file",
+        metavar="FILE",
+        default=None,
+        help="TLS and basic auth, in the web configuration format of Prometheus exporters "
+        "(exporter-toolkit: tls_server_config cert_file/key_file, basic_auth_users with bcrypt "
+        "hashes); basic auth then guards every path, /debug/* included, instead of a token "
+        "(docs/security.md)",
+    )
     net.add_argument(
         "--insecure-no-token",
         action="store_true",
@@ -252,10 +263,12 @@ def _serve(args: argparse.Namespace) -> int:
     from accounting.snapfile.directory import default_snapshot_dir
     from exporter import html
     from exporter.app import create_app
+    from exporter.basicauth import BasicAuth
     from exporter.sources import Sources
     from kvledger import demo as demo_mod
-    from kvledger.listen import bind
+    from kvledger.listen import bind, is_loopback
     from kvledger.token import ARGV_REFUSED, TokenError, load_token
+    from kvledger.webconfig import FLAG
     from kvledger.workload import WorkloadConfig
 
     logging.basicConfig(
@@ -267,11 +280,21 @@ def _serve(args: argparse.Namespace) -> int:
         token = load_token(args.token_file)
     except TokenError as e:
         raise UsageError(str(e)) from None
+    web = _web_config(args.web_config_file, token)
     snapshot_dir = args.snapshot_dir or default_snapshot_dir()
     group = args.snapshot_dir_group_writable
     sock = bind(
-        args.host, args.port, token=token is not None, insecure_no_token=args.insecure_no_token
+        args.host,
+        args.port,
+        token=token is not None or bool(web.users),
+        insecure_no_token=args.insecure_no_token,
     )
+    if web.users and web.tls is None and not is_loopback(sock.getsockname()):
+        log.warning(
+            "%s %s: basic auth without tls_server_config: passwords cross the network in the clear",
+            FLAG,
+            web.path,
+        )
     source: demo_mod.DemoSource | None = None
     sources: Sources | None = None
     try:
@@ -288,6 +311,9 @@ def _serve(args: argparse.Namespace) -> int:
         if args.scan_interval > 0:
             sources.start_scanning(args.scan_interval)
         if not args.no_demo:
+            # The demo publishes there: a directory that passes the rules but takes no file
+            # (/proc/1, a read-only mount) is refused now, not retried by the publisher forever.
+            _check_writable(snapshot_dir, group)
             try:
                 workload = WorkloadConfig(
                     rate=args.rate,
@@ -317,14 +343,18 @@ def _serve(args: argparse.Namespace) -> int:
                 # Bad input, and driver or OS errors at start (no GPU, no CUDA build, a
                 # driver refusal, out of memory): one line, exit 2.
                 raise UsageError(_one_line(e)) from None
-        app = create_app(sources, token=token, debug_html=html.page)
-        server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
-        )
+        app: Any = create_app(sources, token=token, debug_html=html.page)
+        if web.users:
+            app = BasicAuth(app, web.users)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        if web.tls is not None:
+            config.load()
+            config.ssl = web.tls  # the context loaded from the checked files (kvledger.webconfig)
+        server = uvicorn.Server(config)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(
-            f"kvledger serve: http://{shown}:{port}/metrics  (also /debug/kv, /healthz, /readyz; "
+            f"kvledger serve: {web.scheme}://{shown}:{port}/metrics  (also /debug/kv, /healthz, /readyz; "
             f"snapshots in {snapshot_dir})",
             flush=True,
         )
@@ -354,6 +384,45 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         log.info("stopped")
     return 0
+
+
+def _check_writable(path: str, group_writable: bool) -> None:
+    """UsageError (one line) unless a file can be created in the snapshot directory."""
+    from accounting.snapfile.directory import SnapshotDir, SnapshotDirError
+
+    name = f".kvledger-serve-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        with SnapshotDir(path, create=True, group_writable=group_writable) as d:
+            os.close(os.open(name, flags, 0o600, dir_fd=d.fd))
+            os.unlink(name, dir_fd=d.fd)
+    except (OSError, SnapshotDirError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else _one_line(e)
+        raise UsageError(
+            f"--snapshot-dir {path}: cannot create a snapshot file there ({why}); expected a "
+            "directory this user can write"
+        ) from None
+
+
+def _web_config(path: str | None, token: str | None) -> Any:
+    """The `--web.config.file` (an empty WebConfig without one); UsageError, one line."""
+    from exporter import basicauth
+    from kvledger.webconfig import FLAG, WebConfig, WebConfigError, load
+
+    if path is None:
+        return WebConfig(path="")
+    try:
+        web = load(path)
+    except WebConfigError as e:
+        raise UsageError(str(e)) from None
+    if web.users and not basicauth.available():
+        raise UsageError(f"{FLAG} {path}: {basicauth.INSTALL_HINT}")
+    if web.users and token is not None:
+        raise UsageError(
+            f"{FLAG} {path} has basic_auth_users, which guard every path, /debug/* included: "
+            "give no bearer token with it (--token-file, $KVLEDGER_TOKEN)"
+        )
+    return web
 
 
 def closed_line(source: Any) -> str:
@@ -415,9 +484,12 @@ def status_line(sources: Any, source: Any, elapsed: float) -> str:
             f"{s.get('finished', 0)}"
         )
         parts.append(f"swa slots {swa.occupied_slots}/{swa.capacity_slots}")
-    # Each figure with its own unit; the headline gauge (physical, in GiB) is named as such.
+    # Each figure right after its own value, in its own unit; the headline gauge is the
+    # physical figure in GiB, named as such (never a decimal "GB" after a binary figure).
     parts.append(
-        f"physical {format_size(physical)} (sglang:kv_cache_memory_usage_gb {physical / 2**30:.3f}) mapped {format_size(mapped)} occupied {format_size(occupied)}"
+        f"physical {format_size(physical)} "
+        f"(sglang:kv_cache_memory_usage_gb {physical / 2**30:.3f} GiB) "
+        f"mapped {format_size(mapped)} occupied {format_size(occupied)}"
     )
     unattributed = [
         r.unattributed_bytes
@@ -426,5 +498,6 @@ def status_line(sources: Any, source: Any, elapsed: float) -> str:
         if r.unattributed_bytes is not None
     ]
     if unattributed:
-        parts.append(f"unattributed {sum(unattributed)} B")
+        total = sum(unattributed)
+        parts.append(f"unattributed {'-' if total < 0 else ''}{format_size(abs(total))}")
     return " | ".join(parts)

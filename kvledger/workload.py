@@ -70,6 +70,14 @@ def row_rules(speculative: bool = False) -> dict[str, Callable[[int], int]]:
         "c4_attn_state": _fixed(ring),
         "c4_indexer_state": _fixed(ring),
         "c128_state": _fixed(128),
+        # DeepSeek-V4.1's low ratios, on their kv_source layers: a row per 1 / 2 tokens, and
+        # the ratio-2 pending-pair ring (2 rows without speculative decoding, 8 with 1 to 6
+        # draft tokens: SGLang's power of two above 1 + draft tokens).
+        "c1_kv": _per_tokens(1),
+        "c1_indexer": _per_tokens(1),
+        "c2_kv": _per_tokens(2),
+        "c2_indexer": _per_tokens(2),
+        "c2_state": _fixed(8 if speculative else 2),
     }
 
 

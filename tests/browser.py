@@ -3,11 +3,13 @@ ran, or take a screenshot. A fresh empty profile per call, removed afterwards; l
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
 FLAGS = (
@@ -52,6 +54,47 @@ def dump_dom(url: str, *, budget_ms: int = 5000, timeout: float = 60) -> str:
     if r.returncode != 0 or "<html" not in r.stdout:
         raise RuntimeError(f"chromium --dump-dom {url}: exit {r.returncode}: {r.stderr[-2000:]}")
     return r.stdout
+
+
+def dump_dom_and_requests(
+    url: str, *, budget_ms: int = 5000, timeout: float = 60
+) -> tuple[str, set[str]]:
+    """The DOM after the page's scripts ran, and every URL the page had loaded (the document,
+    its subresources, its fetches), from Chromium's net log. Names outside loopback do not
+    resolve (`--host-resolver-rules`), so a page that reaches out shows it here, never on the
+    wire."""
+    with tempfile.TemporaryDirectory(prefix="kvledger-netlog-") as d:
+        log = Path(d) / "net.json"
+        r = _run(
+            url,
+            "--dump-dom",
+            f"--log-net-log={log}",
+            "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost",
+            budget_ms=budget_ms,
+            timeout=timeout,
+        )
+        if r.returncode != 0 or "<html" not in r.stdout:
+            raise RuntimeError(
+                f"chromium --dump-dom {url}: exit {r.returncode}: {r.stderr[-2000:]}"
+            )
+        return r.stdout, page_requests(json.loads(log.read_text(errors="replace")), url)
+
+
+def page_requests(netlog: Any, url: str) -> set[str]:
+    """URLs of the requests in the page's network partition (its top frame's site: the
+    document and all it loads, from any origin). Chromium's own background requests
+    (updates, clock, spelling lists) carry other partitions and are left out."""
+    site = "http://" + url.removeprefix("http://").split("/")[0].split(":")[0]
+    key = f"{site} {site}"
+    names = {v: k for k, v in netlog["constants"]["logEventTypes"].items()}
+    out: set[str] = set()
+    for event in netlog.get("events", ()):
+        params = event.get("params") or {}
+        if names.get(event.get("type")) != "URL_REQUEST_START_JOB":
+            continue
+        if params.get("network_isolation_key") == key and isinstance(params.get("url"), str):
+            out.add(params["url"])
+    return out
 
 
 def screenshot(

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+import yaml
 
 from kvledger.bench.serve_child import ServeChild
 
@@ -75,19 +76,29 @@ class UvicornThread:
 class Prometheus:
     """Debian's prometheus scraping `targets` every `interval`, with its own config and storage."""
 
-    def __init__(self, targets: list[str], *, interval: str = "1s", job: str = "kvledger") -> None:
+    def __init__(
+        self,
+        targets: list[str],
+        *,
+        interval: str = "1s",
+        job: str = "kvledger",
+        scrape_configs: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """`scrape_configs`, when given, replaces the one static job of `targets`."""
         self.dir = Path(tempfile.mkdtemp(prefix="kvledger-prom-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.job = job
+        if scrape_configs is None:
+            scrape_configs = [{"job_name": job, "static_configs": [{"targets": list(targets)}]}]
         (self.dir / "prometheus.yml").write_text(
-            "global:\n"
-            f"  scrape_interval: {interval}\n"
-            f"  scrape_timeout: {interval}\n"
-            "scrape_configs:\n"
-            f"  - job_name: {job}\n"
-            "    static_configs:\n"
-            f"      - targets: [{', '.join(repr(t) for t in targets)}]\n"
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": interval, "scrape_timeout": interval},
+                    "scrape_configs": scrape_configs,
+                },
+                sort_keys=False,
+            )
         )
         self._log = open(self.dir / "prometheus.log", "wb")  # noqa: SIM115 - closed in __exit__
         self.proc: subprocess.Popen[bytes] | None = None

@@ -20,8 +20,8 @@ from accounting.buffers import Owner
 from accounting.figures import FIGURE_NAMES, Figures
 from accounting.relations import Violation, check_account
 from accounting.snapfile.refusal import fail
-from accounting.snapfile.summary import FamilyRow, Summary
-from accounting.snapshot import AccountRow
+from accounting.snapfile.summary import FamilyRow, Reconciliation, Summary
+from accounting.snapshot import AccountRow, parts_violations
 
 Key = tuple[str, Owner]
 
@@ -120,6 +120,22 @@ def violations_complete(
                     "violations",
                     f"family {row.family}/{row.owner.value} sums to {lo}={small} > "
                     f"{hi}={large}; no violation of {relation} listed",
+                )
+
+
+def parts_violations_listed(
+    violations: Sequence[Violation], reconciliation: Sequence[Reconciliation]
+) -> None:
+    """Each truth result's GPU parts held against its NVML figures again
+    (`accounting.snapshot.parts_violations`): a broken relation must be listed."""
+    listed = set(violations)
+    for r in reconciliation:
+        if not r.parts:
+            continue
+        for v in parts_violations(r.to_dict()):
+            if v not in listed:
+                raise fail(
+                    "violations", f"{v.subject}: the GPU parts break {v.relation}; not listed"
                 )
 
 

@@ -113,6 +113,8 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
     labels = labels_of(get_field(snap, "labels", "snapshot"))
     violations = schema.violations_of(get_field(snap, "violations", "snapshot"))
     checks.violations_complete(violations, accounts, families)
+    reconciliation = schema.reconciliation_of(snap.get("reconciliation"))
+    checks.parts_violations_listed(violations, reconciliation)
     return Summary(
         epoch=epoch,
         taken_at=taken_at,
@@ -121,6 +123,6 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
         families=families,
         accounts=accounts,
         violations=tuple(violations),
-        reconciliation=schema.reconciliation_of(snap.get("reconciliation")),
+        reconciliation=reconciliation,
         tp=tp,
     )

@@ -8,14 +8,26 @@ another process (a different start time) from a live one.
 
 from __future__ import annotations
 
+import os
+
+_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_STAT_MAX = 4096  # /proc/PID/stat is one line of a few hundred bytes
+
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) of `pid` from /proc, or None if absent."""
+    # Read once per source per scan: os-level calls (open, read, close), not a buffered file
+    # object (which adds an fstat, an ioctl and a second read).
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        fd = os.open(f"/proc/{pid}/stat", _O_FLAGS)
     except OSError:
         return None
+    try:
+        stat = os.read(fd, _STAT_MAX)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     # The command name (field 2) is in parentheses and may hold spaces; fields follow the last ')'.
     fields = stat[stat.rfind(b")") + 2 :].split()
     try:

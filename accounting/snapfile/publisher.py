@@ -41,6 +41,7 @@ from accounting.snapfile.process import process_start_ticks
 from accounting.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
+FAILURE_LOG_EVERY_S = 60.0  # a publisher that keeps failing logs one line a minute
 
 
 class Publisher:
@@ -75,6 +76,8 @@ class Publisher:
         self._process_start = process_start_ticks(self.pid)
         self.sequence = 0
         self.errors = 0
+        self._failing = 0  # failures in a row
+        self._failure_logged = 0.0
         self.last_snapshot: Snapshot | None = None
         self._write_lock = threading.Lock()
         self._stop = threading.Event()
@@ -105,13 +108,40 @@ class Publisher:
 
     def _publish_safely(self) -> None:
         """Publish; a failure is counted and logged, never raised (it must not fail an
-        allocation, nor stop the thread); the next try is an interval later."""
+        allocation, nor stop the thread); the next try is an interval later. The first
+        failure of a run of them is logged with its traceback, the rest one line at most
+        every `FAILURE_LOG_EVERY_S`, and the first success after them says so."""
         try:
             self.publish()
-        except Exception:
+        except Exception as e:
             self.errors += 1
+            self._failing += 1
             self._next_due = time.monotonic() + self.interval
-            log.exception("publisher %s: publishing to %s failed; retrying", self.source, self.path)
+            now = time.monotonic()
+            if self._failing == 1:
+                log.exception(
+                    "publisher %s: publishing to %s failed; retrying", self.source, self.path
+                )
+                self._failure_logged = now
+            elif now - self._failure_logged >= FAILURE_LOG_EVERY_S:
+                log.warning(
+                    "publisher %s: publishing to %s still failing (%d times in a row): %s: %s",
+                    self.source,
+                    self.path,
+                    self._failing,
+                    type(e).__name__,
+                    " ".join(str(e).split()),
+                )
+                self._failure_logged = now
+        else:
+            if self._failing:
+                log.info(
+                    "publisher %s: publishing to %s again, after %d failures",
+                    self.source,
+                    self.path,
+                    self._failing,
+                )
+                self._failing = 0
 
     def publish(self) -> Snapshot:
         """Take a snapshot and write it now."""

@@ -259,11 +259,14 @@ class SnapshotFiles(Generic[T]):
             self._check(name, st)  # what was opened, in case the name was swapped meanwhile
             chunks, left = [], self.max_bytes + 1
             while left > 0:
-                chunk = os.read(fd, min(left, 1 << 20))
+                want = min(left, max(st.st_size + 1, 1 << 16), 1 << 20)
+                chunk = os.read(fd, want)
                 if not chunk:
                     break
                 chunks.append(chunk)
                 left -= len(chunk)
+                if len(chunk) < want:
+                    break  # a short read of a regular file: its end (no second read to see it)
         except OSError as e:
             raise Refused("open", f"cannot read: {e.strerror}") from None
         finally:

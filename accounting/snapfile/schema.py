@@ -26,6 +26,7 @@ from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.figures import FIGURE_NAMES, Figures
+from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.relations import Violation
 from accounting.snapfile.refusal import Refused, fail
@@ -353,10 +354,27 @@ def family_rows_of(d: Any) -> list[FamilyRow]:
     rows = as_list(d, "families", MAX_FAMILIES)
     if _plain_families(rows):
         return [
-            FamilyRow(row["family"], Owner(row["owner"]), Figures(*_family_figures(row)))
-            for row in rows
+            _family_of(row["family"], _OWNER_OF[row["owner"]], _family_figures(row)) for row in rows
         ]
     return [_family_row(row, i) for i, row in enumerate(rows)]
+
+
+# As for AccountRow below: a checked row's fields set through the instances' __dict__, not
+# the frozen dataclasses' __init__ (object.__setattr__ per field: 7 figures and 3 fields a
+# family, 7 families a rank, on every new version of a file). Holds while neither class has
+# a __post_init__ nor slots.
+if any(hasattr(c, "__post_init__") or hasattr(c, "__slots__") for c in (Figures, FamilyRow)):
+    raise RuntimeError(  # pragma: no cover
+        "accounting.snapfile.schema: Figures and FamilyRow must be built through __init__"
+    )
+
+
+def _family_of(family: str, owner: Owner, values: tuple[int, ...]) -> FamilyRow:
+    figures = object.__new__(Figures)
+    figures.__dict__.update(zip(FIGURE_NAMES, values, strict=True))
+    row = object.__new__(FamilyRow)
+    row.__dict__.update(family=family, owner=owner, figures=figures)
+    return row
 
 
 def _family_row(row: Any, i: int) -> FamilyRow:
@@ -408,10 +426,33 @@ def reconciliation_entry(d: Any, i: int) -> Reconciliation:
         "available": available,
         "detail": scalars_of(d.get("detail") or {}, f"{where}.detail"),
     }
-    for key, limit in (("source", MAX_NAME), ("basis", MAX_NAME), ("reason", MAX_TEXT)):
+    for key, limit in (
+        ("source", MAX_NAME),
+        ("basis", MAX_NAME),
+        ("reason", MAX_TEXT),
+        ("uuid", MAX_NAME),
+        ("gpu", MAX_NAME),
+    ):
         if key in d:
             checked[key] = str_of(d, key, where, limit)
+    checked["total_bytes"] = opt_int_of(d, "total_bytes", where)
+    checked["parts"] = gpu_parts_of(d.get("parts") or {}, f"{where}.parts")
     return Reconciliation.of(checked)
+
+
+def gpu_parts_of(d: Any, where: str) -> dict[str, int]:
+    """The GPU parts of a reconciliation entry: every name one of `accounting.gpu_parts`'s,
+    every value an int of at most MAX_INT bytes either way (`unattributed` may be negative;
+    a negative other part is listed as a violation, not refused)."""
+    d = as_dict(d, where)
+    out: dict[str, int] = {}
+    for name, value in d.items():
+        if name not in PART_NAMES:
+            raise fail(where, f"{str(name)[:40]!r}: expected one of {', '.join(PART_NAMES)}")
+        if type(value) is not int or abs(value) > MAX_INT:
+            raise fail(where, f"{name}: expected an integer number of bytes")
+        out[name] = value
+    return out
 
 
 _TP_INTS = _int_fields(TpStatus)

@@ -48,6 +48,10 @@ class Reconciliation:
     ledger_bytes: int | None = None
     unattributed_bytes: int | None = None
     detail: Mapping[str, Any] = field(default_factory=dict)
+    parts: Mapping[str, int] = field(default_factory=dict)  # accounting.gpu_parts, or {}
+    uuid: str = ""  # the GPU's NVML UUID (dcgm-exporter's `UUID` label)
+    gpu: str = ""  # the GPU's NVML index (dcgm-exporter's `gpu` label)
+    total_bytes: int | None = None  # the device's memory size
 
     @classmethod
     def of(cls, result: Mapping[str, Any]) -> Reconciliation:
@@ -65,11 +69,17 @@ class Reconciliation:
             if device is not None and ledger is not None
             else None,
             detail=dict(result.get("detail") or {}),
+            parts=dict(result.get("parts") or {}),
+            uuid=str(result.get("uuid") or ""),
+            gpu=str(result.get("gpu") or ""),
+            total_bytes=result.get("total_bytes"),
         )
 
     def to_dict(self) -> dict[str, Any]:
         """As `accounting.reconcile.result` writes it."""
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["parts"] = dict(self.parts)
+        return d
 
 
 @dataclass(frozen=True)

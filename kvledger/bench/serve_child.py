@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, TypeVar
 
-_URL_PREFIX = "kvledger serve: http://"
+_URL_PREFIXES = ("kvledger serve: http://", "kvledger serve: https://")
 _Self = TypeVar("_Self", bound="ServeChild")
 
 
@@ -49,10 +49,10 @@ class ServeChild:
         if self.proc.stdout is None:  # pragma: no cover - stdout=PIPE above
             raise RuntimeError("kvledger serve: no pipe to read its URL from")
         line = self.proc.stdout.readline()
-        if not line.startswith(_URL_PREFIX):
+        if not line.startswith(_URL_PREFIXES):
             self.close()
             raise RuntimeError(
-                f"kvledger serve printed {line!r}, expected its URL ({_URL_PREFIX}...)"
+                f"kvledger serve printed {line!r}, expected its URL ({_URL_PREFIXES[0]}...)"
             )
         self.url = line.split()[2].removesuffix("/metrics")
 

@@ -41,6 +41,7 @@ class Panel:
     mappings: tuple[dict[str, Any], ...] = ()
     thresholds: tuple[tuple[float | None, str], ...] = ((None, "green"),)
     negative_y: str | None = None  # a series-name regex drawn below the axis
+    lines: str | None = None  # a series-name regex drawn as a line, outside the stack
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -82,6 +83,17 @@ class Panel:
                 {
                     "matcher": {"id": "byRegexp", "options": self.negative_y},
                     "properties": [{"id": "custom.transform", "value": "negative-Y"}],
+                }
+            )
+        if self.lines:
+            overrides.append(
+                {
+                    "matcher": {"id": "byRegexp", "options": self.lines},
+                    "properties": [
+                        {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
+                        {"id": "custom.fillOpacity", "value": 0},
+                        {"id": "custom.lineWidth", "value": 2},
+                    ],
                 }
             )
         out: dict[str, Any] = {

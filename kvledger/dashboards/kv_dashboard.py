@@ -1,7 +1,8 @@
 """The KV-cache memory dashboard: where the KV cache's device memory went, and whether it comes back.
 
 Rows: the headline per rank; the figures per family side by side; where the
-bytes go (idle physical, unbacked address space); occupancy; allocator activity
+bytes go (idle physical, unbacked address space); where the GPU went (every part of
+the device's used memory, accounting.gpu_parts, stacked per rank); occupancy; allocator activity
 (page maps, unmaps, map latency); reconciliation and source health; fleet totals
 by model and family. Figure panels are generated from `accounting.figures.FIGURES`.
 
@@ -180,6 +181,53 @@ def where_row() -> Row:
                 BYTES,
                 stack=True,
                 width=12,
+            ),
+        ),
+    )
+
+
+def gpu_row() -> Row:
+    parts, total = (
+        r.metric("kvledger_gpu_memory_bytes"),
+        r.metric("kvledger_gpu_memory_total_bytes"),
+    )
+    return Row(
+        "Where the GPU went",
+        (
+            Panel(
+                "GPU memory by part, rank $tp_rank",
+                f"{parts} stacked by part for one rank's GPU (one copy of the panel per "
+                "selected rank): the stack reaches NVML's device-wide used memory at every "
+                f"publish; the line is the device's size ({total}). {_help(parts)}",
+                (
+                    Target(f"sum by (part) ({parts}{{{SEL}}})", "{{part}}"),
+                    Target(f"max({total}{{{SEL}}})", "device total (NVML)"),
+                ),
+                BYTES,
+                stack=True,
+                width=16,
+                height=9,
+                repeat="tp_rank",
+                lines="^device total",
+            ),
+            Panel(
+                "Now, by part and rank",
+                f"The latest {parts} per rank and part, largest first. A growing "
+                "outside_torch is memory taken outside torch's allocator (communication "
+                "buffers, a library's cuMemAlloc); unattributed is 0 where NVML lists the "
+                "process, and growth since the last named point where it does not (basis "
+                "device, /debug/kv).",
+                (
+                    Target(
+                        f"sort_desc(sum by (tp_rank, part) ({parts}{{{SEL}}}))",
+                        "tp{{tp_rank}} {{part}}",
+                        instant=True,
+                    ),
+                ),
+                BYTES,
+                kind="bargauge",
+                width=8,
+                height=9,
             ),
         ),
     )
@@ -538,6 +586,7 @@ def dashboard() -> Dashboard:
             headline_row(),
             *family_rows,
             where_row(),
+            gpu_row(),
             occupancy_row(slot_panels),
             allocator_row(),
             health_row(),

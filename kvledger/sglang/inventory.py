@@ -4,10 +4,19 @@ Duck-typed over SGLang 0.5.23's pool classes; nothing here imports sglang (or
 torch). Recognised shapes of pool object, by the attributes they carry:
 
 - DeepSeekV4TokenToKVPool: `swa_kv_pool.kv_buffer`, `kv_pools[ratio].kv_buffer`,
-  `index_pools[4].index_k_with_scale_buffer`, `compress_state_pools[layer]` and
+  `index_pools[ratio].index_k_with_scale_buffer`, `compress_state_pools[layer]` and
   `indexer_compress_state_pools[layer]` (each a CompressStatePool whose
   `kv_score_buffer.kv_score` is the tensor). `c4_kv_pool`, `c128_kv_pool` and
   `c4_indexer_kv_pool` alias the same sub-pools and are not walked again.
+  DeepSeek-V4.1's low ratios 1 and 2 (`c1_kv`, `c2_kv`, `c1_indexer`, `c2_indexer`,
+  `c2_state`) belong to their kv_source layers (`sources_by_ratio`). The two SWA
+  storages without a paged SWA pool are walked too: under encoder replay the
+  `request_window` (its `state` pool is the SWA KV of every layer, family `swa_kv`, one
+  window of `capacity` rows per request slot; its `workspace` pool, family
+  `swa_window_workspace`; its `tags`, family `swa_window_tags`), and the unified-KV
+  ring's `unified_kv_pool` (`kv_buffer`, family `unified_kv`: SWA ring rows and
+  compressed rows in one tensor per layer; `kv_buffer_rope` under fp8, family
+  `unified_kv_rope`).
 - SWAKVPool: `full_kv_pool` and `swa_kv_pool`, with `layers_mapping`.
 - HybridLinearKVPool (linear-attention / Mamba state beside full attention):
   `full_kv_pool` (walked as its own kind, layers mapped back through
@@ -22,6 +31,10 @@ A pool of none of these shapes is refused (`ValueError`), or, with
 reachable from it under family `unknown`, never classified into a family it may
 not have.
 
+A buffer of SGLang's own VMM backing (`KvVmmBufferOwner`, post-capture KV sizing) is
+registered VMM-owned, one account per buffer: reserved bytes its virtual extent, physical
+and mapped bytes its backed span (`kvledger.sglang.vmm_owner`).
+
 Every tensor storage is counted once, keyed by its device and data pointer,
 however many attributes or views reach it. Storages reachable from the pool
 that none of the walks above claims are registered under family `other`, so the
@@ -30,17 +43,28 @@ ledger's physical total is the pool's whole tensor memory.
 
 from __future__ import annotations
 
+import dataclasses
 import types
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from accounting.buffers import BufferSpec, runtime_buffer
+from accounting.buffers import BufferSpec, Owner, runtime_buffer
+from accounting.events import PoolEvent
 from accounting.ledger import Account, Ledger
-from kvledger.sglang.dsv4.buffermap import FAMILIES
+from kvledger.sglang.dsv4.buffermap import ALL_FAMILIES
+from kvledger.sglang.vmm_owner import Backed, backed_buffers
 
-# Families of the DeepSeek-V4 pool (docs/background.md#deepseek-v4-geometry, defined in kvledger.sglang.dsv4), then the generic ones.
-DSV4_FAMILIES = FAMILIES
+# Families of the DeepSeek-V4 pool (docs/background.md#deepseek-v4-geometry, defined in
+# kvledger.sglang.dsv4; V4.1's low-ratio ones included), those of the SWA storages with no
+# paged SWA pool, then the generic ones.
+DSV4_FAMILIES = ALL_FAMILIES
+DSV4_STORAGE_FAMILIES = (
+    "swa_window_workspace",
+    "swa_window_tags",
+    "unified_kv",
+    "unified_kv_rope",
+)
 GENERIC_FAMILIES = ("k", "v", "kv", "swa_k", "swa_v", "swa_kv", "other")
 STATE_FAMILIES = ("mamba_conv", "mamba_temporal")
 UNKNOWN = "unknown"
@@ -62,6 +86,7 @@ class Inventory:
     kind: str  # "dsv4", "hybrid_linear", "swa", "mha", "kv", or "unknown" (allow_unknown)
     specs: tuple[BufferSpec, ...]
     accounts: tuple[Account, ...] = ()
+    backed: Mapping[str, Backed] = field(default_factory=dict)  # spec name -> SGLang VMM buffer
 
     @property
     def storage_bytes(self) -> int:
@@ -127,9 +152,16 @@ def inventory(pool: Any, *, name: str = "kv", allow_unknown: bool = False) -> In
         groups.setdefault(_storage_key(f.tensor), []).append(f)
     specs: list[BufferSpec] = []
     names: dict[str, int] = {}
-    for members in groups.values():
-        specs.append(_spec(members, name, names))
-    return Inventory(pool=name, kind=kind, specs=tuple(specs))
+    vmm = backed_buffers(pool) if kind != UNKNOWN else {}
+    backed: dict[str, Backed] = {}
+    for key, members in groups.items():
+        spec = _spec(members, name, names)
+        b = vmm.get(key)
+        if b is not None and b.granularity > 0 and spec.tensor_bytes <= b.reserved_bytes:
+            spec = dataclasses.replace(spec, owner=Owner.VMM, reserved_bytes=b.reserved_bytes)
+            backed[spec.name] = b
+        specs.append(spec)
+    return Inventory(pool=name, kind=kind, specs=tuple(specs), backed=backed)
 
 
 def _spec(members: list[Found], pool: str, names: dict[str, int]) -> BufferSpec:
@@ -214,15 +246,47 @@ def register_pool(
         for family, specs in inv.families().items():
             if family in skip:
                 continue
-            capacity = max(s.capacity_slots for s in specs)
-            accounts.append(
-                ledger.add_account(specs, key=f"{name}/{family}", capacity_slots=capacity)
-            )
+            runtime = [s for s in specs if s.name not in inv.backed]
+            if runtime:
+                capacity = max(s.capacity_slots for s in runtime)
+                accounts.append(
+                    ledger.add_account(runtime, key=f"{name}/{family}", capacity_slots=capacity)
+                )
+            for spec in specs:
+                b = inv.backed.get(spec.name)
+                if b is not None:
+                    accounts.append(
+                        _backed_account(ledger, spec, b, f"{name}/{family}/{spec.name}")
+                    )
     except BaseException:
-        for account in accounts:
-            ledger.remove_account(account)
+        unregister(ledger, accounts)
         raise
-    return Inventory(pool=inv.pool, kind=inv.kind, specs=inv.specs, accounts=tuple(accounts))
+    return dataclasses.replace(inv, accounts=tuple(accounts))
+
+
+def _backed_account(ledger: Ledger, spec: BufferSpec, b: Backed, key: str) -> Account:
+    """One SGLang VMM-backed buffer as a VMM-owned account: its backed granules are live
+    handles, all mapped (SGLang maps each handle as it creates it)."""
+    account = ledger.add_account(
+        [spec], key=key, page_bytes=b.granularity, capacity_slots=spec.capacity_slots
+    )
+    pages = b.backed_bytes // b.granularity
+    if pages:
+        account.on_pool_event(PoolEvent.HANDLES_CREATED, pages)
+        account.on_pool_event(PoolEvent.PAGES_MAPPED, pages)
+    return account
+
+
+def unregister(ledger: Ledger, accounts: Iterable[Account]) -> None:
+    """Remove accounts `register_pool` added (an SGLang VMM-backed buffer's pages reported
+    gone first: SGLang frees them with the pool)."""
+    for account in accounts:
+        if account.owner is Owner.VMM and account._flush is None:
+            if account.mapped_pages:
+                account.on_pool_event(PoolEvent.PAGES_UNMAPPED, account.mapped_pages)
+            if account.handle_pages:
+                account.on_pool_event(PoolEvent.HANDLES_RELEASED, account.handle_pages)
+        ledger.remove_account(account)
 
 
 # -- walks -------------------------------------------------------------------------
@@ -289,19 +353,30 @@ def _walk_dsv4(pool: Any) -> Iterator[Found]:
     start = int(getattr(pool, "_stage_start", 0))
     end = int(getattr(pool, "_stage_end", len(ratios)))
     by_ratio = {r: [i for i in range(start, end) if ratios[i] == r] for r in (4, 128)}
+    # V4.1: a ratio-1/2 pool has one buffer per kv_source layer of that ratio.
+    sources = getattr(pool, "sources_by_ratio", None) or {}
+    for r in (1, 2):
+        by_ratio[r] = [int(i) for i in sources.get(r, ())]
 
     swa = pool.swa_kv_pool
     if swa is not None:
         for i, t in enumerate(swa.kv_buffer):
             yield Found("swa_kv", start + i, t, _paged_capacity(t, swa.page_size))
-    for ratio, family in ((4, "c4_kv"), (128, "c128_kv")):
-        sub = (pool.kv_pools or {}).get(ratio)
-        if sub is None:
+    yield from _walk_request_window(getattr(pool, "request_window", None), start)
+    yield from _walk_unified(getattr(pool, "unified_kv_pool", None), start)
+    for ratio, sub in (pool.kv_pools or {}).items():
+        if sub is None or int(ratio) not in by_ratio:
             continue
         for j, t in enumerate(sub.kv_buffer):
-            yield Found(family, _nth(by_ratio[ratio], j), t, _paged_capacity(t, sub.page_size))
-    idx = (getattr(pool, "index_pools", None) or {}).get(4)
-    if idx is not None:
+            yield Found(
+                f"c{int(ratio)}_kv",
+                _nth(by_ratio[int(ratio)], j),
+                t,
+                _paged_capacity(t, sub.page_size),
+            )
+    for ratio, idx in (getattr(pool, "index_pools", None) or {}).items():
+        if idx is None or int(ratio) not in by_ratio:
+            continue
         lists: Iterable[Any] = (
             [idx.index_k_with_scale_buffer]
             if getattr(idx, "index_k_with_scale_buffer", None) is not None
@@ -313,7 +388,10 @@ def _walk_dsv4(pool: Any) -> Iterator[Found]:
         for bufs in lists:
             for j, t in enumerate(bufs):
                 yield Found(
-                    "c4_indexer", _nth(by_ratio[4], j), t, _paged_capacity(t, idx.page_size)
+                    f"c{int(ratio)}_indexer",
+                    _nth(by_ratio[int(ratio)], j),
+                    t,
+                    _paged_capacity(t, idx.page_size),
                 )
     for layer, st in enumerate(pool.compress_state_pools or ()):
         if st is not None:
@@ -322,6 +400,35 @@ def _walk_dsv4(pool: Any) -> Iterator[Found]:
     for layer, st in enumerate(getattr(pool, "indexer_compress_state_pools", None) or ()):
         if st is not None:
             yield Found(f"c{int(st.ratio)}_indexer_state", layer, _state_tensor(st))
+
+
+def _walk_request_window(window: Any, start: int) -> Iterator[Found]:
+    """SGLang 0.5.23's dsv41_request_window.RequestWindow (encoder replay)."""
+    if window is None:
+        return
+    state = getattr(window, "state", None)
+    if state is not None:
+        for i, t in enumerate(state.kv_buffer):
+            yield Found("swa_kv", start + i, t, _paged_capacity(t, state.page_size))
+    workspace = getattr(window, "workspace", None)
+    if workspace is not None:
+        for t in workspace.kv_buffer:
+            yield Found("swa_window_workspace", None, t, _paged_capacity(t, workspace.page_size))
+    tags = getattr(window, "tags", None)
+    if tags is not None:
+        yield Found("swa_window_tags", None, tags, _slots_along_dim1(tags))
+
+
+def _walk_unified(unified: Any, start: int) -> Iterator[Found]:
+    """SGLang 0.5.23's DeepSeekV4UnifiedKVPool: one tensor of rows per layer."""
+    if unified is None:
+        return
+    for i, t in enumerate(getattr(unified, "kv_buffer", None) or ()):
+        if t is not None:
+            yield Found("unified_kv", start + i, t)
+    for i, t in enumerate(getattr(unified, "kv_buffer_rope", None) or ()):
+        if t is not None:
+            yield Found("unified_kv_rope", start + i, t)
 
 
 def _nth(layers: list[int], j: int) -> int | None:

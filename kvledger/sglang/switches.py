@@ -14,6 +14,10 @@
     KVLEDGER_SNAPSHOT_DIR=DIR              where each rank publishes (default: the directory
                                            `kvledger serve` reads)
     KVLEDGER_PUBLISH_INTERVAL=SECONDS      heartbeat of the published file (default 1)
+    KVLEDGER_SGLANG_NATIVE_MEM_USAGE=1     leave SGLang's own `mem_usage` of each pool as
+                                           SGLang computes it (by default the plugin sets it
+                                           to kvledger's physical bytes, in SGLang's GB:
+                                           `kvledger.sglang.mem_usage`)
 
 The yes/no switches are read by `accounting.switches.switch` (the one parser: unset, empty,
 0/false/no/off is off, 1/true/yes/on is on, anything else an error naming the variable);
@@ -40,6 +44,13 @@ BRIDGE_REQUIRE = "KVLEDGER_SGLANG_DSV4_BRIDGE_REQUIRE"
 COMPACT = "KVLEDGER_SGLANG_DSV4_COMPACT"
 SNAPSHOT_DIR = "KVLEDGER_SNAPSHOT_DIR"
 PUBLISH_INTERVAL = "KVLEDGER_PUBLISH_INTERVAL"
+NATIVE_MEM_USAGE = "KVLEDGER_SGLANG_NATIVE_MEM_USAGE"
+
+
+def mem_usage_fixed(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the plugin writes kvledger's KV bytes into SGLang's `mem_usage` (on unless
+    `KVLEDGER_SGLANG_NATIVE_MEM_USAGE`; a malformed value raises)."""
+    return not switch(NATIVE_MEM_USAGE, env)
 
 
 def plugin_enabled(env: Mapping[str, str] | None = None) -> bool:

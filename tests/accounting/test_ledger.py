@@ -182,15 +182,21 @@ def test_map_latency_histogram_is_per_page_id() -> None:
     acc.on_pool_event(PoolEvent.PAGES_MAPPED, 10, 0.016)  # 1.6 ms per page id
     acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1, 0.00004)  # 40 us
     acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1, 1.0)  # beyond the last bucket
-    counts = ledger.snapshot().accounts[0].map_bucket_counts
+    row = ledger.snapshot().accounts[0]
+    counts = row.map_bucket_counts
     assert len(counts) == len(MAP_SECONDS_BUCKETS) + 1
-    assert counts[MAP_SECONDS_BUCKETS.index(0.0025)] == 1
+    # each page id of an operation observes its share: 10 page ids at 1.6 ms
+    assert counts[MAP_SECONDS_BUCKETS.index(0.0025)] == 10
     assert counts[0] == 1
     assert counts[-1] == 1
-    assert sum(counts) == 3
+    # so the buckets add up to the page ids mapped, the observations to the seconds
+    assert sum(counts) == row.pages_mapped_total == 12
+    assert row.map_seconds_total == pytest.approx(0.016 + 0.00004 + 1.0)
     # a value on a bound falls in that bound's bucket (Prometheus "le")
     acc.on_pool_event(PoolEvent.PAGES_MAPPED, 1, 0.001)
     assert ledger.snapshot().accounts[0].map_bucket_counts[MAP_SECONDS_BUCKETS.index(0.001)] == 1
+    acc.on_pool_event(PoolEvent.PAGES_MAPPED, 0, 0.0)  # nothing mapped: nothing observed
+    assert sum(ledger.snapshot().accounts[0].map_bucket_counts) == 13
 
 
 def test_snapshot_is_taken_at_one_moment_under_concurrent_events() -> None:

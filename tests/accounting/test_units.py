@@ -31,11 +31,13 @@ def test_parse_size(text: str | int, expected: int) -> None:
     [
         ("", "expected a byte size"),
         ("GiB", "expected a byte size"),
-        ("-1GiB", "expected a byte size"),
+        ("-1GiB", r"size '-1GiB': negative, expected a size >= 0"),
+        (" -0.5MiB", r"size ' -0.5MiB': negative, expected a size >= 0"),
+        ("-", "negative, expected a size >= 0"),
         ("12 parsecs", "unknown unit 'parsecs'"),
         ("1.3B", "whole number of bytes"),
         ("0.1KiB", "whole number of bytes"),
-        (-5, "non-negative"),
+        (-5, r"size -5: negative, expected a size >= 0"),
         (True, "expected a byte size"),
     ],
 )

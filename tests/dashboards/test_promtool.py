@@ -26,7 +26,9 @@ def promtool(*args: str, cwd: Path = PROM) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-global.yml"])
+@pytest.mark.parametrize(
+    "config", ["prometheus.yml", "prometheus-global.yml", "prometheus-tls.yml"]
+)
 def test_check_config(config):
     r = promtool("check", "config", config)
     assert r.returncode == 0, r.stdout + r.stderr

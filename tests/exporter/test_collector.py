@@ -45,10 +45,14 @@ def test_values_come_from_the_snapshot():
         assert reg.get_sample_value("kvledger_pages_mapped_total", swa) == acc.pages_mapped_total
         assert reg.get_sample_value("kvledger_handle_pages", swa) == acc.handle_pages > 0
         assert reg.get_sample_value("kvledger_map_calls_total", swa) == acc.map_calls
+        # the histogram is complete: each page id mapped is one observation of its share
         assert (
             reg.get_sample_value("kvledger_map_page_seconds_bucket", {**swa, "le": "+Inf"})
-            == acc.map_calls
+            == reg.get_sample_value("kvledger_map_page_seconds_count", swa)
+            == acc.pages_mapped_total
+            > 0
         )
+        assert reg.get_sample_value("kvledger_map_page_seconds_sum", swa) == acc.map_seconds_total
         # runtime accounts have no page activity series
         c4 = {**ENG, "family": "c4_kv", "pool": "c4"}
         assert reg.get_sample_value("kvledger_pages_mapped_total", c4) is None
@@ -87,6 +91,16 @@ def test_histogram_buckets_are_cumulative():
         values = [v for _, v in samples]
         assert values == sorted(values)
         assert values[-1] == sum(counts)
+        rest = {
+            name: v
+            for name, lab, v in _samples(build_families(Scan((view,))))
+            if name in ("kvledger_map_page_seconds_count", "kvledger_map_page_seconds_sum")
+            and lab["family"] == "swa_kv"
+        }
+        assert rest == {
+            "kvledger_map_page_seconds_count": sum(counts),
+            "kvledger_map_page_seconds_sum": acc.map_seconds_total,
+        }
 
 
 def test_stale_source_exports_service_metrics_only():
@@ -101,6 +115,7 @@ def test_stale_source_exports_service_metrics_only():
             "kvledger_snapshot_age_seconds",
             "kvledger_snapshot_epoch",
             "kvledger_publish_interval_seconds",
+            "kvledger_build_info",
             "kvledger_sources_unreadable",
             "kvledger_source_errors_total",
         }
@@ -266,3 +281,49 @@ def test_a_source_that_fails_to_render_is_left_out_named_and_counted(caplog):
         assert 'kvledger_source_errors_total{reason="render"} 2\n' in text
     logged = [r.getMessage() for r in caplog.records if "source bad left out" in r.getMessage()]
     assert len(logged) == 1 and "render failed" in logged[0]  # the second one held back
+
+
+def test_render_reuses_a_sources_layout_and_writes_what_a_fresh_render_writes():
+    """A republished source's lines come from the layout of its previous snapshot while its
+    series are the same; a snapshot with other series (labels, truth, accounts) gets its
+    own. Either way the body equals what a collector that never saw the source writes."""
+    from exporter import collector as c
+    from exporter.collector import KvLedgerCollector
+
+    built = []
+    real = c._layout
+
+    def counting(shape, label_str):
+        built.append(len(shape))
+        return real(shape, label_str)
+
+    with small_ledger() as sl:
+        src = Sources()
+        src.add_ledger(sl.ledger)
+        [view] = src.read().views
+        base = view.snapshot
+
+        def version(snap, sequence):
+            published = Published.from_snapshot(
+                snap, source="s", pid=1, host="h", sequence=sequence
+            )
+            return Scan((dataclasses.replace(view, published=published),))
+
+        sl.allocate(700)
+        more = src.read().views[0].snapshot
+        no_truth = dataclasses.replace(more, reconciliation=())
+        relabelled = dataclasses.replace(more, labels={**more.labels, "tp_rank": "3"})
+        steps = [base, more, base, no_truth, relabelled, more]
+        collector = KvLedgerCollector(src)
+        c._layout = counting
+        try:
+            for i, snap in enumerate(steps):
+                scan = version(snap, i + 1)
+                body, _ = collector.render("text/plain", scan)
+                fresh, _ = KvLedgerCollector(src).render("text/plain", scan)
+                assert body == fresh, i
+        finally:
+            c._layout = real
+    # base and more share a layout; no_truth and relabelled each need one, then more again;
+    # every fresh collector builds one (6)
+    assert len(built) == 6 + 4, built

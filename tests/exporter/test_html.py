@@ -96,6 +96,18 @@ def test_chromium_renders_the_live_numbers_and_refreshes(served):
     assert "host_memfd" in text  # the reconciliation table
     ranks = [e for e in parsed.elements if "data-rank-source" in e]
     assert [e["data-rank-source"] for e in ranks] == [src["source"]]
+    # the per-rank table adds bytes over families, never slots: those are shown per family
+    per_rank = [e for e in parsed.elements if e.get("data-scope") == "rank"]
+    summed = {e["data-figure"] for e in per_rank if "data-rank-family" not in e}
+    assert summed == {f["name"] for f in before["figures"] if f["unit"] == "bytes"}
+    slots = {
+        (e["data-rank-family"], e["data-figure"]): int(e["data-value"])
+        for e in per_rank
+        if "data-rank-family" in e
+    }
+    assert {fam for fam, _ in slots} == set(families)
+    for fam in families:
+        assert slots[(fam, "capacity_slots")] == families[fam]["capacity_slots"], fam
 
 
 @pytest.mark.slow

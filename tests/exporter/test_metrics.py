@@ -68,6 +68,8 @@ def test_sample_names_of_counters_and_histograms():
     assert m.METRIC["kvledger_pages_mapped_total"].family_name == "kvledger_pages_mapped"
     assert m.METRIC["kvledger_map_page_seconds"].sample_names == (
         "kvledger_map_page_seconds_bucket",
+        "kvledger_map_page_seconds_count",
+        "kvledger_map_page_seconds_sum",
     )
     assert "kvledger_up" in m.series_names()
 

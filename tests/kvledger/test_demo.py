@@ -55,3 +55,34 @@ def test_a_failure_half_way_releases_what_was_built(tmp_path):
     with pytest.raises(ValueError, match="budget_bytes"):
         DemoSource(DemoOptions(budget_bytes=1 << 20, snapshot_dir=str(tmp_path)))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_serves_a_v41_config_with_every_family_moving(tmp_path):
+    """`kvledger serve --config` with the V4.1-shaped config: the twelve families (the SWA rows
+    of 528-byte tokens on the VMM pool), each occupied by the workload, all given back."""
+    from tests.kvledger.sglang.dsv4.fixtures import V41_CONFIG
+
+    opts = DemoOptions(
+        config_path=str(V41_CONFIG),
+        snapshot_dir=str(tmp_path),
+        publish_interval=0.1,
+        labels={"model_name": "demo-v41", "tp_rank": "0"},
+        workload=WorkloadConfig(rate=50, step_seconds=0.005, seed=5, max_running=8),
+    )
+    with DemoSource(opts) as demo:
+        assert demo.buffer_map.kv_layout == "v41"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and demo.workload.stats().get("finished", 0) < 2:
+            time.sleep(0.05)
+        demo.workload.close()
+        assert demo.mapper.wait_idle(10)
+        snap = demo.ledger.snapshot()
+        fams = {f for (f,) in snap.rollup("family")}
+        assert fams == set(demo.buffer_map.families) and "c2_state" in fams
+        peaks = {a.family: a.peak_occupied_slots for a in snap.accounts}
+        assert all(peaks[f] > 0 for f in fams), peaks
+        assert snap.violations == ()
+        swa = next(a for a in snap.accounts if a.family == "swa_kv")
+        assert {b.spec.slot_bytes for b in snap.buffers if b.spec.family == "swa_kv"} == {528}
+        assert swa.peak_occupied_slots > 0
+    assert demo.closed

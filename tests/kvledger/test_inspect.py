@@ -11,9 +11,11 @@ import pytest
 
 from accounting import FIGURES
 from kvledger.sglang.dsv4 import FAMILIES, Knobs, load_config, plan
+from kvledger.sglang.dsv4.buffermap import LOW_RATIO_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 FLASH = ROOT / "kvledger" / "data" / "deepseek-v4-flash-shape.config.json"
+V41 = ROOT / "kvledger" / "data" / "deepseek-v41-shape.config.json"
 
 
 def kvledger(*args: str) -> subprocess.CompletedProcess[str]:
@@ -69,6 +71,66 @@ def test_json_document() -> None:
     assert doc["totals"]["tensor_bytes"] == bm.total_allocated_bytes
     assert doc["sizes"]["full_tokens"] == 65536
     assert len(doc["buffers"]) == 167
+
+
+def test_v41_config_is_detected_and_laid_out_in_v41() -> None:
+    """A V4.1 config (ratios 1 and 2, kv_source_layer_ids) gets the V4.1 layouts without a
+    flag, as SGLang picks them on SM100; its low-ratio families are rows of the table."""
+    r = kvledger("--config", str(V41), "--budget", "80GiB", "--max-running-requests", "64")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.startswith("DeepSeek-V4.1 buffer map")
+    assert "14 x C1 (7 kv_source), 14 x C2 (7 kv_source)" in out
+    assert "KV layouts: swa v41, c1 v41_fp4, c2 v41_fp4, c4 v41, c128 v41" in out
+    bm = plan(load_config(V41), Knobs(max_running_requests=64), budget_bytes=80 << 30)
+    assert tuple(bm.families) == FAMILIES + LOW_RATIO_FAMILIES
+    for family, fp in bm.families.items():
+        line = next(ln for ln in out.splitlines() if ln.startswith(family + " "))
+        assert f"{fp.planned_bytes:,}" in line and f"{fp.allocated_bytes:,}" in line
+        assert "x".join(map(str, fp.shape)) in line
+    assert bm.families["swa_kv"].shape[1] == 256 * 528
+
+
+def test_kv_layout_flags_and_json() -> None:
+    r = kvledger(
+        "--config",
+        str(V41),
+        "--full-tokens",
+        "65536",
+        "--kv-layout",
+        "v41_new",
+        "--compressed-kv-layout",
+        "fp8",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["knobs"]["kv_layout"] == "v41_new"
+    assert doc["kv_layouts"] == {
+        "swa": "v41_new",
+        "c1": "v41_new",
+        "c2": "v41_new",
+        "c4": "v41_new",
+        "c128": "v41_new",
+    }
+    assert set(doc["families"]) == set(FAMILIES + LOW_RATIO_FAMILIES)
+    assert doc["families"]["c1_kv"]["slot_bytes"] == 528
+    assert doc["kv_source_layer_ids"] == [2, 4, 8, 10, 14, 16, 20, 22, 26, 28, 32, 34, 38, 40]
+    # A V4 config forced into v41: the same seven families, 528-byte SWA entries.
+    r = kvledger("--config", str(FLASH), "--full-tokens", "65536", "--kv-layout", "v41", "--json")
+    doc = json.loads(r.stdout)
+    assert set(doc["families"]) == set(FAMILIES)
+    assert doc["families"]["swa_kv"]["slot_bytes"] == 528
+    # 128-slot indexer pages: (65536 + 256) slots of ratio 1 in 515 pages (one reserved).
+    r = kvledger(
+        "--config", str(V41), "--full-tokens", "65536", "--low-ratio-index-page", "128", "--json"
+    )
+    doc = json.loads(r.stdout)
+    assert doc["families"]["c1_indexer"]["shape"] == [515, 128 * 68]
+    # V4 forced on the V4.1 config: 584-byte entries everywhere.
+    r = kvledger("--config", str(V41), "--full-tokens", "65536", "--kv-layout", "v4", "--json")
+    doc = json.loads(r.stdout)
+    assert doc["families"]["c2_kv"]["slot_bytes"] == 584
 
 
 def test_cap_mode_flags() -> None:
@@ -153,6 +215,17 @@ def test_size_units_and_knobs() -> None:
         (
             ["--config", str(FLASH), "--budget", "10GiB", "--speculative-draft-tokens", "20"],
             "--speculative-draft-tokens 20, expected at most 10",
+        ),
+        (
+            ["--config", str(FLASH), "--budget", "1GiB", "--kv-layout", "v5"],
+            "argument --kv-layout: invalid choice: 'v5'",
+        ),
+        (
+            [
+                *("--config", str(V41), "--budget", "1GiB"),
+                *("--kv-layout", "v4", "--compressed-kv-layout", "fp4"),
+            ],
+            "pairs only with V4 caches",
         ),
     ],
 )

@@ -211,6 +211,9 @@ def test_busy_port_exits_2_naming_it(tmp_path):
         (["--config", "/dev/null"], "config '/dev/null': not a regular file"),
         (["--budget", "1000TiB"], "budget 1000.00 TiB does not fit this machine's available"),
         (["--snapshot-dir-group-writable", "--budget", "x"], "--budget: size 'x'"),
+        (["--snapshot-dir", "/proc/1"], "--snapshot-dir /proc/1: cannot create a snapshot file"),
+        (["--web.config.file", "/nonexistent/web.yml"], "--web.config.file /nonexistent/web.yml"),
+        (["--web.config.file", "/dev/zero"], "--web.config.file /dev/zero: not a regular file"),
     ],
 )
 def test_bad_options_exit_2_with_one_line_naming_the_value(tmp_path, args, needle):
@@ -327,7 +330,7 @@ def test_a_snapshot_dir_others_can_write_is_refused_at_start(tmp_path):
 
 @pytest.mark.parametrize("kind", ["fifo", "oversized"])
 def test_a_config_that_is_a_fifo_or_too_large_is_refused_without_reading_it(tmp_path, kind):
-    from kvledger.configfile import MAX_CONFIG_BYTES
+    from kvledger.sglang.dsv4.shape import MAX_CONFIG_BYTES
 
     config = tmp_path / "config.json"
     if kind == "fifo":

@@ -99,3 +99,15 @@ def test_admission_waits_when_rows_would_not_fit():
 def test_bad_config_names_the_field(kwargs, name):
     with pytest.raises(ValueError, match=name):
         WorkloadConfig(**kwargs)
+
+
+def test_every_runtime_family_of_a_v41_buffer_map_has_a_row_rule():
+    """The demo's workload moves V4.1's low-ratio families too (served with a V4.1 config)."""
+    from kvledger.sglang.dsv4 import Knobs, plan
+    from tests.kvledger.sglang.dsv4.fixtures import v41
+
+    bm = plan(v41(), Knobs(max_running_requests=8), full_tokens=16384)
+    assert set(bm.families) - {"swa_kv"} == set(row_rules())
+    rules = row_rules()
+    assert (rules["c1_kv"](300), rules["c2_kv"](300), rules["c2_state"](300)) == (300, 150, 2)
+    assert row_rules(speculative=True)["c2_state"](1) == 8

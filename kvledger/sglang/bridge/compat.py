@@ -11,10 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvledger.sglang.dsv4 import geometry as g
+
 # SGLang 0.5.23's V4 SWA layout: 448 fp8 nope + 64 bf16 rope + 7 scale bytes + 1 pad per token,
-# each page of tokens padded to a multiple of 576 bytes.
+# each page of tokens padded to a multiple of 576 bytes. The V4.1 layouts (v41, v41_new) store
+# 528-byte tokens (512 fp8 values + 16 scales), pages padded to 512 or 528 bytes: a row is
+# opaque bytes to the bridge, so any of the three is bridged alike.
 V4_TOKEN_BYTES = 584
 V4_PAGE_ALIGN = 576
+BRIDGED_LAYOUTS = g.MAIN_KV_LAYOUTS  # v4, v41, v41_new
 # Instance methods the bridge wraps on the SWA sub-allocator (PagedTokenToKVPoolAllocator).
 WRAPPED_METHODS = (
     "alloc",
@@ -55,8 +60,14 @@ class SwaFacts:
         return self.shapes[0][1] if self.shapes and len(self.shapes[0]) == 2 else 0
 
 
-def expected_row_bytes(page_tokens: int, token_bytes: int = V4_TOKEN_BYTES) -> int:
-    return -(-page_tokens * token_bytes // V4_PAGE_ALIGN) * V4_PAGE_ALIGN
+def layout_token_bytes(layout: str) -> int:
+    """Bytes of one SWA token in `layout` (584 for v4, 528 for v41 / v41_new)."""
+    return g.layout_token_bytes(layout)
+
+
+def expected_row_bytes(page_tokens: int, layout: str = "v4") -> int:
+    """SGLang's KVLayout.page_bytes: a page of tokens padded to the layout's page_align."""
+    return g.layout_page_bytes(layout, page_tokens, layout_token_bytes(layout))
 
 
 def pool_reasons(facts: SwaFacts) -> list[str]:
@@ -64,11 +75,24 @@ def pool_reasons(facts: SwaFacts) -> list[str]:
     if not facts.is_dsv4_pool:
         return [f"pool is a {facts.pool_class}, expected SGLang's DeepSeekV4TokenToKVPool"]
     if not facts.has_swa_pool:
-        return [
-            f"SWA storage is {facts.swa_storage!r} (no paged SWA pool of its own to replace: "
-            "unified-KV mode, a per-request ring or the request window), expected 'paged'"
-        ]
+        why = _STORAGE_REASONS.get(facts.swa_storage, "no paged SWA pool of its own to replace")
+        return [f"SWA storage is {facts.swa_storage!r} ({why}), expected 'paged'"]
     return []
+
+
+# Why each SWA storage but the paged one is left native: nothing for the bridge to follow.
+_STORAGE_REASONS = {
+    "request_window": (
+        "encoder replay: each request slot keeps its last window of SWA rows in a "
+        "request-window pool and a per-step workspace, addressed by slot, with no page "
+        "allocator whose pages the bridge could map and unmap"
+    ),
+    "unified": (
+        "the unified-KV ring: SWA ring rows and compressed rows share one tensor per layer, "
+        "addressed by request slot, with no paged SWA pool"
+    ),
+    "ring": "a per-request draft SWA ring (DSpark), addressed by request slot, not by page",
+}
 
 
 def incompatibilities(facts: SwaFacts, *, granularity: int, backend_device: str) -> list[str]:
@@ -78,12 +102,18 @@ def incompatibilities(facts: SwaFacts, *, granularity: int, backend_device: str)
     reasons = pool_reasons(f)
     if reasons:
         return reasons
-    if f.kv_layout != "v4":
-        reasons.append(f"SWA KV layout {f.kv_layout!r}, expected 'v4' (584-byte tokens)")
+    if f.kv_layout not in BRIDGED_LAYOUTS:
+        reasons.append(
+            f"SWA KV layout {f.kv_layout!r}, expected one of {', '.join(BRIDGED_LAYOUTS)}"
+        )
+        return reasons
     if f.uniform_fp8:
         reasons.append("uniform-FP8 SWA pool (trtllm backend), expected the paged V4 pool")
-    if f.token_bytes != V4_TOKEN_BYTES:
-        reasons.append(f"SWA token bytes {f.token_bytes}, expected {V4_TOKEN_BYTES}")
+    token = layout_token_bytes(f.kv_layout)
+    if f.token_bytes != token:
+        reasons.append(
+            f"SWA token bytes {f.token_bytes}, expected {token} (the {f.kv_layout} layout)"
+        )
     if f.page_tokens != f.allocator_page_tokens:
         reasons.append(
             f"SWA buffer page of {f.page_tokens} tokens differs from the allocator's page of "
@@ -110,11 +140,12 @@ def incompatibilities(facts: SwaFacts, *, granularity: int, backend_device: str)
             f"SWA buffers on {sorted(set(f.devices))}, expected {backend_device} for the "
             f"{backend_device} VMM backend"
         )
-    want_row = expected_row_bytes(f.page_tokens)
+    want_row = expected_row_bytes(f.page_tokens, f.kv_layout)
     if f.row_bytes != want_row:
         reasons.append(
             f"SWA row of {f.row_bytes} bytes, expected {want_row} ({f.page_tokens} tokens x "
-            f"{V4_TOKEN_BYTES} bytes padded to a multiple of {V4_PAGE_ALIGN})"
+            f"{token} bytes padded to a multiple of {g.KV_LAYOUTS[f.kv_layout][2]}, "
+            f"the {f.kv_layout} layout)"
         )
     if f.allocator_pages + 1 > f.rows:
         reasons.append(

@@ -8,7 +8,7 @@ from typing import Any
 from accounting.buffers import BufferSpec, Owner
 from allocator.rows import RowFollower
 from allocator.slots import SlotLayout
-from kvledger.sglang.bridge.compat import V4_TOKEN_BYTES, SwaFacts
+from kvledger.sglang.bridge.compat import SwaFacts
 
 FAMILY = "swa_kv"
 
@@ -27,7 +27,7 @@ def swa_specs(
             layer=start + i,
             dtype="uint8",
             shape=(facts.rows, facts.row_bytes),
-            slot_bytes=V4_TOKEN_BYTES,
+            slot_bytes=facts.token_bytes,
             capacity_slots=facts.rows * facts.page_tokens,
             tensor_bytes=facts.rows * facts.row_bytes,
             reserved_bytes=layout.reserved_bytes,

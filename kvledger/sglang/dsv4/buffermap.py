@@ -1,12 +1,14 @@
-"""The DeepSeek-V4 buffer map: every buffer of the seven families, and plan vs allocation.
+"""The DeepSeek-V4 buffer map: every buffer of the seven V4 families (and the five V4.1
+low-ratio ones where the config has ratio-1/2 layers), and plan vs allocation.
 
 `plan()` sizes the pools as SGLang 0.5.23 does (kvledger.sglang.dsv4.planner) and
 lays out each buffer as `DeepSeekV4TokenToKVPool` allocates it
 (kvledger.sglang.dsv4.geometry). Per family it sets the planner's predicted bytes
 beside the real allocation; they part over page padding (a 256-token page of
-584-byte entries is padded to 576-byte multiples), the extra logical page every
-paged sub-pool reserves, state rows rounded up to the ratio, the fp4 indexer
-priced as fp8, and request counts that differ between planning and building.
+584-byte V4 entries is padded to 576-byte multiples), the extra logical page every
+paged sub-pool reserves, the low-ratio indexer slots past full / ratio, state rows
+rounded up to the ratio, the fp4 indexer priced as fp8, and request counts that
+differ between planning and building.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ FAMILIES: tuple[str, ...] = (
     "c4_indexer_state",
     "c128_state",
 )
+# DeepSeek-V4.1's low-ratio layers (compress ratios 1 and 2): only their kv_source layers own
+# a compressed cache and an fp4 indexer cache; ratio-2 sources keep a pending-pair state ring.
+LOW_RATIO_FAMILIES: tuple[str, ...] = ("c1_kv", "c1_indexer", "c2_kv", "c2_indexer", "c2_state")
+ALL_FAMILIES: tuple[str, ...] = FAMILIES + LOW_RATIO_FAMILIES
 
 # What one slot of each family is, for tables and docs.
 SLOT_MEANING: dict[str, str] = {
@@ -41,6 +47,11 @@ SLOT_MEANING: dict[str, str] = {
     "c4_attn_state": "ring row",
     "c4_indexer_state": "ring row",
     "c128_state": "ring row",
+    "c1_kv": "compressed row (1 token)",
+    "c1_indexer": "compressed row (1 token)",
+    "c2_kv": "compressed row (2 tokens)",
+    "c2_indexer": "compressed row (2 tokens)",
+    "c2_state": "pair ring row",
 }
 
 
@@ -131,21 +142,26 @@ class BufferMap:
     sizes: planner.PoolSizes
     pricing: planner.Pricing
     buffers: tuple[Dsv4Buffer, ...]
-    families: dict[str, FamilyPlan]  # every family of FAMILIES, in that order
+    families: dict[str, FamilyPlan]  # every family of FAMILIES, then the low-ratio ones present
     budget_bytes: int | None = None
     planning_max_running_requests: int | None = None
-    fixed_bytes: int = 0  # planned outside the per-token coefficient: c128 state, SWA cap
+    fixed_bytes: int = 0  # outside the per-token coefficient: c128 and c2 state, SWA cap
     _by_family: dict[str, tuple[Dsv4Buffer, ...]] = field(
         default_factory=dict, repr=False, compare=False
     )
 
     def family_buffers(self, family: str) -> tuple[Dsv4Buffer, ...]:
         if family not in self.families:
-            raise KeyError(f"unknown family {family!r}, expected one of {', '.join(FAMILIES)}")
+            raise KeyError(f"unknown family {family!r}, expected one of {', '.join(self.families)}")
         if not self._by_family:
-            for f in FAMILIES:
+            for f in self.families:
                 self._by_family[f] = tuple(b for b in self.buffers if b.family == f)
         return self._by_family[family]
+
+    @property
+    def kv_layout(self) -> str:
+        """The SWA (main) cache's KV layout: v4, v41 or v41_new."""
+        return self.pricing.kv_layouts[0]
 
     def planned_bytes(self, family: str) -> int:
         return self.families[family].planned_bytes
@@ -221,7 +237,15 @@ class BufferMap:
                 "swa_sizing": self.knobs.swa_sizing,
                 "chunked_prefill_size": self.knobs.chunked_prefill_size,
                 "context_length": planner.context_length(self.shape, self.knobs),
+                "kv_layout": self.kv_layout,
+                "compressed_kv_layout": self.knobs.compressed_kv_layout,
             },
+            "kv_layouts": {
+                ("swa" if r == 0 else f"c{r}"): lay
+                for r, lay in self.pricing.kv_layouts.items()
+                if r == 0 or self.shape.owner_layers(r)
+            },
+            "kv_source_layer_ids": list(self.shape.kv_source_layer_ids),
             "sizes": {
                 "full_tokens": s.full_tokens,
                 "swa_tokens": s.swa_tokens,
@@ -294,14 +318,17 @@ def plan(
         sizes = planner.sizes_for_full_tokens(shape, knobs, solution.full_tokens)
         planning_mrr = solution.planning_max_running_requests
         c128_fixed = solution.c128_state_fixed_bytes
+        c2_fixed = solution.c2_state_fixed_bytes
     else:
         assert full_tokens is not None
         sizes = planner.sizes_for_full_tokens(shape, knobs, full_tokens)
         c128_fixed = planner.c128_state_fixed_bytes(shape, knobs, sizes.max_running_requests)
+        c2_fixed = planner.c2_state_fixed_bytes(shape, knobs, sizes.max_running_requests)
     swa_fixed = (price.swa_cap_tokens or 0) * price.bytes_per_swa_token
-    fixed = round(c128_fixed + swa_fixed)
-    buffers = _buffers(shape, knobs, sizes)
-    families = _families(shape, knobs, sizes, price, buffers, c128_fixed, planning_mrr)
+    fixed = round(c128_fixed + c2_fixed + swa_fixed)
+    buffers = _buffers(shape, knobs, sizes, price)
+    fixed_by_family = {"c128_state": c128_fixed, "c2_state": c2_fixed}
+    families = _families(shape, knobs, sizes, price, buffers, fixed_by_family, planning_mrr)
     return BufferMap(
         shape=shape,
         knobs=knobs,
@@ -360,16 +387,25 @@ def _per_layer(
     ]
 
 
-def _buffers(shape: Dsv4Shape, knobs: Knobs, sizes: planner.PoolSizes) -> tuple[Dsv4Buffer, ...]:
+def _buffers(
+    shape: Dsv4Shape, knobs: Knobs, sizes: planner.PoolSizes, price: planner.Pricing
+) -> tuple[Dsv4Buffer, ...]:
     p = knobs.page_size
-    entry = g.kv_entry_bytes(shape.qk_nope_head_dim, shape.qk_rope_head_dim)
+    layouts = price.kv_layouts
     out: list[Dsv4Buffer] = []
 
     def paged(
-        family: str, layers: tuple[int, ...], size: int, per_page: int, slot: int, row: int
+        family: str,
+        layers: tuple[int, ...],
+        size: int,
+        per_page: int,
+        slot: int,
+        row: int,
+        reserved: int = p,
     ) -> None:
-        """A page of `per_page` slots per uint8 row of `row` bytes (the padded page)."""
-        pages = g.physical_pages(size, per_page, p)
+        """A page of `per_page` slots per uint8 row of `row` bytes (the padded page), with
+        `reserved` tokens (a logical page) held back beyond `size`."""
+        pages = g.physical_pages(size, per_page, reserved)
         out.extend(
             _per_layer(
                 family,
@@ -383,34 +419,73 @@ def _buffers(shape: Dsv4Shape, knobs: Knobs, sizes: planner.PoolSizes) -> tuple[
             )
         )
 
-    def state(family: str, layers: tuple[int, ...], size: int, ratio: int, head_dim: int) -> None:
+    def kv(family: str, layers: tuple[int, ...], size: int, ratio: int) -> None:
+        lay = layouts[ratio]
+        entry = planner.entry_bytes(shape, lay)
+        per_page = p // ratio if ratio else p
+        paged(family, layers, size, per_page, entry, g.layout_page_bytes(lay, per_page, entry))
+
+    def state(
+        family: str,
+        layers: tuple[int, ...],
+        rows: int,
+        last: int,
+        dtype: str,
+        element_size: int,
+    ) -> None:
         """One compress-state entry per row."""
-        ring = g.ring_size(ratio, knobs.speculative)
-        last = g.state_last_dim(head_dim, overlap=ratio == 4)
-        es = knobs.state_element_size
         out.extend(
             _per_layer(
                 family,
                 layers,
-                rows=g.state_rows(size, ring, ratio),
+                rows=rows,
                 row_elements=last,
-                dtype=knobs.state_torch_dtype,
-                element_size=es,
-                slot_bytes=last * es,
+                dtype=dtype,
+                element_size=element_size,
+                slot_bytes=last * element_size,
                 slots_per_row=1,
             )
         )
 
+    def ring_state(
+        family: str, layers: tuple[int, ...], size: int, ratio: int, head_dim: int
+    ) -> None:
+        ring = g.ring_size(ratio, knobs.speculative)
+        es = knobs.state_element_size
+        rows = g.state_rows(size, ring, ratio)
+        last = g.state_last_dim(head_dim, overlap=ratio == 4)
+        state(family, layers, rows, last, knobs.state_torch_dtype, es)
+
     all_layers = tuple(range(shape.num_hidden_layers))
     c4, c128 = shape.layers(4), shape.layers(128)
-    paged("swa_kv", all_layers, sizes.swa_tokens, p, entry, g.kv_page_bytes(p, entry))
-    paged("c4_kv", c4, sizes.c4_tokens, p // 4, entry, g.kv_page_bytes(p // 4, entry))
-    paged("c128_kv", c128, sizes.c128_tokens, p // 128, entry, g.kv_page_bytes(p // 128, entry))
+    kv("swa_kv", all_layers, sizes.swa_tokens, 0)
+    kv("c4_kv", c4, sizes.c4_tokens, 4)
+    kv("c128_kv", c128, sizes.c128_tokens, 128)
     idx = g.indexer_entry_bytes(shape.index_head_dim, fp4=knobs.indexer_dtype == "fp4")
     paged("c4_indexer", c4, sizes.c4_indexer_tokens, p // 4, idx, (p // 4) * idx)
-    state("c4_attn_state", c4, sizes.c4_state_size, 4, shape.head_dim)
-    state("c4_indexer_state", c4, sizes.c4_state_size, 4, shape.index_head_dim)
-    state("c128_state", c128, sizes.c128_state_size, 128, shape.head_dim)
+    ring_state("c4_attn_state", c4, sizes.c4_state_size, 4, shape.head_dim)
+    ring_state("c4_indexer_state", c4, sizes.c4_state_size, 4, shape.index_head_dim)
+    ring_state("c128_state", c128, sizes.c128_state_size, 128, shape.head_dim)
+    low_idx = planner.low_ratio_index_bytes(shape)
+    page = knobs.low_ratio_index_page
+    for r in g.LOW_RATIOS:
+        sources = shape.sources(r)
+        if not sources:
+            continue
+        kv(f"c{r}_kv", sources, sizes.full_tokens // r, r)
+        # The indexer holds (full + page) / r slots in pages of its own, one reserved.
+        size = (sizes.full_tokens + p) // r
+        paged(f"c{r}_indexer", sources, size, page, low_idx, page * low_idx, reserved=page)
+    if shape.sources(2):
+        rows = planner.c2_state_rows(shape, knobs, sizes.max_running_requests)
+        state(
+            "c2_state",
+            shape.sources(2),
+            rows,
+            g.state_last_dim(shape.head_dim, False),
+            "float32",
+            4,
+        )
     return tuple(out)
 
 
@@ -420,9 +495,11 @@ def _families(
     sizes: planner.PoolSizes,
     price: planner.Pricing,
     buffers: tuple[Dsv4Buffer, ...],
-    c128_fixed: int,
+    fixed_by_family: dict[str, int],
     planning_mrr: int | None,
 ) -> dict[str, FamilyPlan]:
+    p = knobs.page_size
+    ring2 = g.ring_size(2, knobs.speculative, knobs.speculative_draft_tokens)
     usable = {
         "swa_kv": sizes.swa_tokens,
         "c4_kv": sizes.c4_tokens,
@@ -431,12 +508,19 @@ def _families(
         "c4_attn_state": sizes.c4_state_size,
         "c4_indexer_state": sizes.c4_state_size,
         "c128_state": sizes.c128_state_size,
+        "c1_kv": sizes.full_tokens,
+        "c1_indexer": sizes.full_tokens + p,
+        "c2_kv": sizes.full_tokens // 2,
+        "c2_indexer": (sizes.full_tokens + p) // 2,
+        "c2_state": sizes.num_req_slots * ring2,
     }
+    present = {b.family for b in buffers}
+    names = FAMILIES + tuple(f for f in LOW_RATIO_FAMILIES if f in present)
     out: dict[str, FamilyPlan] = {}
-    for family in FAMILIES:
+    for family in names:
         bufs = [b for b in buffers if b.family == family]
-        if family == "c128_state":
-            planned = c128_fixed
+        if family in fixed_by_family:
+            planned = fixed_by_family[family]
         else:
             planned = round(
                 sizes.full_tokens * price.family_bytes_per_full_token[family]
@@ -453,20 +537,39 @@ def _families(
             slot_bytes=first.slot_bytes if first else 0,
             shape=first.shape if first else (),
             dtype=first.dtype if first else "",
-            reasons=_reasons(family, shape, knobs, sizes, planning_mrr) if bufs else (),
+            reasons=_reasons(family, shape, knobs, sizes, price, planning_mrr) if bufs else (),
         )
     return out
 
 
+_KV_RATIO = {"swa_kv": 0, "c4_kv": 4, "c128_kv": 128, "c1_kv": 1, "c2_kv": 2}
+
+
 def _reasons(
-    family: str, shape: Dsv4Shape, knobs: Knobs, sizes: planner.PoolSizes, planning_mrr: int | None
+    family: str,
+    shape: Dsv4Shape,
+    knobs: Knobs,
+    sizes: planner.PoolSizes,
+    price: planner.Pricing,
+    planning_mrr: int | None,
 ) -> tuple[str, ...]:
     p = knobs.page_size
     out: list[str] = []
-    if family in ("swa_kv", "c4_kv", "c128_kv", "c4_indexer"):
+    if family in ("swa_kv", "c4_kv", "c128_kv", "c4_indexer", "c1_kv", "c2_kv"):
         out.append(f"one extra logical page ({p} tokens) reserved per buffer")
-    if family in ("swa_kv", "c4_kv", "c128_kv"):
-        out.append("pages padded to a multiple of 576 bytes (priced in the planner too)")
+    if family in _KV_RATIO:
+        lay = price.kv_layouts[_KV_RATIO[family]]
+        align = g.KV_LAYOUTS[lay][2]
+        out.append(f"{lay} pages padded to a multiple of {align} bytes (priced in the planner too)")
+    if family in ("c1_kv", "c2_kv"):
+        out.append("the reserved page is left out of the planner's coefficient (padding loop)")
+    if family in ("c1_indexer", "c2_indexer"):
+        out.append(
+            f"fp4 indexer for full + {p} tokens in pages of {knobs.low_ratio_index_page} slots, "
+            "one more page reserved (padding loop)"
+        )
+    if family == "c2_state":
+        out.append("one pair ring per request slot, + ring + 1 rows, rounded up to 2")
     if family == "swa_kv" and knobs.swa_sizing == "ratio":
         out.append("SWA tokens rounded down to whole pages from ratio x full tokens")
     if family == "c4_indexer" and knobs.indexer_dtype == "fp4":

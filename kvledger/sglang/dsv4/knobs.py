@@ -15,6 +15,13 @@
 | disable_radix_cache | --disable-radix-cache | cap mode: no cached prefix tails |
 | swa_prefix_tails | --swa-prefix-tails (else 4 x max_running_requests) | cap mode: prefix tails kept |
 | swa_eviction_interval | SGLANG_SWA_EVICTION_INTERVAL (128) | cap mode: tokens per request |
+| kv_layout | SGLANG_DSV4_KV_LAYOUT (v4, v41, v41_new) | SWA entry 584 B (v4) or 528 B (V4.1), page padding |
+| compressed_kv_layout | SGLANG_DSV4_COMPRESSED_KV_LAYOUT (auto, fp8, fp4) | V4.1 compressed caches: fp8 528 B or fp4 288 B |
+| low_ratio_index_page | DeepGEMM's paged MQA logits present or not (64 / 128) | ratio-1/2 indexer pages |
+
+kv_layout "auto" is what SGLang 0.5.23 picks on an SM100 / SM103 GPU: "v41" for a
+config with V4.1 low-ratio layers (ratios 1 and 2), else "v4" (the V4.1 layouts
+exist only there; elsewhere "auto" is V4, and a V4.1 model keeps V4 caches).
 
 SWA sizing. "ratio": SWA tokens = swa_full_tokens_ratio x full tokens (what
 SGLang 0.5.23 does when --swa-full-tokens-ratio is given, or when there is no
@@ -24,16 +31,22 @@ request cap or no chunked prefill). "cap": what it does when
 the request cap as fixed bytes, and the rest of the budget goes to full tokens.
 
 Not modelled (each changes the layout or the sizing path): the unified-KV ring
-(SGLANG_DSV4_UNIFIED_KV*), V4.1 KV layouts (SGLANG_DSV4_KV_LAYOUT), the trtllm
-backend, HiSparse, online c128 compression, encoder replay, pipeline / DP
-attention splits and PD disaggregation. SWA cap mode is modelled without
-speculative decoding only.
+(SGLANG_DSV4_UNIFIED_KV*), the trtllm backend, HiSparse, online c128
+compression, encoder replay (the request-window SWA storage), the DSpark draft
+ring, HIP's split fp4 indexer, pipeline / DP attention splits and PD
+disaggregation. SWA cap mode is modelled without speculative decoding only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from kvledger.sglang.dsv4.geometry import (
+    COMPRESSED_KV_OPTIONS,
+    DEFAULT_LOW_RATIO_INDEX_PAGE,
+    MAIN_KV_LAYOUTS,
+)
 
 # name -> (torch dtype name, bytes per element)
 STATE_DTYPES: dict[str, tuple[str, int]] = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2)}
@@ -44,6 +57,8 @@ DEFAULT_PAGE_SIZE = 256
 DEFAULT_SWA_FULL_TOKENS_RATIO = 0.1  # SGLang 0.5.23 DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO
 DEFAULT_SWA_EVICTION_INTERVAL = 128  # SGLang 0.5.23 envs.SGLANG_SWA_EVICTION_INTERVAL
 SWA_SIZINGS = ("ratio", "cap")
+KV_LAYOUT_CHOICES = ("auto", *MAIN_KV_LAYOUTS)
+LOW_RATIO_INDEX_PAGES = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,9 @@ class Knobs:
     disable_radix_cache: bool = False
     swa_prefix_tails: int | None = None
     swa_eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
+    kv_layout: str = "auto"  # "auto" (by the config: v41 with ratio-1/2 layers), v4, v41, v41_new
+    compressed_kv_layout: str = "auto"  # V4.1 only: auto, fp8, fp4
+    low_ratio_index_page: int = DEFAULT_LOW_RATIO_INDEX_PAGE
 
     def __post_init__(self) -> None:
         state = (
@@ -97,6 +115,27 @@ class Knobs:
         if self.swa_prefix_tails is not None:
             _int(self, "swa_prefix_tails", 0)
         _int(self, "swa_eviction_interval", 1)
+        if self.kv_layout not in KV_LAYOUT_CHOICES:
+            raise ValueError(
+                f"kv_layout={self.kv_layout!r}, expected one of {', '.join(KV_LAYOUT_CHOICES)} "
+                "(SGLANG_DSV4_KV_LAYOUT)"
+            )
+        if self.compressed_kv_layout not in COMPRESSED_KV_OPTIONS:
+            raise ValueError(
+                f"compressed_kv_layout={self.compressed_kv_layout!r}, expected one of "
+                f"{', '.join(COMPRESSED_KV_OPTIONS)} (SGLANG_DSV4_COMPRESSED_KV_LAYOUT)"
+            )
+        if self.kv_layout == "v4" and self.compressed_kv_layout == "fp4":
+            raise ValueError(
+                "compressed_kv_layout='fp4' with kv_layout='v4': expected auto or fp8 (the V4 "
+                "main cache pairs only with V4 caches)"
+            )
+        if self.low_ratio_index_page not in LOW_RATIO_INDEX_PAGES or isinstance(
+            self.low_ratio_index_page, bool
+        ):
+            raise ValueError(
+                f"low_ratio_index_page={self.low_ratio_index_page!r}, expected 64 or 128"
+            )
         if self.swa_sizing == "cap":
             if self.max_running_requests is None or self.chunked_prefill_size is None:
                 raise ValueError(
@@ -122,6 +161,13 @@ class Knobs:
     @property
     def state_element_size(self) -> int:
         return STATE_DTYPES[self.state_dtype][1]
+
+    def resolved_kv_layout(self, has_low_ratios: bool) -> str:
+        """The SWA cache layout: kv_layout, or for "auto" what SGLang 0.5.23 picks on an
+        SM100 GPU for this model (v41 where the config has ratio-1/2 layers, else v4)."""
+        if self.kv_layout != "auto":
+            return self.kv_layout
+        return "v41" if has_low_ratios else "v4"
 
     def replace(self, **changes: object) -> Knobs:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

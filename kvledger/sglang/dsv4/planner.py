@@ -1,21 +1,31 @@
 """SGLang 0.5.23's DeepSeek-V4 planner: a byte budget (or a token count) to pool sizes.
 
 Restates `DSV4PoolConfigurator` (sglang/srt/model_executor/pool_configurator.py)
-for the path modelled here (CUDA, V4 layout, paged SWA sized by ratio, offline
-compression, one pipeline stage, no DP attention, no PD disaggregation):
+for the path modelled here (CUDA, the V4 and V4.1 paged layouts, paged SWA
+sized by ratio or cap, offline compression, one pipeline stage, no DP
+attention, no PD disaggregation):
 
-    kv_bytes_per_entry(r)   = V4 page bytes of (page_size / r) entries / (page_size / r)
-                              (585 for r = 0 and 4, 864 for r = 128 at page 256)
+    kv_bytes_per_entry(r)   = page bytes of (page_size / r) entries / (page_size / r), in
+                              ratio r's layout (V4: 585 for r = 0 and 4, 864 for r = 128 at
+                              page 256; V4.1 fp8: 528, 528, 768; V4.1 fp4 for r = 1, 2: 288)
     bytes_per_swa_token     = kv_bytes_per_entry(0) * L
                               + ring4 / page_size * 4 * (head_dim + index_head_dim) * s * n4
     bytes_per_full_token    = ratio * bytes_per_swa_token
                               + n4 * (kv_bytes_per_entry(4) + 132) / 4
                               + n128 * kv_bytes_per_entry(128) / 128
+                              + sum over r in (1, 2): s_r * (kv_bytes_per_entry(r) + 68) / r
                               (x (L + 1) / L with speculative decoding: the draft worker)
     c128_state_fixed_bytes  = ceil((slots * ring128 + ring128 + 1) / 128) * 128
                               * 2 * head_dim * s * n128,   slots = max_running_requests + 1
-    full_tokens             = floor(int((budget - fixed) / bytes_per_full_token) / page) * page
+    c2_state_fixed_bytes    = ceil((slots * ring2 + ring2 + 1) / 2) * 2 * 2 * head_dim * 4 * s_2
+    full_tokens             = floor(int((budget - fixed) / bytes_per_full_token) / page) * page,
+                              less a page while full_tokens * bytes_per_full_token plus the
+                              low-ratio pages reserved beyond it (low_ratio_padding_bytes)
+                              exceed budget - fixed
 
+(s_r: the kv_source layers of low ratio r, the only ratio-1/2 layers owning
+buffers; their indexer is fp4, 68 bytes a slot, whatever the c4 indexer dtype;
+ring2 the ratio-2 pair ring, 2 rows.)
 In SWA cap mode (`_resolve_swa_cap_tokens`, `compute_swa_request_cap`) the SWA
 term leaves the coefficient and becomes fixed bytes:
 
@@ -38,7 +48,7 @@ with follows `KVCacheConfigurator.resolve_max_num_reqs`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvledger.sglang.dsv4 import geometry as g
 from kvledger.sglang.dsv4.knobs import Knobs
@@ -79,14 +89,39 @@ class Pricing:
     family_bytes_per_full_token: dict[str, float]  # token-scaled families, uninflated
     family_bytes_per_swa_token: dict[str, float]  # the SWA-priced families, uninflated
     swa_cap_tokens: int | None = None  # cap mode: SWA tokens, priced as fixed bytes
+    kv_layouts: dict[int, str] = field(default_factory=dict)  # ratio -> KV layout (0: SWA)
+
+
+RATIOS = (0, 1, 2, 4, 128)
+
+
+def kv_layouts(shape: Dsv4Shape, knobs: Knobs) -> dict[int, str]:
+    """The KV layout of each ratio's cache: the SWA (main) layout for 0,
+    resolve_compressed_kv_layout beside it for the others."""
+    main = knobs.resolved_kv_layout(shape.has_low_ratios)
+    out = {0: main}
+    for r in RATIOS[1:]:
+        out[r] = g.compressed_layout(main, r, knobs.compressed_kv_layout)
+    return out
+
+
+def entry_bytes(shape: Dsv4Shape, layout: str) -> int:
+    return g.layout_token_bytes(layout, shape.qk_nope_head_dim, shape.qk_rope_head_dim)
+
+
+def low_ratio_index_bytes(shape: Dsv4Shape) -> int:
+    """The ratio-1/2 indexer entry: always fp4 (SGLang builds those pools with force_fp4)."""
+    return g.indexer_entry_bytes(shape.index_head_dim, fp4=True)
 
 
 def pricing(shape: Dsv4Shape, knobs: Knobs) -> Pricing:
     p = knobs.page_size
-    entry = g.kv_entry_bytes(shape.qk_nope_head_dim, shape.qk_rope_head_dim)
-    kvpt = {
-        r: g.kv_page_bytes(p // r if r else p, entry) / (p // r if r else p) for r in (0, 4, 128)
-    }
+    layouts = kv_layouts(shape, knobs)
+    kvpt = {}
+    for r in (0, 4, 128, *(r for r in g.LOW_RATIOS if shape.sources(r))):
+        per_page = p // r if r else p
+        lay = layouts[r]
+        kvpt[r] = g.layout_page_bytes(lay, per_page, entry_bytes(shape, lay)) / per_page
     layers = shape.num_hidden_layers
     n4, n128 = len(shape.layers(4)), len(shape.layers(128))
     s = knobs.state_element_size
@@ -104,8 +139,13 @@ def pricing(shape: Dsv4Shape, knobs: Knobs) -> Pricing:
     # Priced at the fp8 size whatever the indexer dtype (NVIDIA path of 0.5.23).
     fam["c4_indexer"] = n4 * g.indexer_entry_bytes(shape.index_head_dim, fp4=False) / 4
     fam["c128_kv"] = n128 * kvpt[128] / 128
+    for r in g.LOW_RATIOS:
+        n = len(shape.sources(r))
+        if n:
+            fam[f"c{r}_kv"] = n * kvpt[r] / r
+            fam[f"c{r}_indexer"] = n * low_ratio_index_bytes(shape) / r
     swa_token = sum(per_swa.values())
-    full_token = ratio * swa_token + fam["c4_kv"] + fam["c4_indexer"] + fam["c128_kv"]
+    full_token = ratio * swa_token + sum(v for f, v in fam.items() if f not in per_swa)
     infl = (layers + 1) / layers if knobs.speculative else 1.0
     return Pricing(
         kv_bytes_per_entry=kvpt,
@@ -115,6 +155,7 @@ def pricing(shape: Dsv4Shape, knobs: Knobs) -> Pricing:
         family_bytes_per_full_token=fam,
         family_bytes_per_swa_token=per_swa,
         swa_cap_tokens=cap,
+        kv_layouts=layouts,
     )
 
 
@@ -143,6 +184,41 @@ def c128_state_fixed_bytes(shape: Dsv4Shape, knobs: Knobs, max_running_requests:
     ring = g.ring_size(128, knobs.speculative)
     rows = g.state_rows((max_running_requests + 1) * ring, ring, 128)
     return rows * g.state_last_dim(shape.head_dim, False) * knobs.state_element_size * n128
+
+
+def c2_state_rows(shape: Dsv4Shape, knobs: Knobs, max_running_requests: int) -> int:
+    """Rows of one ratio-2 pair-state pool (`_make_pair_state_pool`): one ring per request
+    slot, plus ring + 1, rounded up to 2."""
+    ring = g.ring_size(2, knobs.speculative, knobs.speculative_draft_tokens)
+    return g.state_rows((max_running_requests + 1) * ring, ring, 2)
+
+
+def c2_state_fixed_bytes(shape: Dsv4Shape, knobs: Knobs, max_running_requests: int) -> int:
+    """DSV4PoolConfigurator._get_c2_state_fixed_bytes: fp32 (kv, score) rows of head_dim
+    each on every ratio-2 kv_source layer."""
+    n2 = len(shape.sources(2))
+    if n2 == 0:
+        return 0
+    rows = c2_state_rows(shape, knobs, max_running_requests)
+    return rows * g.state_last_dim(shape.head_dim, False) * 4 * n2
+
+
+def low_ratio_padding_bytes(
+    shape: Dsv4Shape, knobs: Knobs, price: Pricing, full_tokens: int
+) -> float:
+    """DSV4PoolConfigurator._get_low_ratio_kv_padding_bytes: the ratio-1/2 KV pool's
+    reserved logical page and the indexer slots past full_tokens / r, per source layer."""
+    p, page = knobs.page_size, knobs.low_ratio_index_page
+    out = 0.0
+    for r in g.LOW_RATIOS:
+        n = len(shape.sources(r))
+        if not n:
+            continue
+        main = p * price.kv_bytes_per_entry[r]
+        index_slots = g.physical_pages((full_tokens + p) // r, page, page) * page
+        index = (index_slots - full_tokens // r) * low_ratio_index_bytes(shape)
+        out += (main + index) * n
+    return out
 
 
 def context_length(shape: Dsv4Shape, knobs: Knobs) -> int:
@@ -232,21 +308,33 @@ class BudgetSolution:
     planning_max_running_requests: int
     c128_state_fixed_bytes: int  # priced at the planning request count
     swa_fixed_bytes: float  # cap mode: swa_cap_tokens x bytes_per_swa_token
+    c2_state_fixed_bytes: int = 0  # V4.1 ratio-2 pair state, at the planning request count
 
     @property
     def fixed_bytes(self) -> float:
-        return self.c128_state_fixed_bytes + self.swa_fixed_bytes
+        return self.c128_state_fixed_bytes + self.c2_state_fixed_bytes + self.swa_fixed_bytes
 
 
 def _solve(shape: Dsv4Shape, knobs: Knobs, price: Pricing, budget_bytes: int) -> BudgetSolution:
     mrr = planning_max_running_requests(shape, knobs, price, budget_bytes)
     c128 = c128_state_fixed_bytes(shape, knobs, max(mrr, 0))
+    c2 = c2_state_fixed_bytes(shape, knobs, max(mrr, 0))
     swa_fixed = (
         0.0 if price.swa_cap_tokens is None else price.swa_cap_tokens * price.bytes_per_swa_token
     )
-    available = max(budget_bytes - (c128 + swa_fixed), 0)
-    full = int(available / price.bytes_per_full_token) // knobs.page_size * knobs.page_size
-    return BudgetSolution(full, mrr, c128, swa_fixed)
+    available = max(budget_bytes - (c128 + c2 + swa_fixed), 0)
+    p = knobs.page_size
+    full = int(available / price.bytes_per_full_token) // p * p
+    if shape.has_low_ratios:
+        # The coefficient leaves out the reserved low-ratio pages: drop pages until they fit.
+        while (
+            full > 0
+            and full * price.bytes_per_full_token
+            + low_ratio_padding_bytes(shape, knobs, price, full)
+            > available
+        ):
+            full -= p
+    return BudgetSolution(full, mrr, c128, swa_fixed, c2)
 
 
 def _usable(shape: Dsv4Shape, knobs: Knobs, price: Pricing, sol: BudgetSolution) -> bool:
@@ -260,8 +348,7 @@ def _usable(shape: Dsv4Shape, knobs: Knobs, price: Pricing, sol: BudgetSolution)
 def solve_budget(
     shape: Dsv4Shape, knobs: Knobs, price: Pricing, budget_bytes: int
 ) -> BudgetSolution:
-    """DSV4PoolConfigurator.calculate_pool_sizes (the low-ratio padding loop is a no-op
-    without ratio-1/2 layers)."""
+    """DSV4PoolConfigurator.calculate_pool_sizes."""
     sol = _solve(shape, knobs, price, budget_bytes)
     if not _usable(shape, knobs, price, sol):
         need = min_budget_bytes(shape, knobs, price)
@@ -271,6 +358,8 @@ def solve_budget(
                 f"{sol.c128_state_fixed_bytes} bytes of it go to c128 state for "
                 f"{sol.planning_max_running_requests} running requests first"
             )
+        if sol.c2_state_fixed_bytes:
+            notes.append(f"{sol.c2_state_fixed_bytes} bytes to ratio-2 pair state")
         if sol.swa_fixed_bytes:
             notes.append(
                 f"{round(sol.swa_fixed_bytes)} bytes to the {price.swa_cap_tokens}-token SWA cap"

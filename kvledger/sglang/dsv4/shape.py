@@ -11,19 +11,35 @@ Facts from SGLang 0.5.23:
   buffer of the target pool. The MTP draft worker builds its own pool with
   ratio 0 (`COMPRESS_RATIO_NEXTN_LAYER`) for every layer; that pool is not
   part of this model.
-- Ratios 1 and 2 (the V4.1 low-ratio layouts, with `kv_source_layer_ids`) are
-  not modelled here and are refused.
+- DeepSeek-V4.1 (sglang/srt/configs/deepseek_v41.py): architectures
+  `DeepseekV41ForCausalLM` (SGLang renames it DeepseekV4ForCausalLM), the text
+  fields possibly nested under `text_config` (merged under the top level, as
+  `normalize_deepseek_v41_config` does), and the low compression ratios 1 and 2,
+  whose compressed cache only the `kv_source_layer_ids` layers own; the other
+  ratio-1/2 layers read the nearest preceding source layer of their ratio
+  (`DeepSeekV4TokenToKVPool.source_layer_of`, which asserts there is one).
+
+`load_config` reads a user-named path with bounds: a regular file only, at most
+`MAX_CONFIG_BYTES`; a device (`/dev/zero`), a FIFO, a socket or a directory is
+refused from its `stat` before it is opened, the opened file must be the one
+that was looked at (same device and inode), and no more than
+`MAX_CONFIG_BYTES` + 1 bytes are read: a hostile path can neither hang the
+command nor fill its memory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_RATIOS = (0, 4, 128)
-DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+SUPPORTED_RATIOS = (0, 1, 2, 4, 128)
+LOW_RATIOS = (1, 2)
+DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM")
+# A Hugging Face config.json is a few KiB; a DeepSeek-V4 one with its quantization block ~4 KiB.
+MAX_CONFIG_BYTES = 1 << 20
 # The V4 FlashMLA layout (SGLang 0.5.23 `DeepSeekV4SingleKVPool.create_buffer`) asserts
 # 448 fp8 nope + 64 bf16 rope values per token.
 V4_NOPE_HEAD_DIM = 448
@@ -44,6 +60,8 @@ class Dsv4Shape:
     sliding_window: int
     num_nextn_predict_layers: int = 0
     context_length: int = 2048  # SGLang's model_config.context_len, see _context_length
+    kv_source_layer_ids: tuple[int, ...] = ()  # V4.1: layers owning a ratio-1/2 cache
+    architecture: str = DSV4_ARCHITECTURES[0]
     source: str = "<memory>"
 
     @property
@@ -63,18 +81,45 @@ class Dsv4Shape:
         """Layer ids (0-based) of the target model with compression `ratio`."""
         return tuple(i for i, r in enumerate(self.layer_ratios) if r == ratio)
 
-    def with_ratios(self, ratios: list[int] | tuple[int, ...]) -> Dsv4Shape:
-        """The same dims with another layer pattern (no MTP entries); validated."""
+    @property
+    def has_low_ratios(self) -> bool:
+        """A V4.1 config: some layer has compression ratio 1 or 2."""
+        return any(r in LOW_RATIOS for r in self.layer_ratios)
+
+    def sources(self, ratio: int) -> tuple[int, ...]:
+        """The kv_source layers of a low `ratio` (1 or 2): the layers owning its cache."""
+        return tuple(i for i in self.kv_source_layer_ids if self.layer_ratios[i] == ratio)
+
+    def owner_layers(self, ratio: int) -> tuple[int, ...]:
+        """Layers owning compressed storage of `ratio` (SGLang 0.5.23
+        `collect_sources_by_ratio`): every layer of ratio 4 / 128, the sources of 1 / 2."""
+        return self.sources(ratio) if ratio in LOW_RATIOS else self.layers(ratio)
+
+    def with_ratios(
+        self,
+        ratios: list[int] | tuple[int, ...],
+        kv_source_layer_ids: list[int] | tuple[int, ...] | None = None,
+    ) -> Dsv4Shape:
+        """The same dims with another layer pattern (no MTP entries); validated. Without
+        `kv_source_layer_ids`, the first layer of each run of equal low ratios is the source."""
         d = self.to_config()
         d["num_hidden_layers"] = len(ratios)
         d["compress_ratios"] = list(ratios)
+        if kv_source_layer_ids is None:
+            kv_source_layer_ids = [
+                i
+                for i, r in enumerate(ratios)
+                if r in LOW_RATIOS and (i == 0 or ratios[i - 1] != r)
+            ]
+        d["kv_source_layer_ids"] = list(kv_source_layer_ids)
         return from_dict(d, source=f"{self.source} (ratios replaced)")
 
     def to_config(self) -> dict[str, Any]:
         """A minimal HF-style config dict with the fields this shape was read from."""
+        v41 = self.architecture == DSV4_ARCHITECTURES[1]
         d: dict[str, Any] = {
-            "architectures": list(DSV4_ARCHITECTURES),
-            "model_type": "deepseek_v4",
+            "architectures": [self.architecture],
+            "model_type": "deepseek_v41" if v41 else "deepseek_v4",
             "num_hidden_layers": self.num_hidden_layers,
             "compress_ratios": list(self.compress_ratios),
             "head_dim": self.head_dim,
@@ -83,33 +128,75 @@ class Dsv4Shape:
             "sliding_window": self.sliding_window,
             "num_nextn_predict_layers": self.num_nextn_predict_layers,
         }
+        if self.kv_source_layer_ids:
+            d["kv_source_layer_ids"] = list(self.kv_source_layer_ids)
         d["max_position_embeddings"] = self.context_length
         return d
 
 
 def load_config(path: str | os.PathLike[str]) -> Dsv4Shape:
-    """Read a Hugging Face DeepSeek-V4 config.json. Raises ConfigError naming the problem."""
+    """Read a Hugging Face DeepSeek-V4 / V4.1 config.json, with bounds (module docstring).
+    Raises ConfigError naming the path and what was expected."""
     p = os.fspath(path)
+    data = _read_bounded(p)
     try:
-        with open(p, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(
-            f"config {p!r}: no such file, expected a Hugging Face config.json"
-        ) from None
-    except IsADirectoryError:
-        raise ConfigError(f"config {p!r}: is a directory, expected a config.json file") from None
-    except OSError as e:
-        raise ConfigError(f"config {p!r}: cannot read it ({e.strerror})") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"config {p!r}: not UTF-8 text, expected JSON") from None
     try:
-        data = json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(
             f"config {p!r}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})"
         ) from None
-    return from_dict(data, source=p)
+    return from_dict(value, source=p)
+
+
+def _refuse_kind(p: str, st: os.stat_result) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"config {p!r}: is a directory, expected a config.json file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(
+            f"config {p!r}: not a regular file (a device, FIFO or socket), expected a "
+            "config.json file"
+        )
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config {p!r}: {st.st_size} bytes, expected a config.json of at most "
+            f"{MAX_CONFIG_BYTES} bytes"
+        )
+
+
+def _read_bounded(p: str) -> bytes:
+    try:
+        before = os.stat(p)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config {p!r}: no such file, expected a Hugging Face config.json"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config {p!r}: cannot read it ({e.strerror})") from None
+    _refuse_kind(p, before)
+    try:
+        # O_NONBLOCK: a FIFO swapped in after the stat opens at once instead of waiting for a writer.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"config {p!r}: cannot read it ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        _refuse_kind(p, st)
+        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise ConfigError(f"config {p!r}: replaced while being opened, expected a stable file")
+        try:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"config {p!r}: cannot read it ({e.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config {p!r}: more than {MAX_CONFIG_BYTES} bytes, expected a config.json of at "
+            f"most {MAX_CONFIG_BYTES} bytes"
+        )
+    return data
 
 
 def from_dict(data: Any, *, source: str = "<memory>") -> Dsv4Shape:
@@ -117,12 +204,21 @@ def from_dict(data: Any, *, source: str = "<memory>") -> Dsv4Shape:
         raise ConfigError(
             f"config {source!r}: top level is {type(data).__name__}, expected a JSON object"
         )
+    text = data.get("text_config")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise ConfigError(
+                f"config {source!r}: text_config is {type(text).__name__}, expected a JSON object"
+            )
+        # SGLang's normalize_deepseek_v41_config: the text fields, the top level winning.
+        data = {**text, **{k: v for k, v in data.items() if k != "text_config"}}
     archs = data.get("architectures")
     if not isinstance(archs, list) or not any(a in DSV4_ARCHITECTURES for a in archs):
         raise ConfigError(
             f"config {source!r}: architectures={archs!r}, expected a list containing "
-            f"{DSV4_ARCHITECTURES[0]!r} (not a DeepSeek-V4 config)"
+            f"{DSV4_ARCHITECTURES[0]!r} or {DSV4_ARCHITECTURES[1]!r} (not a DeepSeek-V4 config)"
         )
+    architecture = next(a for a in archs if a in DSV4_ARCHITECTURES)
 
     def integer(name: str, *, minimum: int = 1, default: Any = ...) -> int:
         if name not in data:
@@ -161,20 +257,20 @@ def from_dict(data: Any, *, source: str = "<memory>") -> Dsv4Shape:
     if not isinstance(ratios, list) or not ratios:
         raise ConfigError(
             f"config {source!r}: compress_ratios={ratios!r}, expected a list with one "
-            "compression ratio per layer (0, 4 or 128)"
+            "compression ratio per layer (0, 1, 2, 4 or 128)"
         )
     for i, r in enumerate(ratios):
         if isinstance(r, bool) or r not in SUPPORTED_RATIOS:
             raise ConfigError(
                 f"config {source!r}: compress_ratios[{i}]={r!r}, expected one of "
                 f"{', '.join(map(str, SUPPORTED_RATIOS))}"
-                + (" (ratios 1 and 2 are not modelled)" if r in (1, 2) else "")
             )
     if len(ratios) < layers:
         raise ConfigError(
             f"config {source!r}: compress_ratios has {len(ratios)} entries, expected at least "
             f"num_hidden_layers={layers} (one per layer, then one per MTP layer)"
         )
+    sources = _kv_sources(data, ratios[:layers], source)
     return Dsv4Shape(
         num_hidden_layers=layers,
         compress_ratios=tuple(int(r) for r in ratios),
@@ -184,8 +280,34 @@ def from_dict(data: Any, *, source: str = "<memory>") -> Dsv4Shape:
         sliding_window=window,
         num_nextn_predict_layers=nextn,
         context_length=context_length,
+        kv_source_layer_ids=sources,
+        architecture=architecture,
         source=source,
     )
+
+
+def _kv_sources(data: dict[str, Any], ratios: list[int], source: str) -> tuple[int, ...]:
+    """kv_source_layer_ids, checked: layer ids of this model, and every ratio-1/2 layer
+    preceded (or itself) by a source of its ratio, which SGLang 0.5.23 asserts."""
+    raw = data.get("kv_source_layer_ids", [])
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(ratios) for i in raw
+    ):
+        raise ConfigError(
+            f"config {source!r}: kv_source_layer_ids={raw!r}, expected a list of layer ids "
+            f"in [0, {len(ratios)})"
+        )
+    ids = tuple(sorted(set(raw)))
+    for i, r in enumerate(ratios):
+        if r in LOW_RATIOS and not any(j <= i and ratios[j] == r for j in ids):
+            raise ConfigError(
+                f"config {source!r}: layer {i} has compress ratio {r} but no kv_source layer "
+                f"of ratio {r} at or before it, expected kv_source_layer_ids to name one "
+                f"(kv_source_layer_ids={list(ids)!r})"
+            )
+    return ids
 
 
 _CONTEXT_LENGTH_KEYS = (

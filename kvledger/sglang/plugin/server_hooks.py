@@ -4,6 +4,7 @@
 |---|---|---|
 | `ModelRunner._init_post_memory_pool_components` | BEFORE | registers the pools the runner has just built (`RankLedger.add_runner`), attaching the DeepSeek-V4 bridge when asked; the first pool starts the publisher |
 | `ModelRunner.init_cuda_graphs` | AFTER | re-baselines NVML truth (after each runner's capture): modules and graphs loaded so far are named, not unattributed |
+| `ModelRunner.post_capture_resize_kv_pool` | AFTER | post-capture KV sizing backed each pool's final span and set its size: the runner's pool and its drafts' are registered anew (`RankLedger.refresh_runner`), SGLang's VMM-backed buffers with their new backed span |
 | `Scheduler.release_host_resources` | AFTER | graceful scheduler exit: the publisher stops and its file goes |
 | `Scheduler.process_batch_result` | AFTER | SGLang's normal loop only (no overlap): the batch has run, none is in flight; a bridged pool compacts if due (`RankLedger.compact_step`) |
 | `Scheduler.on_idle` | AFTER | no batch in flight in either loop: the same |
@@ -48,11 +49,12 @@ log = logging.getLogger(__name__)
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 POOLS_BUILT = f"{MODEL_RUNNER}._init_post_memory_pool_components"
 GRAPHS_CAPTURED = f"{MODEL_RUNNER}.init_cuda_graphs"
+KV_RESIZED = f"{MODEL_RUNNER}.post_capture_resize_kv_pool"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 SCHEDULER_EXIT = f"{SCHEDULER}.release_host_resources"
 BATCH_DONE = f"{SCHEDULER}.process_batch_result"
 IDLE = f"{SCHEDULER}.on_idle"
-TARGETS = (POOLS_BUILT, GRAPHS_CAPTURED, SCHEDULER_EXIT, BATCH_DONE, IDLE)
+TARGETS = (POOLS_BUILT, GRAPHS_CAPTURED, KV_RESIZED, SCHEDULER_EXIT, BATCH_DONE, IDLE)
 
 _lock = threading.Lock()
 _rank: Any = None  # this process's RankLedger, built by the first runner that builds pools
@@ -71,6 +73,7 @@ def install() -> None:
             return
         HookRegistry.register(POOLS_BUILT, on_pools_built, HookType.BEFORE)
         HookRegistry.register(GRAPHS_CAPTURED, on_graphs_captured, HookType.AFTER)
+        HookRegistry.register(KV_RESIZED, on_kv_resized, HookType.AFTER)
         HookRegistry.register(SCHEDULER_EXIT, on_scheduler_exit, HookType.AFTER)
         HookRegistry.register(BATCH_DONE, on_batch_done, HookType.AFTER)
         HookRegistry.register(IDLE, on_idle, HookType.AFTER)
@@ -91,6 +94,14 @@ def on_graphs_captured(result: Any, runner: Any, *args: Any, **kwargs: Any) -> N
     """AFTER ModelRunner.init_cuda_graphs(self, ...): re-baseline device truth. Each runner's
     capture (target, then drafts) re-baselines; the figure is cumulative from the baseline."""
     _guard("re-baselining device truth", _rebaseline, "after ModelRunner.init_cuda_graphs")
+
+
+def on_kv_resized(
+    result: Any, runner: Any, *args: Any, draft_runners: Any = (), **kwargs: Any
+) -> None:
+    """AFTER ModelRunner.post_capture_resize_kv_pool(self, *, draft_runners=()): the pools'
+    final spans are backed; register them anew."""
+    _guard("following the post-capture KV resize", _refresh, runner, tuple(draft_runners or ()))
 
 
 def on_scheduler_exit(result: Any, *args: Any, **kwargs: Any) -> None:
@@ -213,6 +224,13 @@ def _new_rank() -> Any:
     rank = RankLedger(scheduler_metric_labels(), directory=snapshot_dir(), interval=interval)
     atexit.register(shutdown)
     return rank
+
+
+def _refresh(runner: Any, drafts: tuple[Any, ...]) -> None:
+    rank = _rank
+    if rank is not None:
+        for r in (runner, *drafts):
+            rank.refresh_runner(r)
 
 
 def _rebaseline(point: str) -> None:

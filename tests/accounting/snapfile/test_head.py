@@ -153,3 +153,45 @@ def test_any_value_anywhere_is_served_or_refused_never_an_error(
         buffer_map(head)
     except Refused as e:
         assert e.reason == "buffers"
+
+
+def _with_parts(published, parts, *, violations=()):
+    from accounting.gpu_parts import PART_NAMES
+    from accounting.reconcile import result
+
+    envelope, rows = copy_of(published)
+    full = dict.fromkeys(PART_NAMES, 0)
+    full.update(parts)
+    entry = result(
+        "nvml",
+        ledger_bytes=0,
+        device_bytes=0,
+        basis="process",
+        detail={"used_bytes": 1000, "process_used_bytes": 600},
+        parts=full,
+        uuid="GPU-0",
+        gpu="0",
+    )
+    envelope["snapshot"]["reconciliation"] = [entry]
+    envelope["snapshot"]["violations"] += list(violations)
+    return file_bytes(envelope, rows)
+
+
+def test_gpu_parts_that_break_their_relations_unlisted_are_refused(published):
+    good = {"weights": 500, "outside_torch": 100, "other_processes": 400}
+    (got,) = load_s(_with_parts(published, good)).summary.reconciliation
+    assert got.parts["weights"] == 500 and (got.uuid, got.gpu) == ("GPU-0", "0")
+    bad = {**good, "weights": 400}  # 100 bytes of the device in no part, no violation listed
+    e = refused(_with_parts(published, bad))
+    assert e.reason == "schema" and "GPU parts break sum of GPU parts" in e.detail
+    listed = [
+        {"subject": "truth nvml", "relation": r, "detail": d}
+        for r, d in (
+            ("sum of GPU parts == NVML device used", "sum=900, device_used=1000"),
+            ("process parts + unattributed == NVML process used", "sum=500, process_used=600"),
+        )
+    ]
+    (got,) = load_s(_with_parts(published, bad, violations=listed)).summary.reconciliation
+    assert got.parts["weights"] == 400
+    e = refused(_with_parts(published, {"vram": 1}))
+    assert e.detail.startswith("reconciliation[0].parts: 'vram'")

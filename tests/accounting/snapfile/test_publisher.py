@@ -118,6 +118,34 @@ def test_publisher_thread_survives_a_failing_snapshot(tmp_path):
         assert f"kvledger-publisher-{pub.source}" in alive
 
 
+def test_a_publisher_that_keeps_failing_logs_one_traceback_then_a_line_a_minute(tmp_path, caplog):
+    ledger = Ledger({"tp_rank": "0"})
+    broken = {"on": True}
+
+    def truth(snap):
+        if broken["on"]:
+            raise OSError(2, "No such file or directory")
+        return []
+
+    ledger.add_truth(truth)
+    caplog.set_level("INFO", logger="accounting.snapfile.publisher")
+    with Publisher(ledger, tmp_path, interval=1000) as pub:
+        for _ in range(5):
+            pub._publish_safely()
+        records = [r for r in caplog.records if r.name == "accounting.snapfile.publisher"]
+        assert len(records) == 1 and records[0].exc_info is not None, records
+        pub._failure_logged -= 61  # a minute later
+        pub._publish_safely()
+        records = [r for r in caplog.records if r.name == "accounting.snapfile.publisher"]
+        assert len(records) == 2 and records[1].exc_info is None
+        assert "still failing (7 times in a row): FileNotFoundError" in records[1].getMessage()
+        broken["on"] = False
+        pub._publish_safely()
+        last = [r for r in caplog.records if r.name == "accounting.snapfile.publisher"][-1]
+        assert "again, after 7 failures" in last.getMessage()
+        assert pub.errors == 7
+
+
 @pytest.mark.parametrize(
     "interval", [0, -1, "1", True, float("nan"), float("inf"), -float("inf"), 0.001, 7200]
 )

@@ -27,6 +27,7 @@ import torch
 
 from kvledger.bench.sglang_engine import RequestKv, pin_torch_native
 from kvledger.bench.sglang_pool import Sizes, build_allocator, build_pool, build_req_to_token
+from tests.kvledger.sglang.sglang_reference import publish_only
 from tests.kvledger.sglang.sglang_reference import published as reference_published
 
 __all__ = ["RequestKv"]
@@ -38,11 +39,24 @@ FULL_PAGES = 20
 WINDOW = 128
 
 
+SERVER_ARGS = {"page_size": PAGE, "swa_full_tokens_ratio": 0.1}
+
+
 @contextlib.contextmanager
 def published() -> Iterator[None]:
     """SGLang's runtime context with a ServerArgs for DeepSeek-V4 (page 256)."""
-    with reference_published(page_size=PAGE, swa_full_tokens_ratio=0.1):
+    with reference_published(**SERVER_ARGS):
         yield
+
+
+def make_pool_with(server_args: dict[str, Any], **kw: Any) -> Any:
+    """make_pool under a ServerArgs with these fields too (encoder replay, ...); the rig's own
+    context is published again afterwards."""
+    try:
+        publish_only(**SERVER_ARGS, **server_args)
+        return make_pool(**kw)
+    finally:
+        publish_only(**SERVER_ARGS)
 
 
 def make_pool(*, ratios: list[int] | None = None, swa_pages: int = SWA_PAGES, **kw: Any) -> Any:

@@ -22,19 +22,48 @@ from typing import Any
 
 
 @contextlib.contextmanager
+def kv_layout(knobs: dict[str, Any]):
+    """SGLang picks the KV layout from SGLANG_DSV4_KV_LAYOUT and the GPU (V4.1 only on SM100):
+    pin `select_dsv4_kv_layout` to the case's resolved layout, as an SM100 host would give."""
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool as m
+
+    option = knobs.get("compressed_kv_layout", "auto")
+    chosen = (m.KVLayout(knobs.get("kv_layout", "v4")), None if option == "auto" else option)
+    real = m.select_dsv4_kv_layout
+    # The low-ratio indexer page: 128 where DeepGEMM's paged MQA logits kernel is present
+    # (read at import as DSV41_INDEX_PAGE_SIZE, and at call time by the pool and planner).
+    real_page = m.DSV41_INDEX_PAGE_SIZE
+    m.select_dsv4_kv_layout = lambda: chosen
+    m.DSV41_INDEX_PAGE_SIZE = knobs.get("low_ratio_index_page", real_page)
+    try:
+        yield chosen
+    finally:
+        m.select_dsv4_kv_layout = real
+        m.DSV41_INDEX_PAGE_SIZE = real_page
+
+
+@contextlib.contextmanager
 def published(**server_args_fields: Any):
     """Publish a ServerArgs in SGLang's runtime context, as its own test fixtures do
     (sglang.test.test_utils.published_topology), and reset it afterwards."""
+    from sglang.srt.runtime_context import reset_context
+
+    server_args = publish_only(**server_args_fields)
+    try:
+        yield server_args
+    finally:
+        reset_context()
+
+
+def publish_only(**server_args_fields: Any) -> Any:
+    """Replace SGLang's runtime context with a ServerArgs of these fields (no reset after)."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(model_path="dummy", **server_args_fields)
     reset_context()
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    try:
-        yield server_args
-    finally:
-        reset_context()
+    return server_args
 
 
 def _server_fields(knobs: dict[str, Any]) -> dict[str, Any]:
@@ -81,6 +110,8 @@ def pool_tensors(pool: Any, ratios: list[int]) -> list[dict[str, Any]]:
     the attributes SGLang 0.5.23 defines (explicit paths, not kvledger's inventory)."""
     stage = ratios[pool._stage_start : pool._stage_end]
     by_ratio = {r: [i for i, x in enumerate(stage) if x == r] for r in (4, 128)}
+    for r in (1, 2):
+        by_ratio[r] = list(pool.sources_by_ratio.get(r, []))
     out = []
 
     def add(family: str, layer: int, t: Any) -> None:
@@ -88,19 +119,20 @@ def pool_tensors(pool: Any, ratios: list[int]) -> list[dict[str, Any]]:
 
     for i, t in enumerate(pool.swa_kv_pool.kv_buffer):
         add("swa_kv", i, t)
-    for ratio, family in ((4, "c4_kv"), (128, "c128_kv")):
+    for ratio in (4, 128, 1, 2):
         sub = pool.kv_pools.get(ratio)
         if sub is not None:
             for local, t in enumerate(sub.kv_buffer):
-                add(family, by_ratio[ratio][local], t)
-    idx = pool.index_pools.get(4)
-    if idx is not None:
-        for local, t in enumerate(idx.index_k_with_scale_buffer):
-            add("c4_indexer", by_ratio[4][local], t)
+                add(f"c{ratio}_kv", by_ratio[ratio][local], t)
+    for ratio in (4, 1, 2):
+        idx = pool.index_pools.get(ratio)
+        if idx is not None:
+            for local, t in enumerate(idx.index_k_with_scale_buffer):
+                add(f"c{ratio}_indexer", by_ratio[ratio][local], t)
     for layer, st in enumerate(pool.compress_state_pools):
         if st is not None:
             add(
-                "c4_attn_state" if st.ratio == 4 else "c128_state",
+                "c4_attn_state" if st.ratio == 4 else f"c{st.ratio}_state",
                 layer,
                 st.kv_score_buffer.kv_score,
             )
@@ -118,7 +150,7 @@ def build_pool(case: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
     cfg, knobs = case["config"], case["knobs"]
     ratios = list(cfg["compress_ratios"])
     layers = cfg["num_hidden_layers"]
-    with published(**_server_fields(knobs)):
+    with published(**_server_fields(knobs)), kv_layout(knobs) as (layout, option):
         c4_dtype, c128_dtype = _get_dsv4_compress_state_dtypes()
         draft = knobs.get("speculative_draft_tokens", 0)
         pool = DeepSeekV4TokenToKVPool(
@@ -146,11 +178,17 @@ def build_pool(case: dict[str, Any], sizes: dict[str, Any]) -> dict[str, Any]:
             end_layer=layers,
             online_mtp_max_draft_tokens=draft,
             full_size=sizes["full_tokens"],
+            kv_source_layers=list(cfg.get("kv_source_layer_ids", [])),
+            kv_layout=layout,
+            compressed_kv_layout=option,
         )
         tensors = pool_tensors(pool, ratios)
+        layouts = {"swa": pool.kv_layout.value} | {
+            f"c{r}": sub.kv_layout.value for r, sub in pool.kv_pools.items() if sub is not None
+        }
         mem_usage = float(pool.mem_usage)
         del pool
-    return {"tensors": tensors, "mem_usage": mem_usage}
+    return {"tensors": tensors, "mem_usage": mem_usage, "kv_layouts": layouts}
 
 
 def run_planner(case: dict[str, Any]) -> dict[str, Any]:
@@ -163,8 +201,8 @@ def run_planner(case: dict[str, Any]) -> dict[str, Any]:
     cfg, knobs = case["config"], case["knobs"]
     layers = cfg["num_hidden_layers"]
     draft = knobs.get("speculative_draft_tokens", 0)
-    with published(**_server_fields(knobs)):
-        hf = types.SimpleNamespace(kv_source_layer_ids=[], **cfg)
+    with published(**_server_fields(knobs)), kv_layout(knobs):
+        hf = types.SimpleNamespace(**{"kv_source_layer_ids": [], **cfg})
         model_config = types.SimpleNamespace(
             qk_nope_head_dim=cfg["head_dim"] - cfg["qk_rope_head_dim"],
             qk_rope_head_dim=cfg["qk_rope_head_dim"],
@@ -212,6 +250,9 @@ def run_planner(case: dict[str, Any]) -> dict[str, Any]:
             "swa_cap_tokens": conf.swa_cap_tokens,
             "planning_max_running_requests": planning_mrr,
             "c128_state_fixed_bytes": conf._get_c128_state_fixed_bytes(
+                planning_mrr if planning_mrr is not None else mpc.max_running_requests
+            ),
+            "c2_state_fixed_bytes": conf._get_c2_state_fixed_bytes(
                 planning_mrr if planning_mrr is not None else mpc.max_running_requests
             ),
         }

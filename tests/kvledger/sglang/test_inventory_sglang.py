@@ -11,18 +11,15 @@ from accounting import Ledger
 from kvledger.bench.sglang_pool import Sizes, build_pool
 from kvledger.sglang.dsv4 import Knobs, plan
 from kvledger.sglang.inventory import register_pool
-from tests.kvledger.sglang.dsv4.fixtures import flash
+from tests.kvledger.sglang.dsv4.fixtures import flash, v41
 from tests.kvledger.sglang.rig import unique_storages
 
 pytestmark = pytest.mark.sglang
 
 
-@pytest.fixture
-def dsv4_pool() -> Iterator[tuple[Any, Any]]:
-    from tests.kvledger.sglang.sglang_reference import published
-
-    shape = flash()
-    bm = plan(shape, Knobs(max_running_requests=8), full_tokens=16_384)
+def _build(shape: Any, knobs: Knobs, **extra: Any) -> tuple[Any, Any]:
+    """SGLang's real pool for kvledger's buffer map of `shape` at 16,384 full tokens."""
+    bm = plan(shape, knobs, full_tokens=16_384)
     s = bm.sizes
     sizes = Sizes(
         requests=s.max_running_requests,
@@ -32,21 +29,34 @@ def dsv4_pool() -> Iterator[tuple[Any, Any]]:
         c128_tokens=s.c128_tokens,
         c4_state_size=s.c4_state_size,
         c128_state_size=s.c128_state_size,
-        full_tokens=None,  # full_size not passed: SGLang's default
+        # V4.1's low-ratio pools are sized from it; V4 keeps SGLang's default.
+        full_tokens=s.full_tokens if shape.has_low_ratios else None,
     )
+    if shape.has_low_ratios:
+        extra = {"kv_source_layers": list(shape.kv_source_layer_ids), **extra}
+    pool = build_pool(
+        sizes,
+        ratios=list(shape.compress_ratios),
+        layers=shape.num_hidden_layers,
+        page=256,
+        window=shape.sliding_window,
+        device="cpu",
+        qk_nope_head_dim=shape.qk_nope_head_dim,
+        qk_rope_head_dim=shape.qk_rope_head_dim,
+        indexer_head_dim=shape.index_head_dim,
+        kv_layout=bm.kv_layout,
+        **extra,
+    )
+    return pool, bm
+
+
+@pytest.fixture(params=["flash", "v41"])
+def dsv4_pool(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
+    from tests.kvledger.sglang.sglang_reference import published
+
+    shape = flash() if request.param == "flash" else v41()
     with published(page_size=256):
-        pool = build_pool(
-            sizes,
-            ratios=list(shape.compress_ratios),
-            layers=shape.num_hidden_layers,
-            page=256,
-            window=shape.sliding_window,
-            device="cpu",
-            qk_nope_head_dim=shape.qk_nope_head_dim,
-            qk_rope_head_dim=shape.qk_rope_head_dim,
-            indexer_head_dim=shape.index_head_dim,
-        )
-        yield pool, bm
+        yield _build(shape, Knobs(max_running_requests=8))
 
 
 def test_dsv4_pool_inventory_counts_each_storage_once(dsv4_pool: tuple[Any, Any]) -> None:
@@ -64,7 +74,8 @@ def test_dsv4_pool_inventory_counts_each_storage_once(dsv4_pool: tuple[Any, Any]
     assert len(inv.specs) == len(storages)
     # Aliased sub-pools (c4_kv_pool is kv_pools[4]) were not counted twice.
     assert pool.c4_kv_pool is pool.kv_pools[4]
-    # Classified into the seven families, equal to kvledger's own buffer map.
+    # Classified into the seven families (and V4.1's low-ratio ones), equal to kvledger's own
+    # buffer map.
     fams = snap.rollup("family")
     assert set(k[0] for k in fams) == set(bm.families)
     for fam, fp in bm.families.items():
@@ -81,6 +92,74 @@ def test_dsv4_pool_inventory_counts_each_storage_once(dsv4_pool: tuple[Any, Any]
     # The headline gauge's value is non-zero here, while SGLang's own figure reads 0.
     assert physical / 2**30 > 0
     assert pool.mem_usage == 0
+
+
+def test_request_window_storage_is_accounted_under_its_own_families() -> None:
+    """Encoder replay (SGLang's enable_encoder_swa_bounded_replay): no paged SWA pool; the
+    request window's state is the SWA KV of every layer, beside its workspace and tags."""
+    from tests.kvledger.sglang.sglang_reference import published
+
+    with published(
+        page_size=256, enable_encoder_swa_bounded_replay=True, chunked_prefill_size=1024
+    ):
+        pool, bm = _build(v41(), Knobs(max_running_requests=8))
+        rw = pool.request_window
+        assert pool.swa_kv_pool is None and rw is not None
+        ledger = Ledger()
+        inv = register_pool(ledger, pool, name="dsv4")
+        snap = ledger.snapshot()
+        assert not snap.violations
+        assert snap.total("physical_bytes") == sum(unique_storages(pool).values()) > 0
+        fams = snap.rollup("family")
+        assert "other" not in {k[0] for k in fams}
+        state = rw.state.kv_buffer
+        assert len(state) == bm.shape.num_hidden_layers
+        # One window of `capacity` rows (256) per request slot plus a page, 528-byte tokens.
+        assert rw.capacity == 256 and state[0].shape[1] == 256 * 528
+        assert fams[("swa_kv",)]["tensor_bytes"] == sum(t.numel() for t in state)
+        assert fams[("swa_kv",)]["capacity_slots"] == state[0].shape[0] * 256
+        ws = rw.workspace.kv_buffer[0]
+        assert fams[("swa_window_workspace",)]["tensor_bytes"] == ws.numel()
+        assert fams[("swa_window_tags",)]["tensor_bytes"] == rw.tags.numel() * 8
+        assert {s.layer for s in inv.specs if s.family == "swa_kv"} == set(
+            range(bm.shape.num_hidden_layers)
+        )
+        # Everything else is what the paged pool would hold.
+        for fam in ("c1_kv", "c2_kv", "c1_indexer", "c2_indexer", "c2_state", "c128_kv"):
+            assert fams[(fam,)]["tensor_bytes"] == bm.families[fam].allocated_bytes, fam
+
+
+def test_unified_kv_ring_is_accounted_as_unified_kv() -> None:
+    """The unified-KV ring (SGLang's HIP unified_kv path, forced on the CPU): SWA ring rows
+    and compressed rows in one tensor per layer, family unified_kv."""
+    import sglang.srt.layers.attention.dsv4.unified_kv_gate as gate
+
+    from tests.kvledger.sglang.sglang_reference import published
+
+    real = gate.is_unified_kv_triton
+    gate.is_unified_kv_triton = lambda: True
+    try:
+        with published(page_size=256):
+            pool, bm = _build(flash(), Knobs(max_running_requests=8))
+    finally:
+        gate.is_unified_kv_triton = real
+    uk = pool.unified_kv_pool
+    assert pool.swa_kv_pool is None and uk is not None
+    ledger = Ledger()
+    inv = register_pool(ledger, pool, name="dsv4")
+    snap = ledger.snapshot()
+    assert snap.total("physical_bytes") == sum(unique_storages(pool).values()) > 0
+    fams = snap.rollup("family")
+    assert "other" not in {k[0] for k in fams} and "swa_kv" not in {k[0] for k in fams}
+    assert fams[("unified_kv",)]["tensor_bytes"] == sum(
+        t.numel() * t.element_size() for t in uk.kv_buffer
+    )
+    # Rows: every request slot's SWA ring, then the compressed rows of the layer's ratio.
+    slots = bm.sizes.num_req_slots
+    assert uk.kv_buffer[0].shape == (slots * 128, 512)  # a Flash SWA-only layer, bf16
+    assert {s.layer for s in inv.specs if s.family == "unified_kv"} == set(
+        range(bm.shape.num_hidden_layers)
+    )
 
 
 def test_mha_and_swa_pools() -> None:

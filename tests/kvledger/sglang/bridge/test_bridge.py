@@ -42,6 +42,9 @@ RUNTIME_FAMILIES = {
     "c128_state",
 }
 GB = 1 << 30
+# A DeepSeek-V4.1-shaped pool: ratio-1/2 layers whose first of each run is the kv_source.
+V41_RATIOS = [0, 1, 1, 2, 2, 4, 128]
+V41_SOURCES = [1, 3]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,7 +103,7 @@ def check(rg: Rig) -> Any:
     engine = br.policy.held_by_engine()
     assert br.follower.held().tolist() == engine
     assert br.follower.divergences == 0
-    need = set().union(*(row_pages(p) for p in [0, *engine]))
+    need = set().union(*(row_pages(p, row_bytes=br.facts.row_bytes) for p in [0, *engine]))
     sp = br.store
     mapped = {p for p in range(sp.num_pages) if sp.is_mapped(p)}
     assert need <= mapped
@@ -111,7 +114,9 @@ def check(rg: Rig) -> Any:
     layers = len(rg.pool.swa_kv_pool.kv_buffer)
     assert swa["occupied_slots"] == rig.PAGE * len(engine)
     assert swa["occupied_slots"] == alloc.size_swa - alloc.swa_available_size()
-    assert swa["tensor_bytes"] == layers * br.facts.rows * ROW
+    assert swa["tensor_bytes"] == layers * br.facts.rows * expected_row_bytes(
+        rig.PAGE, br.facts.kv_layout
+    )
     assert swa["mapped_bytes"] == len(mapped) * GRAN * layers
     assert swa["physical_bytes"] == sp.stats()["physical_bytes"]
     (rec,) = snap.reconciliation
@@ -149,7 +154,8 @@ def check_scrape(rg: Rig) -> float:
     swa = rg.bridge.store
     layers = len(rg.pool.swa_kv_pool.kv_buffer)
     rows = rg.bridge.facts.rows
-    assert got[("sglang:kv_cache_tensor_bytes", "swa_kv")] == layers * rows * ROW
+    row = expected_row_bytes(rig.PAGE, rg.bridge.facts.kv_layout)
+    assert got[("sglang:kv_cache_tensor_bytes", "swa_kv")] == layers * rows * row
     assert got[("sglang:kv_cache_physical_bytes", "swa_kv")] == swa.stats()["physical_bytes"]
     headline = got[("sglang:kv_cache_memory_usage_gb", None)]
     assert headline == pytest.approx(usage_gb(rg.ledger.snapshot(reconcile=False)))
@@ -462,6 +468,108 @@ def test_detach_unmaps_only_after_its_copy_back_has_run(monkeypatch: pytest.Monk
         rg.close()
 
 
+# -- DeepSeek-V4.1 ---------------------------------------------------------------------------------
+def _v41_rig(layout: str = "v41") -> Rig:
+    return Rig(ratios=V41_RATIOS, kv_layout=layout, kv_source_layers=V41_SOURCES)
+
+
+def test_v41_pool_is_bridged_and_follows_sglangs_pages() -> None:
+    """SGLang 0.5.23's V4.1 pool (v41 SWA layout, 528-byte tokens; ratio-1/2 kv_source layers):
+    the SWA rows go on the VMM pool, every other family stays SGLang's, figures agree."""
+    rg = _v41_rig()
+    try:
+        br = rg.attach(pool_options=EXACT)
+        assert br.active, br.reason
+        f = br.facts
+        assert (f.kv_layout, f.swa_storage, f.token_bytes, f.page_tokens) == (
+            "v41",
+            "paged",
+            528,
+            256,
+        )
+        assert (f.rows, f.row_bytes) == (rig.SWA_PAGES + 1, 256 * 528)
+        owners = {(a.family, a.owner.value) for a in rg.ledger.accounts()}
+        low = {"c1_kv", "c2_kv", "c1_indexer", "c2_indexer", "c2_state"}
+        assert owners == {("swa_kv", "vmm")} | {(x, "runtime") for x in RUNTIME_FAMILIES | low}
+        swa = next(a for a in rg.ledger.accounts() if a.family == "swa_kv")
+        assert {b.slot_bytes for b in swa.buffers} == {528}
+        s = rg.sched
+        a = s.prefill(300)
+        b = s.prefill(600)
+        check(rg)
+        assert held(rg) == 5
+        for _ in range(230):
+            s.decode([a, b])
+        check(rg)
+        assert held(rg) == 7
+        s.evict_window(a)
+        check(rg)
+        s.finish(a)
+        s.finish(b)
+        snap = check(rg)
+        assert held(rg) == 0
+        assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 0
+    finally:
+        rg.close()
+
+
+@pytest.mark.parametrize("layout", ["v41", "v41_new"])
+def test_v41_bytes_round_trip_through_attach_and_detach(layout: str) -> None:
+    """Rows SGLang holds before attach are copied onto the VMM pool byte for byte, rows
+    written while bridged are there too, and detach carries every held row (and the padding
+    row) back into native tensors of SGLang's shape; nothing stays mapped."""
+    import torch
+
+    rg = _v41_rig(layout)
+    try:
+        gen = torch.Generator().manual_seed(41)
+        sub = rg.pool.swa_kv_pool
+        a = rg.sched.prefill(300)  # 2 pages, native
+        pages = sorted(
+            {
+                int(i) // rig.PAGE
+                for i in rg.alloc.translate_loc_from_full_to_swa(
+                    rg.r2t.req_to_token[a.kv.req_pool_idx, :300].long()
+                )
+            }
+        )
+        want: dict[tuple[int, int], Any] = {}
+
+        def write(rows: list[int]) -> None:
+            for layer, t in enumerate(sub.kv_buffer):
+                for row in rows:
+                    v = torch.randint(0, 256, (t.shape[1],), dtype=torch.uint8, generator=gen)
+                    t[row].copy_(v)
+                    want[(layer, row)] = v
+
+        write([0, *pages])
+        br = rg.attach(pool_options=EXACT)
+        assert br.active, br.reason
+        assert br.follower.held().tolist() == pages
+        for (layer, row), v in want.items():
+            assert torch.equal(sub.kv_buffer[layer][row], v)  # read through the VMM mapping
+        b = rg.sched.prefill(rig.PAGE)  # one more page, while bridged
+        new = sorted(set(br.follower.held().tolist()) - set(pages))
+        assert len(new) == 1
+        write(new)
+        check(rg)
+        held_rows = br.follower.held().tolist()
+        br.detach()
+        assert rg.backend.physical_bytes() == 0 and rg.ledger.accounts() == ()
+        for layer, t in enumerate(sub.kv_buffer):
+            assert t.shape == (rig.SWA_PAGES + 1, 256 * 528) and t.dtype == torch.uint8
+            assert t.untyped_storage().nbytes() == t.numel()  # native again
+            for row in range(t.shape[0]):
+                if row == 0 or row in held_rows:
+                    assert torch.equal(t[row], want[(layer, row)]), (layer, row)
+                else:
+                    assert not bool(t[row].any()), (layer, row)
+        rg.sched.finish(a)
+        rg.sched.finish(b)
+    finally:
+        rg.close()
+
+
 def test_detach_closes_a_backend_the_bridge_made(r: Rig) -> None:
     made: list[HostBackend] = []
 
@@ -501,13 +609,25 @@ def _unified_pool() -> Any:
         gate.is_unified_kv_triton = real
 
 
+def _request_window_pool() -> Any:
+    """Encoder replay: SGLang keeps the target's SWA rows in a request window, no paged pool."""
+    return rig.make_pool_with(
+        {"enable_encoder_swa_bounded_replay": True, "chunked_prefill_size": 1024},
+        ratios=V41_RATIOS,
+        kv_layout="v41",
+        kv_source_layers=V41_SOURCES,
+    )
+
+
 def _incompatible(kind: str) -> tuple[Rig, dict[str, Any], str]:
     if kind == "unified":
         rg = Rig()
         rg.pool = _unified_pool()
         return rg, {"allocator_none": True}, "'unified'"
-    if kind == "v41":
-        return Rig(kv_layout="v41"), {}, "layout 'v41'"
+    if kind == "request_window":
+        rg = Rig()
+        rg.pool = _request_window_pool()
+        return rg, {"allocator_none": True}, "SWA storage is 'request_window' (encoder replay"
     if kind == "granularity":
         rg = Rig()
         rg.backend.close()
@@ -520,7 +640,7 @@ def _incompatible(kind: str) -> tuple[Rig, dict[str, Any], str]:
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["unified", "v41", "granularity", "token_allocator"])
+@pytest.mark.parametrize("kind", ["unified", "request_window", "granularity", "token_allocator"])
 def test_incompatible_pool_stays_native_with_a_warning(
     kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -542,7 +662,7 @@ def test_incompatible_pool_stays_native_with_a_warning(
         rg.close()
 
 
-@pytest.mark.parametrize("kind", ["unified", "v41", "granularity", "token_allocator"])
+@pytest.mark.parametrize("kind", ["unified", "request_window", "granularity", "token_allocator"])
 def test_incompatible_pool_fails_when_required(kind: str) -> None:
     rg, opts, why = _incompatible(kind)
     try:
@@ -558,7 +678,7 @@ def test_incompatible_pool_fails_when_required(kind: str) -> None:
 
 
 def test_require_is_read_from_the_environment() -> None:
-    rg = Rig(kv_layout="v41")
+    rg, _, _ = _incompatible("granularity")
     try:
         with pytest.raises(IncompatibleError, match=ENV_REQUIRE):
             rg.attach(env={ENV_ENABLE: "1", ENV_REQUIRE: "1"})

@@ -13,6 +13,7 @@ from kvledger.sglang.bridge.compat import (
     SwaFacts,
     expected_row_bytes,
     incompatibilities,
+    layout_token_bytes,
     pool_reasons,
 )
 
@@ -59,13 +60,42 @@ def test_sglangs_v4_pool_is_compatible() -> None:
     assert (GOOD.rows, GOOD.row_bytes) == (ROWS, ROW)
 
 
+@pytest.mark.parametrize(("layout", "row"), [("v41", 135168), ("v41_new", 135168)])
+def test_sglangs_v41_pools_are_compatible(layout: str, row: int) -> None:
+    """V4.1's 528-byte tokens: 256 of them fill 264 x 512 (v41) or 256 x 528 (v41_new) bytes,
+    no padding either way."""
+    assert expected_row_bytes(256, layout) == row == 256 * 528
+    assert layout_token_bytes(layout) == 528
+    assert reasons(kv_layout=layout, token_bytes=528, shapes=((ROWS, row),) * 3) == []
+    # The V4 row is wrong for a V4.1 pool, named with the layout.
+    (why,) = reasons(kv_layout=layout, token_bytes=528)
+    assert f"expected {row}" in why and f"the {layout} layout" in why
+    assert expected_row_bytes(2, "v41") == 3 * 512 and expected_row_bytes(2, "v41_new") == 2 * 528
+
+
+@pytest.mark.parametrize(
+    ("storage", "why"),
+    [
+        ("request_window", "encoder replay"),
+        ("unified", "unified-KV ring"),
+        ("ring", "draft SWA ring"),
+    ],
+)
+def test_storage_without_a_paged_pool_is_refused_naming_it(storage: str, why: str) -> None:
+    (reason,) = reasons(has_swa_pool=False, swa_storage=storage)
+    assert f"SWA storage is {storage!r}" in reason and why in reason
+    assert reason.endswith("expected 'paged'")
+
+
 @pytest.mark.parametrize(
     ("changes", "why"),
     [
         ({"is_dsv4_pool": False, "pool_class": "MHATokenToKVPool"}, "MHATokenToKVPool"),
         ({"has_swa_pool": False, "swa_storage": "unified"}, "'unified'"),
         ({"has_swa_pool": False, "swa_storage": "request_window"}, "'request_window'"),
-        ({"kv_layout": "v41"}, "layout 'v41'"),
+        ({"kv_layout": "v41_fp4"}, "layout 'v41_fp4', expected one of v4, v41, v41_new"),
+        ({"kv_layout": "uniform_fp8"}, "layout 'uniform_fp8'"),
+        ({"kv_layout": "v41", "token_bytes": 584}, "token bytes 584, expected 528 (the v41"),
         ({"uniform_fp8": True}, "uniform-FP8"),
         ({"token_bytes": 512}, "token bytes 512"),
         ({"page_tokens": 64}, "page of 64 tokens"),

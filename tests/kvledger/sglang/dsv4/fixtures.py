@@ -1,4 +1,5 @@
-"""The DeepSeek-V4-Flash-shaped config the tests use: the fields SGLang reads for KV sizing."""
+"""The DeepSeek-V4-Flash-shaped and V4.1-shaped configs the tests use: the fields SGLang reads
+for KV sizing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ FLASH_CONFIG = (
     / "data"
     / "deepseek-v4-flash-shape.config.json"
 )
+V41_CONFIG = FLASH_CONFIG.with_name("deepseek-v41-shape.config.json")
 
 
 def flash_config_dict() -> dict[str, Any]:
@@ -24,3 +26,7 @@ def flash_config_dict() -> dict[str, Any]:
 
 def flash() -> Dsv4Shape:
     return load_config(FLASH_CONFIG)
+
+
+def v41() -> Dsv4Shape:
+    return load_config(V41_CONFIG)

@@ -18,16 +18,17 @@ from typing import Any
 import pytest
 
 from kvledger.sglang.dsv4 import Dsv4Shape, Knobs, plan
-from tests.kvledger.sglang.dsv4.fixtures import flash
+from tests.kvledger.sglang.dsv4.fixtures import flash, v41
 
 pytestmark = pytest.mark.sglang
 
 ROOT = Path(__file__).resolve().parents[4]
 STATE_ENV = {"fp32": "float32", "bf16": "bfloat16"}
+V41 = "v41"  # the V4.1-shaped config of kvledger/data (ratios 1 and 2 with kv_source layers)
+Ratios = list[int] | str | None
 
-
-# (id, layer ratios or None for Flash, knobs, size)
-POOL_CASES: list[tuple[str, list[int] | None, Knobs, dict[str, int]]] = [
+# (id, layer ratios or None for Flash or V41, knobs, size)
+POOL_CASES: list[tuple[str, Ratios, Knobs, dict[str, int]]] = [
     ("flash-16k-fp32", None, Knobs(max_running_requests=8), {"full_tokens": 16384}),
     (
         "flash-16k-bf16",
@@ -87,9 +88,60 @@ POOL_CASES: list[tuple[str, list[int] | None, Knobs, dict[str, int]]] = [
         ),
         {"full_tokens": 30000},
     ),
+    # DeepSeek-V4.1: the v41 / v41_new SWA layouts, the low-ratio (1, 2) layers.
+    ("v41-16k-fp32", V41, Knobs(max_running_requests=8), {"full_tokens": 16384}),
+    (
+        "v41-1GiB-bf16",
+        V41,
+        Knobs(max_running_requests=16, state_dtype="bf16"),
+        {"budget_bytes": 1 << 30},
+    ),
+    (
+        "v41-mtp3-fp4-indexer",
+        V41,
+        Knobs(max_running_requests=4, speculative_draft_tokens=3, indexer_dtype="fp4"),
+        {"full_tokens": 20480},
+    ),
+    (
+        "v41-new-mixed",
+        [0, 1, 1, 2, 2, 4, 128],
+        Knobs(max_running_requests=2, kv_layout="v41_new"),
+        {"full_tokens": 7000},
+    ),
+    (
+        "v41-compressed-fp8",
+        [0, 1, 2, 1, 2, 4, 128],
+        Knobs(max_running_requests=3, compressed_kv_layout="fp8"),
+        {"full_tokens": 9000},
+    ),
+    (
+        "v41-compressed-fp4",
+        [0, 4, 128, 1, 2],
+        Knobs(max_running_requests=2, compressed_kv_layout="fp4"),
+        {"full_tokens": 8192},
+    ),
+    ("v4-layout-low-ratios", [0, 1, 2, 4, 128], Knobs(kv_layout="v4"), {"full_tokens": 8192}),
+    (
+        "flash-in-v41-layout",
+        None,
+        Knobs(max_running_requests=4, kv_layout="v41"),
+        {"full_tokens": 16384},
+    ),
+    (
+        "v41-index-page-128",
+        V41,
+        Knobs(max_running_requests=8, low_ratio_index_page=128),
+        {"full_tokens": 16384},
+    ),
+    (
+        "v41-cap-1GiB",
+        V41,
+        Knobs(max_running_requests=4, swa_sizing="cap", chunked_prefill_size=2048),
+        {"budget_bytes": 1 << 30},
+    ),
 ]
 
-PLANNER_CASES: list[tuple[str, list[int] | None, Knobs, dict[str, int]]] = [
+PLANNER_CASES: list[tuple[str, Ratios, Knobs, dict[str, int]]] = [
     ("flash-80GiB-auto", None, Knobs(), {"budget_bytes": 80 << 30}),
     ("flash-80GiB-bf16-auto", None, Knobs(state_dtype="bf16"), {"budget_bytes": 80 << 30}),
     ("flash-60GiB-256req", None, Knobs(max_running_requests=256), {"budget_bytes": 60 << 30}),
@@ -132,17 +184,50 @@ PLANNER_CASES: list[tuple[str, list[int] | None, Knobs, dict[str, int]]] = [
         Knobs(max_running_requests=32, swa_sizing="cap", chunked_prefill_size=4096),
         {"full_tokens": 2_000_000},
     ),
+    ("v41-80GiB-auto", V41, Knobs(), {"budget_bytes": 80 << 30}),
+    ("v41-60GiB-256req", V41, Knobs(max_running_requests=256), {"budget_bytes": 60 << 30}),
+    (
+        "v41-7.5GiB-mtp",
+        V41,
+        Knobs(max_running_requests=64, speculative_draft_tokens=4),
+        {"budget_bytes": 7680 << 20},
+    ),
+    (
+        "v41-new-odd-budget",
+        V41,
+        Knobs(max_running_requests=100, kv_layout="v41_new"),
+        {"budget_bytes": 12_345_678_901},
+    ),
+    (
+        "v41-compressed-fp8-20GiB",
+        V41,
+        Knobs(max_running_requests=32, compressed_kv_layout="fp8", state_dtype="bf16"),
+        {"budget_bytes": 20 << 30},
+    ),
+    (
+        "v41-cap-80GiB",
+        V41,
+        Knobs(max_running_requests=256, swa_sizing="cap", chunked_prefill_size=8192),
+        {"budget_bytes": 80 << 30},
+    ),
+    ("v41-tokens-1M", V41, Knobs(max_running_requests=128), {"full_tokens": 1_000_000}),
+    (
+        "v41-index-page-128-30GiB",
+        V41,
+        Knobs(max_running_requests=64, low_ratio_index_page=128),
+        {"budget_bytes": 30 << 30},
+    ),
 ]
 
 
-def _shape(ratios: list[int] | None) -> Dsv4Shape:
+def _shape(ratios: Ratios) -> Dsv4Shape:
+    if ratios == V41:
+        return v41()
     s = flash()
     return s if ratios is None else s.with_ratios(ratios)
 
 
-def _case(
-    ratios: list[int] | None, knobs: Knobs, size: dict[str, int], build: bool
-) -> dict[str, Any]:
+def _case(ratios: Ratios, knobs: Knobs, size: dict[str, int], build: bool) -> dict[str, Any]:
     shape = _shape(ratios)
     return {
         "config": shape.to_config(),
@@ -158,6 +243,9 @@ def _case(
             "disable_radix_cache": knobs.disable_radix_cache,
             "disable_overlap_schedule": knobs.disable_overlap_schedule,
             "swa_prefix_tails": knobs.swa_prefix_tails,
+            "kv_layout": knobs.resolved_kv_layout(shape.has_low_ratios),
+            "compressed_kv_layout": knobs.compressed_kv_layout,
+            "low_ratio_index_page": knobs.low_ratio_index_page,
         },
         "context_length": knobs.context_length or shape.context_length,
         "build": build,
@@ -184,7 +272,7 @@ def _reference(state_dtype: str, cases_json: str) -> tuple[dict[str, Any], ...]:
 
 
 def _run(
-    table: list[tuple[str, list[int] | None, Knobs, dict[str, int]]], build: bool
+    table: list[tuple[str, Ratios, Knobs, dict[str, int]]], build: bool
 ) -> dict[str, dict[str, Any]]:
     """All cases of one table, one subprocess per state dtype; results by case id."""
     out: dict[str, dict[str, Any]] = {}
@@ -234,6 +322,8 @@ def _check_sizes(bm: Any, ref: dict[str, Any]) -> None:
     assert bm.planned_bytes("c128_state") == (
         got["c128_state_fixed_bytes"] if bm.shape.layers(128) else 0
     )
+    c2 = bm.families.get("c2_state")
+    assert (c2.planned_bytes if c2 else 0) == got["c2_state_fixed_bytes"]
 
 
 @pytest.mark.parametrize("cid", [c[0] for c in POOL_CASES])
@@ -254,6 +344,11 @@ def test_buffer_map_equals_sglang_pool_tensor_for_tensor(cid: str) -> None:
     # Each tensor owns its storage, exactly its tensor bytes.
     assert all(t["storage_bytes"] == t["tensor_bytes"] for t in ref["tensors"])
     assert ref["mem_usage"] == 0.0  # SGLang 0.5.23 reports nothing for this pool
+    # The same families (V4.1's low-ratio ones included) and the same layout per cache.
+    assert set(bm.families) == {t["family"] for t in ref["tensors"]} | {
+        f for f, fp in bm.families.items() if not fp.layers
+    }
+    assert bm.to_dict()["kv_layouts"] == ref["kv_layouts"]
 
 
 @pytest.mark.parametrize("cid", [c[0] for c in PLANNER_CASES])

@@ -9,6 +9,7 @@ from accounting.buffers import Owner
 from allocator.slots.layout import SlotLayout
 from kvledger.sglang.dsv4 import FAMILIES, Knobs, plan
 from kvledger.sglang.dsv4 import geometry as g
+from kvledger.sglang.dsv4.buffermap import LOW_RATIO_FAMILIES
 from tests.kvledger.sglang.dsv4.fixtures import flash
 
 
@@ -287,3 +288,65 @@ def test_cap_budget_too_small_names_the_cap() -> None:
     knobs = Knobs(max_running_requests=4096, swa_sizing="cap", chunked_prefill_size=8192)
     with pytest.raises(ValueError, match="-token SWA cap"):
         plan(flash(), knobs, budget_bytes=8 << 30)
+
+
+# -- DeepSeek-V4.1 ------------------------------------------------------------------------------
+def test_v41_layouts_and_pricing() -> None:
+    """V4.1 by default (auto, as SGLang on SM100): 528-byte fp8 entries for SWA, c4 and c128
+    (c128's two-entry page padded to 3 x 512), fp4 288-byte entries for ratios 1 and 2."""
+    from tests.kvledger.sglang.dsv4.fixtures import v41
+
+    bm = plan(v41(), Knobs(max_running_requests=8), full_tokens=16384)
+    assert bm.kv_layout == "v41"
+    assert bm.pricing.kv_layouts == {0: "v41", 1: "v41_fp4", 2: "v41_fp4", 4: "v41", 128: "v41"}
+    assert bm.pricing.kv_bytes_per_entry == {0: 528.0, 4: 528.0, 128: 768.0, 1: 288.0, 2: 288.0}
+    assert tuple(bm.families) == FAMILIES + LOW_RATIO_FAMILIES
+    fam = bm.families
+    assert fam["swa_kv"].shape == (1638 // 256 + 1, 256 * 528)
+    assert fam["swa_kv"].slot_bytes == 528
+    assert fam["c1_kv"].layers == (2, 8, 14, 20, 26, 32, 38)
+    # 16384 / 1 slots in 256-slot pages plus the reserved logical page: 65 pages of 73,728 B.
+    assert fam["c1_kv"].shape == (65, 256 * 288)
+    assert fam["c2_kv"].shape == (66, 128 * 288)
+    # The fp4 indexer: (16384 + 256) / r slots in 64-slot pages, one more page reserved.
+    assert fam["c1_indexer"].shape == (261, 64 * 68)
+    assert fam["c2_indexer"].shape == (131, 64 * 68)
+    # Pair state: 9 slots x 2-row rings + 3, rounded to 2; fp32 (kv, score) of 512 each.
+    assert fam["c2_state"].shape == (22, 1024) and fam["c2_state"].dtype == "float32"
+    assert fam["c2_state"].planned_bytes == 22 * 1024 * 4 * 7
+    # The fp8 option keeps the low ratios in fp8 too; v41_new pads each page to one token.
+    fp8 = plan(v41(), Knobs(max_running_requests=8, compressed_kv_layout="fp8"), full_tokens=16384)
+    assert fp8.families["c1_kv"].shape == (65, 256 * 528)
+    new = plan(v41(), Knobs(max_running_requests=8, kv_layout="v41_new"), full_tokens=16384)
+    assert new.pricing.kv_bytes_per_entry[128] == 528.0
+    assert new.families["c1_kv"].slot_bytes == 288
+    # Forced V4 keeps 584-byte entries, the low ratios included.
+    v4 = plan(v41(), Knobs(max_running_requests=8, kv_layout="v4"), full_tokens=16384)
+    assert v4.pricing.kv_layouts[1] == "v4" and v4.families["c1_kv"].slot_bytes == 584
+
+
+def test_v41_budget_leaves_room_for_the_reserved_low_ratio_pages() -> None:
+    from kvledger.sglang.dsv4 import planner
+    from tests.kvledger.sglang.dsv4.fixtures import v41
+
+    shape, knobs = v41(), Knobs(max_running_requests=64)
+    bm = plan(shape, knobs, budget_bytes=80 << 30)
+    full = bm.sizes.full_tokens
+    pad = planner.low_ratio_padding_bytes(shape, knobs, bm.pricing, full)
+    assert pad > 0
+    assert full * bm.pricing.bytes_per_full_token + pad + bm.fixed_bytes <= 80 << 30
+    assert bm.families["c2_state"].planned_bytes > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kv_layout": "v5"}, "kv_layout='v5', expected one of auto, v4, v41, v41_new"),
+        ({"compressed_kv_layout": "int4"}, "compressed_kv_layout='int4', expected one of"),
+        ({"kv_layout": "v4", "compressed_kv_layout": "fp4"}, "pairs only with V4 caches"),
+        ({"low_ratio_index_page": 96}, "low_ratio_index_page=96, expected 64 or 128"),
+    ],
+)
+def test_v41_knob_errors(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Knobs(**kwargs)  # type: ignore[arg-type]

@@ -241,6 +241,8 @@ def main() -> None:
                 swa_pages=int(alloc.size_swa) // rig.PAGE if swa else None,
                 totals=totals,
                 reconciliation=recon,
+                # what SGLang reads for its own KV figure (kvledger.sglang.mem_usage)
+                mem_usage=float(alloc.get_kvcache().mem_usage),
             )
 
 

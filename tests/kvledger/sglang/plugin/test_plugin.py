@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[4]
 TARGETS = {
     "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components",
     "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
+    "sglang.srt.model_executor.model_runner.ModelRunner.post_capture_resize_kv_pool",
     "sglang.srt.managers.scheduler.Scheduler.release_host_resources",
     "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
     "sglang.srt.managers.scheduler.Scheduler.on_idle",
@@ -228,8 +229,10 @@ def test_native_pool_published_and_exported_with_sglang_labels(
         # Native pool: the headline is its tensor bytes, every storage it holds.
         assert headline[1] * 2**30 == sum(tensor.values()) == start["storages"]
         # SGLang's own allocator hands out pages; a native pool's memory does not move.
-        proc.send("prefill 600")
+        answer = proc.send("prefill 600")
         assert family_figure(scrape(exporter.url), "tensor_bytes") == tensor
+        # SGLang's own KV figure (0 for DeepSeek-V4 in SGLang 0.5.23) is kvledger's now
+        assert answer["mem_usage"] == headline[1] > 0
     finally:
         proc.close()
 

@@ -82,6 +82,15 @@ def test_plugin_path_on_cuda_reconciles_with_nvml_per_process(tmp_path: Path, br
             answer = proc.send(step)
             _show(step, answer)
             assert _nvml(answer)["unattributed_bytes"] == 0, step
+            parts = _nvml(answer)["parts"]
+            print(
+                f"{'':>22}  parts (MiB): "
+                + ", ".join(f"{k}={v / 2**20:.1f}" for k, v in parts.items())
+            )
+            assert parts["unattributed"] == 0 and min(parts.values()) >= 0, (step, parts)
+            assert sum(parts.values()) == _nvml(answer)["detail"]["used_bytes"], step
+            # SGLang's own figure is kvledger's, in SGLang's GB
+            assert answer["mem_usage"] == answer["totals"]["physical_bytes"] / 2**30, step
             if step.startswith("prefill") and bridge == "1":
                 # SGLang's rows now sit on VMM pages: occupancy moved, and physical bytes never
                 # fell below idle (map-ahead may have mapped the rows before SGLang took them).

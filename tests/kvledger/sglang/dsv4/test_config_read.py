@@ -1,30 +1,25 @@
-"""kvledger.configfile: a --config path is read only when it is a small regular file."""
+"""load_config: a --config path is read only when it is a small regular file."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
-from kvledger.configfile import MAX_CONFIG_BYTES, read_shape
 from kvledger.sglang.dsv4 import ConfigError, load_config
-
-FLASH = (
-    Path(__file__).resolve().parents[2]
-    / "kvledger"
-    / "data"
-    / "deepseek-v4-flash-shape.config.json"
-)
+from kvledger.sglang.dsv4.shape import MAX_CONFIG_BYTES, from_dict
+from tests.kvledger.sglang.dsv4.fixtures import FLASH_CONFIG as FLASH
+from tests.kvledger.sglang.dsv4.fixtures import flash_config_dict
 
 
-def test_reads_what_load_config_reads():
-    assert read_shape(FLASH) == load_config(FLASH)
+def test_reads_what_from_dict_reads():
+    assert load_config(FLASH) == from_dict(flash_config_dict(), source=str(FLASH))
 
 
 def test_a_link_to_a_config_is_fine(tmp_path):
     (tmp_path / "c.json").symlink_to(FLASH)
-    assert read_shape(tmp_path / "c.json") == load_config(tmp_path / "c.json")
+    shape = load_config(tmp_path / "c.json")
+    assert shape.compress_ratios == load_config(FLASH).compress_ratios
 
 
 @pytest.mark.parametrize(
@@ -54,6 +49,6 @@ def test_refused_in_one_line_naming_the_path(tmp_path, make, expected):
     path = tmp_path / "config.json"
     make(path)
     with pytest.raises(ConfigError) as e:
-        read_shape(path)
+        load_config(path)
     assert expected in str(e.value) and str(path) in str(e.value)
     assert "\n" not in str(e.value)

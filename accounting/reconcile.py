@@ -73,9 +73,10 @@ class HostMemfdTruth:
 
     A driver call in flight (the background mapper creating a page's handles off the store's
     lock, or releasing them) changes the memfd's blocks before the store reports it, so a
-    snapshot taken meanwhile read the device a page id ahead of (or behind) the ledger: in
-    `kvledger bench sglang`'s churn without compaction, 181 of 2,000 snapshots by +8 MiB (4
-    layers x 2 MiB: one page id's handle set being made). With `quiesce` (the page store's
+    snapshot taken meanwhile read the device a page id ahead of (or behind) the ledger (over
+    `kvledger bench sglang`'s churn without compaction, issue 23 saw 181 of 2,000 snapshots
+    off by +8 MiB, 4 layers x 2 MiB: one page id's handle set being made; docs/sglang-bridge.md
+    has a measurement). With `quiesce` (the page store's
     `quiescent`: its lock held, no driver call in flight) the ledger holds it across its
     copy of the accounts and `measure()`, the memfd read, so both are of one instant; the
     comparison is made after (`reconcile`), off the lock. Plain calls (`reader(snapshot)`)

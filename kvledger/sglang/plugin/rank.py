@@ -88,6 +88,7 @@ class RankLedger:
         self.publisher: Publisher | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.holders: Any = None  # kvledger.sglang.holders.HolderReader, once a scheduler is seen
 
     # -- pools ----------------------------------------------------------------------------
     def add_runner(self, runner: Any) -> PoolRecord:
@@ -111,6 +112,9 @@ class RankLedger:
                 if old.pool() is pool:
                     return old  # the same pool reported again: nothing changes
                 # The runner rebuilt its pool (a resize, a role switch): the old one is gone.
+                if self.holders is not None and not name.startswith("draft"):
+                    self.holders.close()
+                    self.holders = None
                 del self.pools[name]
                 self._release(old)
             device = _device_of(pool)
@@ -265,6 +269,50 @@ class RankLedger:
                 moved += self.compaction.step(record.bridge)
         return moved
 
+    # -- holders ---------------------------------------------------------------------------
+    def attach_scheduler(self, scheduler: Any) -> Any:
+        """Read who holds the target pool's slots from `scheduler` (an SGLang Scheduler):
+        its tree cache, allocator, request pool and running batch
+        (`kvledger.sglang.holders.HolderReader`). Returns the reader, None without a
+        target pool. A second call replaces the first reader."""
+        from kvledger.sglang.holders import GENERIC_UNITS, HolderReader, dsv4_units
+
+        with self._lock:
+            if self._closed:
+                return None
+            record = next((r for r in self.pools.values() if not r.name.startswith("draft")), None)
+            if record is None:
+                return None
+            pool = record.pool()
+            if self.holders is not None:
+                self.holders.close()
+                self.holders = None
+            accounts: dict[str, list[Any]] = {}
+            for a in self.ledger.accounts():
+                if a.pool == record.name:
+                    accounts.setdefault(a.family, []).append(a)
+            units = dsv4_units(pool) if record.kind == "dsv4" else GENERIC_UNITS
+            # Families whose slots an attached allocator reports (the bridge's SWA family);
+            # the reader sets the others' from SGLang's counts.
+            bridged = {f for f, accs in accounts.items() if any(a.reported for a in accs)}
+
+            def running() -> Any:
+                batch = getattr(scheduler, "running_batch", None)
+                return list(getattr(batch, "reqs", None) or ())
+
+            self.holders = HolderReader(
+                self.ledger,
+                accounts,
+                tree=getattr(scheduler, "tree_cache", None),
+                allocator=scheduler.token_to_kv_pool_allocator,
+                req_to_token=getattr(scheduler, "req_to_token_pool", None),
+                units=units,
+                bridged=bridged,
+                running=running,
+                sync=record.bridge.flush if record.bridged else None,
+            )
+            return self.holders
+
     # -- lifetime --------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -280,6 +328,9 @@ class RankLedger:
                 return
             self._closed = True
             publisher, self.publisher = self.publisher, None
+            holders, self.holders = self.holders, None
+        if holders is not None:
+            holders.close()
         try:
             if publisher is not None:
                 publisher.close()

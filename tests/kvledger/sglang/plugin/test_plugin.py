@@ -38,6 +38,11 @@ TARGETS = {
     "sglang.srt.managers.scheduler.Scheduler.release_host_resources",
     "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
     "sglang.srt.managers.scheduler.Scheduler.on_idle",
+    "sglang.srt.managers.scheduler.Scheduler.__init__",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._evict",
+    "sglang.srt.mem_cache.common.free_swa_out_of_window_slots",
+    "sglang.srt.mem_cache.unified_cache.components.swa.free_swa_out_of_window_slots",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
 }
 LABELS = {
     "model_name": "kvl-plugin-test",

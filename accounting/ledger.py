@@ -11,6 +11,7 @@ a counter of its own, so none can drift.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -518,21 +519,36 @@ class Ledger:
     def snapshot(self, *, reconcile: bool = True) -> Snapshot:
         # Under the lock only the account counters are copied (a handful of small rows), so
         # an allocator event waits at most that long; rows, rollups and relation checks are
-        # built from the copy. Truth is read after: a backend call in flight can put the
-        # device ahead of the ledger by whole pages whether or not the lock is held.
+        # built from the copy. Truth is read after, unless its reader can hold the pool
+        # quiescent (below): a backend call in flight can put the device ahead of the ledger
+        # by whole pages whether or not the ledger's lock is held.
         # Attached allocators report their slots first (each under its own lock, taken
         # before the ledger's as on the allocation path), so the copy is as of now.
         # The TP status is read first under the lock, the rows and the epoch after it: all
         # as of the moment the lock was taken (an event reported meanwhile waits).
         for probe in tuple(self._probes):
             probe()
-        self._flush_allocators()
-        with self._lock:
-            tp = self._tp_status() if self._tp_status is not None else None
-            engine = self._engine_state() if self._engine_state is not None else None
-            copied = [(a._row(), a.buffers) for a in self._accounts.values()]
-            epoch = self._epoch
-            labels = dict(self.labels)
+        # A truth reader with `quiesce` and `measure` (accounting.reconcile.HostMemfdTruth):
+        # its quiesce (no driver call in flight) is held across the flush, the copy and its
+        # device read, so the ledger's figures and the device's are of one instant; the
+        # snapshot is built and compared after, off it.
+        readers = list(self._truth) if reconcile else []
+        measured: list[Any] = [None] * len(readers)
+        with contextlib.ExitStack() as quiet:
+            for r in readers:
+                q = getattr(r, "quiesce", None)
+                if q is not None and hasattr(r, "measure"):
+                    quiet.enter_context(q())
+            self._flush_allocators()
+            with self._lock:
+                tp = self._tp_status() if self._tp_status is not None else None
+                engine = self._engine_state() if self._engine_state is not None else None
+                copied = [(a._row(), a.buffers) for a in self._accounts.values()]
+                epoch = self._epoch
+                labels = dict(self.labels)
+            for i, r in enumerate(readers):
+                if getattr(r, "quiesce", None) is not None and hasattr(r, "measure"):
+                    measured[i] = (r.measure(),)
         snap = Snapshot.build(
             epoch=epoch,
             taken_at=time.time(),
@@ -542,6 +558,11 @@ class Ledger:
             tp=tp,
             engine=engine,
         )
-        if reconcile and self._truth:
-            snap = snap.with_reconciliation([dict(r(snap)) for r in self._truth])
+        if readers:
+            snap = snap.with_reconciliation(
+                [
+                    dict(r(snap) if m is None else r.reconcile(snap, m[0]))  # type: ignore[attr-defined]
+                    for r, m in zip(readers, measured, strict=True)
+                ]
+            )
         return snap

@@ -403,6 +403,9 @@ class HostBackend:
         buf = (ctypes.c_uint8 * size).from_address(address)
         return torch.frombuffer(buf, dtype=torch.uint8)
 
+    def synchronize(self) -> None:
+        """Host memory: every access happened when its call returned; nothing to wait for."""
+
     def physical_bytes(self) -> int:
         """Bytes the kernel has allocated to the arena: the host's device truth, read once
         every release made before the call has been punched (see the module docstring)."""

@@ -37,10 +37,13 @@ Workload (`--requests` running requests of `--prompt` tokens, each decoding
   them all; a round is one cycle;
 - churn: random admissions (1..4096-token prompts) and finishes of random
   requests, SWA occupancy sweeping between 10% and 90% (`sglang_cases.Churn`); a round
-  is `--churn-round` events; after each event the bridged engine compacts
-  (`sglang_cases.compact_between_events`, the one call site; timed with the event);
-  after every event past the warm-up, the bridge's mapped page ids are checked against
-  ceil(held rows / rows per VMM page) + max spare pages + 1.
+  is `--churn-round` events; after each event the bridged engine takes one step of the
+  production compaction policy (`kvledger.sglang.bridge.compact_policy`, the plugin's;
+  `sglang_cases.compact_between_events`, the one call site, timed with the event); after
+  every event past the warm-up, the bridge's mapped page ids are checked against
+  ceil(held rows / rows per VMM page) + max spare pages + 1, and the swa_kv family's
+  physical bytes are held against the occupied and the native bytes
+  (`kvledger.bench.sglang_memory`: mean and max).
 
 Maps are page ids (one VMM page in every layer), from the `swa_kv` account of the
 bridge's ledger. The fewest maps a fill/drain cycle can make: every VMM page that
@@ -63,6 +66,7 @@ from typing import Any
 
 from kvledger.bench import bootstrap
 from kvledger.bench import sglang_cases as cases
+from kvledger.bench.sglang_memory import report_line as memory_line
 
 COUNTER_DRIVER_WAITS = cases.COUNTER_DRIVER_WAITS
 TARGETS = cases.TARGETS
@@ -308,9 +312,10 @@ def report(r: dict[str, Any]) -> list[str]:
         f"  churn: {ch['events']} events ({ch['admits']} admissions, {ch['finishes']} finishes), "
         f"occupancy {ch['occupancy_min']:.0%}..{ch['occupancy_max']:.0%}; bound = ceil(held rows "
         f"/ rows per VMM page) + max spare pages ({c['max_spare_pages']}) + 1, held rows with "
-        f"row 0; checked after event {ch['warmup']}; the bridge compacts after every event "
-        f"({ch['rows_moved']} rows moved)"
+        f"row 0; checked after event {ch['warmup']}; after every event the bridge takes a step "
+        f"of the production compaction policy ({ch['rows_moved']} rows moved)"
     )
+    out.append(memory_line(ch["swa_memory"], ch["compaction"]))
     out.append(
         f"    mapped page ids - bound: max {ch['excess_max']:+d}, samples over {ch['over']} of "
         f"{ch['checked']}; mapped max {ch['mapped_max']}, bound at that sample {ch['bound_at_max']}"

@@ -34,6 +34,8 @@ from accounting.ledger import Account, Ledger
 from accounting.snapfile.publisher import Publisher
 from kvledger.bench import bootstrap
 from kvledger.bench.sglang_engine import PAGE, WINDOW, Engine, Request, Shape, published
+from kvledger.bench.sglang_memory import SwaMemory
+from kvledger.sglang.bridge.compact_policy import CompactionPolicy
 
 # The counter of allocations that waited for a driver map (Bridge.stats(), docs/sglang-bridge.md).
 COUNTER_DRIVER_WAITS = "waited_allocs"
@@ -59,13 +61,13 @@ class Variant:
     # The bench's own reads of the bridge: the page store's figures as they are, never a
     # replay of the journal (`Bridge.stats()` replays first: work the rounds would not time).
     def mapped_pages(self) -> int:
-        return self.mapped_and_spare()[0]
+        return self.mapped_spare_physical()[0]
 
-    def mapped_and_spare(self) -> tuple[int, int]:
+    def mapped_spare_physical(self) -> tuple[int, int, int]:
         if self.bridge is None:
-            return 0, 0
+            return 0, 0, 0
         stats = self.bridge.store.stats()
-        return int(stats["mapped_pages"]), int(stats["spare_pages"])
+        return int(stats["mapped_pages"]), int(stats["spare_pages"]), int(stats["physical_bytes"])
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
@@ -414,12 +416,12 @@ class Churn:
         return "finish"
 
 
-def compact_between_events(v: Variant) -> None:
+def compact_between_events(v: Variant, policy: CompactionPolicy) -> None:
     """The churn case's one compaction call site: between two events (no batch holds
-    translated SWA ids), timed with the event. Today the bench compacts after every event
-    (`Bridge.compact()`); the bridge's production compaction policy is to be called here."""
+    translated SWA ids), timed with the event: one step of the production compaction policy,
+    exactly as the plugin runs it between batches (`kvledger.sglang.bridge.compact_policy`)."""
     if v.bridge is not None:
-        v.bridge.compact()
+        policy.step(v.bridge)
         v.engine.sync()
 
 
@@ -434,6 +436,9 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
     occ: list[float] = []
     samples: list[tuple[int, int]] = []  # (mapped, bound) after warm-up
     spares: list[int] = []  # spare page ids at each of those samples
+    # The production compaction policy, exactly as the plugin runs it (one step per event).
+    policy = CompactionPolicy.from_env()
+    memory = SwaMemory(row_bytes=rb, layers=args.layers, rows=args.swa_pages)
     for v in vs:
         v.engine.finish_all()
         _quiesce(v)
@@ -445,7 +450,7 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
         for _ in range(per_round):
             t0 = time.perf_counter()
             kind = churn.event(e)
-            compact_between_events(v)
+            compact_between_events(v, policy)
             seconds += time.perf_counter() - t0
             if v.bridge is None:
                 continue
@@ -454,9 +459,10 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
             occ.append(held / args.swa_pages)
             if churn.done > args.churn_warmup:
                 bound = math.ceil((held + 1) * rb / gran) + args.max_spare_pages + 1
-                mapped, spare = v.mapped_and_spare()
+                mapped, spare, physical = v.mapped_spare_physical()
                 samples.append((mapped, bound))
                 spares.append(spare)
+                memory.add(physical, held)
         return seconds + _timed(_settle, v)
 
     least, most = limits(args, "churn")
@@ -472,6 +478,8 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
         **{k: summary(t) for k, t in times.items()},
         "paired": paired(times),
         "rows_moved": int(bridged_of(vs).bridge.stats()["rows_moved"]),
+        "compaction": {**policy.stats(), "describe": policy.describe()},
+        "swa_memory": memory.result(),
         "events": events,
         "round_events": per_round,
         "admits": kinds["admit"],

@@ -96,6 +96,14 @@ def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     assert r["config"]["max_spare_pages"] == DEFAULT_POOL_OPTIONS["max_spare_pages"]
     assert 0 <= ch["spares_max"] <= r["config"]["max_spare_pages"] + 1
     assert ch["in_use_excess_max"] >= 0
+    # The production compaction policy, one step per event; the memory it gives back.
+    assert ch["compaction"]["compaction_steps"] == 120
+    assert ch["compaction"]["compaction_rows_moved"] == ch["rows_moved"]
+    mem = ch["swa_memory"]
+    assert mem["samples"] == ch["checked"]
+    for ratio in ("physical_per_occupied", "physical_per_native"):
+        assert 0 < mem[ratio]["mean"] <= mem[ratio]["max"]
+    assert "swa_kv physical / occupied: mean " in "\n".join(bench.report(r))
     assert "of which: spare page ids at most" in "\n".join(bench.report(r))
     lines = bench.report(r)
     text = "\n".join(lines)

@@ -39,6 +39,7 @@ from accounting.ledger import Account, Ledger
 from accounting.publisher import Publisher
 from accounting.snapshot import Snapshot
 from kvledger.sglang import mem_usage, vmm_owner
+from kvledger.sglang.bridge.compact_policy import CompactionPolicy
 from kvledger.sglang.inventory import UNKNOWN, pool_kind, register_pool, unregister
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ class RankLedger:
         self.interval = interval
         self.bridge_env = bridge_env
         self.pools: dict[str, PoolRecord] = {}
+        # The production compaction policy (kvledger.sglang.bridge.compact_policy), for
+        # every bridged pool of this process; off with KVLEDGER_SGLANG_DSV4_COMPACT=0.
+        self.compaction = CompactionPolicy.from_env(bridge_env)
         self.truth: Any = None
         self.publisher: Publisher | None = None
         self._lock = threading.Lock()
@@ -212,7 +216,7 @@ class RankLedger:
         if bridge.active and not record.device.startswith("cuda"):
             from accounting.reconcile import host_memfd_truth
 
-            self.ledger.add_truth(host_memfd_truth(bridge.physical_bytes))
+            self.ledger.add_truth(host_memfd_truth(bridge.physical_bytes, bridge.quiescent))
 
     def _add_nvml_truth(self, device: str, pool: Any) -> None:
         import torch
@@ -253,6 +257,17 @@ class RankLedger:
         if self.publisher is not None:
             self.publisher.publish()
         return got
+
+    def compact_step(self) -> int:
+        """One compaction step for each bridged pool (the scheduler's hooks call it with no
+        batch in flight); returns the rows moved."""
+        if not self.compaction.enabled or self._closed:
+            return 0
+        moved = 0
+        for record in list(self.pools.values()):
+            if record.bridged:
+                moved += self.compaction.step(record.bridge)
+        return moved
 
     # -- holders ---------------------------------------------------------------------------
     def attach_scheduler(self, scheduler: Any) -> Any:

@@ -129,3 +129,93 @@ def markdown_table() -> str:
     rows = ["| figure | unit | meaning | relation |", "|---|---|---|---|"]
     rows += [f"| `{f.name}` | {f.unit} | {f.meaning} | `{f.relation}` |" for f in FIGURES]
     return "\n".join(rows)
+
+
+# -- holders: who holds the occupied slots --------------------------------------------------
+@dataclass(frozen=True)
+class Holder:
+    name: str
+    meaning: str
+
+
+HOLDER_PRECEDENCE = (
+    "a slot is counted under the first holder that applies, in this order: tree_protected, "
+    "tree_evictable, request_only, unattributed; so the holders are disjoint and add up to "
+    "occupied_slots (and, times each buffer's slot_bytes, to occupied_bytes)"
+)
+HOLDER_RELATION = "tree_protected + tree_evictable + request_only + unattributed == occupied_slots"
+
+
+@dataclass(frozen=True)
+class Held:
+    """A split of occupied slots (or bytes) by holder, in the precedence order of
+    `HOLDER_PRECEDENCE`: each slot counted once, under the first holder that applies."""
+
+    tree_protected: int = field(
+        default=0,
+        metadata={
+            "meaning": "in the engine's prefix tree and locked by a running request (part "
+            "of its matched or inserted prefix): not reclaimable while that request runs"
+        },
+    )
+    tree_evictable: int = field(
+        default=0,
+        metadata={
+            "meaning": "in the prefix tree and locked by no request: cached for reuse, "
+            "reclaimable by evicting the prefix"
+        },
+    )
+    request_only: int = field(
+        default=0,
+        metadata={
+            "meaning": "held by a request and not in the prefix tree (its uncached tail, a "
+            "request's state rows, or every slot when the engine keeps no tree): freed when "
+            "the request finishes or is retracted"
+        },
+    )
+    unattributed: int = field(
+        default=0,
+        metadata={
+            "meaning": "occupied, but whose holder kvledger could not read (no tree reader "
+            "for this engine or cache class; /debug/kv names why)"
+        },
+    )
+
+    def values(self) -> tuple[int, ...]:
+        return _held_values(self)
+
+    def total(self) -> int:
+        return sum(_held_values(self))
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(zip(HOLDER_NAMES, _held_values(self), strict=True))
+
+    def times(self, factor: int) -> Held:
+        """Every holder multiplied by `factor` (slots to bytes)."""
+        return Held(*(v * factor for v in _held_values(self)))
+
+    @classmethod
+    def sum(cls, rows: Iterable[Held]) -> Held:
+        columns = tuple(zip(*map(_held_values, rows), strict=True))
+        return cls(*map(sum, columns)) if columns else cls()
+
+    @classmethod
+    def unattributed_of(cls, occupied: int) -> Held:
+        """All of `occupied` with no holder read."""
+        return cls(unattributed=occupied)
+
+
+HOLDERS: tuple[Holder, ...] = tuple(
+    Holder(f.name, f.metadata["meaning"]) for f in dataclasses.fields(Held)
+)
+HOLDER_NAMES: tuple[str, ...] = tuple(h.name for h in HOLDERS)
+_held_values = operator.attrgetter(*HOLDER_NAMES)
+
+
+def holders_markdown_table() -> str:
+    """The holders as a Markdown table (README.md embeds it after the figures)."""
+    rows = ["| holder | meaning |", "|---|---|"]
+    rows += [f"| `{h.name}` | {h.meaning} |" for h in HOLDERS]
+    rows.append("")
+    rows.append(f"Precedence: {HOLDER_PRECEDENCE}. Relation: `{HOLDER_RELATION}`.")
+    return "\n".join(rows)

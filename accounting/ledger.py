@@ -11,12 +11,14 @@ a counter of its own, so none can drift.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
+from accounting.engine_state import EngineState
 from accounting.events import PoolEvent
 from accounting.snapshot import AccountRow, BufferRow, Snapshot
 from accounting.tp_status import TpStatus
@@ -99,6 +101,15 @@ class Account:
         self.map_calls = 0
         self.map_bucket_counts = [0] * (len(MAP_SECONDS_BUCKETS) + 1)
         self._flush: Callable[[], None] | None = None  # the attached allocator's, if any
+        # (tree_protected, tree_evictable) as a holder reader last set them; None: unread
+        self._tree_held: tuple[int, int] | None = None
+        self.evicted_slots_total = 0
+        self.window_evicted_slots_total = 0
+
+    @property
+    def reported(self) -> bool:
+        """Whether an attached allocator reports this account's slots (`attach`)."""
+        return self._flush is not None
 
     @property
     def occupied_slots(self) -> int:
@@ -178,6 +189,50 @@ class Account:
                 self.peak_occupied_slots = peak
             self._ledger._epoch += 1
 
+    # -- holders and pressure (accounting.figures.Held) ----------------------------------
+    def set_holders(self, tree_protected: int, tree_evictable: int) -> None:
+        """The slots of this account the engine's prefix tree holds, locked by a request
+        (`tree_protected`) or not (`tree_evictable`), as read now; every other occupied slot
+        is then `request_only`. A reader that knows there is no tree passes (0, 0). Slots,
+        not units of `slots_per_count`. If the tree claims more than is occupied, the
+        snapshot says so (a violation of the holders' sum), nothing is clamped away."""
+        for name, v in (("tree_protected", tree_protected), ("tree_evictable", tree_evictable)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise LedgerError(f"account {self.key!r}: {name}={v!r}, expected an int >= 0")
+        held = (tree_protected, tree_evictable)
+        with self._ledger._lock:
+            if held != self._tree_held:
+                self._tree_held = held
+                self._ledger._epoch += 1
+
+    def clear_holders(self) -> None:
+        """Holders unknown from now on: every occupied slot is `unattributed`."""
+        with self._ledger._lock:
+            if self._tree_held is not None:
+                self._tree_held = None
+                self._ledger._epoch += 1
+
+    def count_evicted(self, slots: int, *, window: bool = False) -> None:
+        """`slots` freed by the engine's prefix-tree eviction, or (`window`) freed because
+        they left a sliding window. Counters only: occupancy is reported apart."""
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise LedgerError(f"account {self.key!r}: evicted slots={slots!r}, expected >= 0")
+        if not slots:
+            return
+        with self._ledger._lock:
+            if window:
+                self.window_evicted_slots_total += slots
+            else:
+                self.evicted_slots_total += slots
+            self._ledger._epoch += 1
+
+    def _held(self) -> tuple[int, int, int, int]:
+        occupied = self._occupied_slots
+        if self._tree_held is None:
+            return (0, 0, 0, occupied)
+        protected, evictable = self._tree_held
+        return (protected, evictable, max(occupied - protected - evictable, 0), 0)
+
     def attach(self, flush: Callable[[], None]) -> None:
         with self._ledger._lock:
             if self._flush is not None and self._flush != flush:
@@ -229,6 +284,7 @@ class Account:
             )
 
     def _row(self) -> AccountRow:
+        protected, evictable, request_only, unattributed = self._held()
         return AccountRow(
             key=self.key,
             family=self.family,
@@ -248,6 +304,13 @@ class Account:
             map_calls=self.map_calls,
             map_bucket_counts=tuple(self.map_bucket_counts),
             driver_failures_total=self.driver_failures_total,
+            slot_bytes=sum(b.slot_bytes for b in self.buffers),
+            held_tree_protected=protected,
+            held_tree_evictable=evictable,
+            held_request_only=request_only,
+            held_unattributed=unattributed,
+            evicted_slots_total=self.evicted_slots_total,
+            window_evicted_slots_total=self.window_evicted_slots_total,
         )
 
 
@@ -293,6 +356,20 @@ class Ledger:
         self._hook_every = 64
         self._hook_countdown = 64
         self._tp_status: Callable[[], TpStatus] | None = None
+        self._probes: list[Callable[[], None]] = []
+        self._engine_state: Callable[[], EngineState | None] | None = None
+
+    def add_probe(self, probe: Callable[[], None]) -> None:
+        """Call `probe` at the start of every snapshot, before the allocators report: how a
+        reader of an engine's own state (its prefix tree's holders) sets the accounts as of
+        that snapshot. It must be cheap (O(1)) and must not raise."""
+        with self._lock:
+            self._probes.append(probe)
+
+    def remove_probe(self, probe: Callable[[], None]) -> None:
+        with self._lock:
+            if probe in self._probes:
+                self._probes.remove(probe)
 
     @property
     def epoch(self) -> int:
@@ -432,21 +509,46 @@ class Ledger:
             self._tp_status = source
             self._epoch += 1
 
+    def set_engine_state(self, source: Callable[[], EngineState | None] | None) -> None:
+        """Carry what an engine's holder reader says (accounting.engine_state) in each
+        snapshot: `source` is called once per snapshot, after the probes."""
+        with self._lock:
+            self._engine_state = source
+            self._epoch += 1
+
     def snapshot(self, *, reconcile: bool = True) -> Snapshot:
         # Under the lock only the account counters are copied (a handful of small rows), so
         # an allocator event waits at most that long; rows, rollups and relation checks are
-        # built from the copy. Truth is read after: a backend call in flight can put the
-        # device ahead of the ledger by whole pages whether or not the lock is held.
+        # built from the copy. Truth is read after, unless its reader can hold the pool
+        # quiescent (below): a backend call in flight can put the device ahead of the ledger
+        # by whole pages whether or not the ledger's lock is held.
         # Attached allocators report their slots first (each under its own lock, taken
         # before the ledger's as on the allocation path), so the copy is as of now.
         # The TP status is read first under the lock, the rows and the epoch after it: all
         # as of the moment the lock was taken (an event reported meanwhile waits).
-        self._flush_allocators()
-        with self._lock:
-            tp = self._tp_status() if self._tp_status is not None else None
-            copied = [(a._row(), a.buffers) for a in self._accounts.values()]
-            epoch = self._epoch
-            labels = dict(self.labels)
+        for probe in tuple(self._probes):
+            probe()
+        # A truth reader with `quiesce` and `measure` (accounting.reconcile.HostMemfdTruth):
+        # its quiesce (no driver call in flight) is held across the flush, the copy and its
+        # device read, so the ledger's figures and the device's are of one instant; the
+        # snapshot is built and compared after, off it.
+        readers = list(self._truth) if reconcile else []
+        measured: list[Any] = [None] * len(readers)
+        with contextlib.ExitStack() as quiet:
+            for r in readers:
+                q = getattr(r, "quiesce", None)
+                if q is not None and hasattr(r, "measure"):
+                    quiet.enter_context(q())
+            self._flush_allocators()
+            with self._lock:
+                tp = self._tp_status() if self._tp_status is not None else None
+                engine = self._engine_state() if self._engine_state is not None else None
+                copied = [(a._row(), a.buffers) for a in self._accounts.values()]
+                epoch = self._epoch
+                labels = dict(self.labels)
+            for i, r in enumerate(readers):
+                if getattr(r, "quiesce", None) is not None and hasattr(r, "measure"):
+                    measured[i] = (r.measure(),)
         snap = Snapshot.build(
             epoch=epoch,
             taken_at=time.time(),
@@ -454,7 +556,13 @@ class Ledger:
             accounts=[row for row, _ in copied],
             buffers=[b for row, specs in copied for b in buffer_rows(row, specs)],
             tp=tp,
+            engine=engine,
         )
-        if reconcile and self._truth:
-            snap = snap.with_reconciliation([dict(r(snap)) for r in self._truth])
+        if readers:
+            snap = snap.with_reconciliation(
+                [
+                    dict(r(snap) if m is None else r.reconcile(snap, m[0]))  # type: ignore[attr-defined]
+                    for r, m in zip(readers, measured, strict=True)
+                ]
+            )
         return snap

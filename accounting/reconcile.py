@@ -21,7 +21,8 @@ keys, so the exporter and the debug endpoint treat them alike:
     total_bytes         the device's memory size (NVML total), None when not known
 
 Host backend: the memfd's allocated blocks against the VMM physical total; exact
-to the page when no allocator call is in flight. CUDA: see accounting.nvml.
+to the page when no allocator call is in flight, and always when the reader has the page
+store's `quiescent` to hold (`HostMemfdTruth`). CUDA: see accounting.nvml.
 """
 
 from __future__ import annotations
@@ -67,20 +68,50 @@ def result(
     }
 
 
-def host_memfd_truth(physical_bytes: Callable[[], int]) -> Callable[[Any], dict[str, Any]]:
-    """Truth reader for the host backend: `physical_bytes` is `HostBackend.physical_bytes`."""
+class HostMemfdTruth:
+    """Truth reader for the host backend: `physical_bytes` is `HostBackend.physical_bytes`.
 
-    def read(snapshot: Any) -> dict[str, Any]:
-        ledger = vmm_physical_bytes(snapshot)
+    A driver call in flight (the background mapper creating a page's handles off the store's
+    lock, or releasing them) changes the memfd's blocks before the store reports it, so a
+    snapshot taken meanwhile read the device a page id ahead of (or behind) the ledger (over
+    `kvledger bench sglang`'s churn without compaction, issue 23 saw 181 of 2,000 snapshots
+    off by +8 MiB, 4 layers x 2 MiB: one page id's handle set being made; docs/sglang-bridge.md
+    has a measurement). With `quiesce` (the page store's
+    `quiescent`: its lock held, no driver call in flight) the ledger holds it across its
+    copy of the accounts and `measure()`, the memfd read, so both are of one instant; the
+    comparison is made after (`reconcile`), off the lock. Plain calls (`reader(snapshot)`)
+    read at once, as before."""
+
+    def __init__(
+        self, physical_bytes: Callable[[], int], quiesce: Callable[[], Any] | None = None
+    ) -> None:
+        self.physical_bytes = physical_bytes
+        self.quiesce = quiesce
+
+    def measure(self) -> int | BaseException:
         try:
-            device = int(physical_bytes())
+            return int(self.physical_bytes())
         except Exception as e:  # a closed backend, a vanished fd
+            return e
+
+    def reconcile(self, snapshot: Any, measured: int | BaseException) -> dict[str, Any]:
+        ledger = vmm_physical_bytes(snapshot)
+        if isinstance(measured, BaseException):
             return result(
                 "host_memfd",
                 ledger_bytes=ledger,
                 device_bytes=None,
-                reason=f"{type(e).__name__}: {e}",
+                reason=f"{type(measured).__name__}: {measured}",
             )
-        return result("host_memfd", ledger_bytes=ledger, device_bytes=device, basis="memfd")
+        return result("host_memfd", ledger_bytes=ledger, device_bytes=measured, basis="memfd")
 
-    return read
+    def __call__(self, snapshot: Any) -> dict[str, Any]:
+        return self.reconcile(snapshot, self.measure())
+
+
+def host_memfd_truth(
+    physical_bytes: Callable[[], int], quiesce: Callable[[], Any] | None = None
+) -> HostMemfdTruth:
+    """Truth reader for the host backend (`HostMemfdTruth`); `quiesce`: a context manager
+    factory during which no driver call is in flight (`PageStore.quiescent`)."""
+    return HostMemfdTruth(physical_bytes, quiesce)

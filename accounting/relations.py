@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from accounting.buffers import Owner
+from accounting.figures import HOLDER_RELATION
 
 if TYPE_CHECKING:
     from accounting.snapshot import AccountRow, BufferRow
@@ -70,4 +71,14 @@ def check_account(row: AccountRow) -> list[Violation]:
             out.append(Violation(row.key, f"{name} >= 0", f"{name}={getattr(row, name)}"))
     out += _le(row.key, "mapped_pages", row.mapped_pages, "handle_pages", row.handle_pages)
     out += _le(row.key, "occupied_slots", row.occupied_slots, "capacity_slots", row.capacity_slots)
+    held = row.held
+    if held.total() != row.occupied_slots:
+        out.append(
+            Violation(
+                row.key,
+                HOLDER_RELATION,
+                ", ".join(f"{k}={v}" for k, v in held.to_dict().items())
+                + f" sum to {held.total()}, occupied_slots={row.occupied_slots}",
+            )
+        )
     return out

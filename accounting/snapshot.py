@@ -14,12 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
-from accounting.figures import FIGURE_NAMES, FIGURES
+from accounting.engine_state import EngineState
+from accounting.figures import FIGURE_NAMES, FIGURES, Held
 from accounting.gpu_parts import check_parts
 from accounting.relations import Violation, check_account, check_buffer
 from accounting.tp_status import TpStatus
 
-SCHEMA_VERSION = 1
+# 2: account rows carry slot_bytes, the holders (held_*) and the eviction counters, and a
+# snapshot may carry the engine's state (accounting.engine_state); a reader of 1 would drop
+# them silently, so the version says so.
+SCHEMA_VERSION = 2
 TRUTH_SUBJECT = "truth "  # subject of a truth result's violations: "truth nvml"
 
 
@@ -109,6 +113,26 @@ class AccountRow:
     map_bucket_counts: tuple[int, ...]
     # driver/OS calls of the VMM allocator that failed (accounting.events.DRIVER_FAILURES)
     driver_failures_total: int = 0
+    # bytes one slot takes over all the account's buffers (sum of their slot_bytes)
+    slot_bytes: int = 0
+    # occupied_slots split by holder (accounting.figures.Held; they add up to it)
+    held_tree_protected: int = 0
+    held_tree_evictable: int = 0
+    held_request_only: int = 0
+    held_unattributed: int = 0
+    # slots the engine's prefix tree evicted, and slots freed as they left a sliding window
+    evicted_slots_total: int = 0
+    window_evicted_slots_total: int = 0
+
+    @property
+    def held(self) -> Held:
+        """occupied_slots by holder."""
+        return Held(
+            self.held_tree_protected,
+            self.held_tree_evictable,
+            self.held_request_only,
+            self.held_unattributed,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -133,6 +157,7 @@ class Snapshot:
     violations: tuple[Violation, ...]
     reconciliation: tuple[dict[str, Any], ...] = ()
     tp: TpStatus | None = None  # this rank's TP control traffic (allocator.tp), None without TP
+    engine: EngineState | None = None  # holders' source, notes, requests (accounting.engine_state)
     _rollups: dict[tuple[str, ...], dict[tuple[str, ...], dict[str, int]]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -147,6 +172,7 @@ class Snapshot:
         accounts: Sequence[AccountRow],
         buffers: Sequence[BufferRow],
         tp: TpStatus | None = None,
+        engine: EngineState | None = None,
     ) -> Snapshot:
         violations = [v for b in buffers for v in check_buffer(b)]
         violations += [v for a in accounts for v in check_account(a)]
@@ -158,6 +184,7 @@ class Snapshot:
             buffers=tuple(buffers),
             violations=tuple(violations),
             tp=tp,
+            engine=engine,
         )
 
     def with_reconciliation(self, results: Iterable[dict[str, Any]]) -> Snapshot:
@@ -222,6 +249,7 @@ class Snapshot:
             "violations": [v.to_dict() for v in self.violations],
             "reconciliation": [dict(r) for r in self.reconciliation],
             "tp": self.tp.to_dict() if self.tp is not None else None,
+            "engine": self.engine.to_dict() if self.engine is not None else None,
         }
 
     @classmethod
@@ -237,6 +265,7 @@ class Snapshot:
             violations=tuple(Violation.from_dict(v) for v in d["violations"]),
             reconciliation=tuple(d.get("reconciliation", ())),
             tp=TpStatus.from_dict(d["tp"]) if d.get("tp") is not None else None,
+            engine=EngineState.from_dict(d["engine"]) if d.get("engine") is not None else None,
         )
 
 

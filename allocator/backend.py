@@ -6,7 +6,12 @@ Semantics, mirrored by both backends:
   `release(handle)` gives it back (deferred until its last mapping goes).
 - `map(address, size, handle)` places a handle at an address inside a
   reservation; the range stays inaccessible until `set_access`.
-- `unmap(address, size)` returns the range to reserved-but-inaccessible.
+- `unmap(address, size)` returns the range to reserved-but-inaccessible. It does not wait
+  for device work still queued on the range (on CUDA that work then faults the context):
+  whoever unmaps waits first (docs/allocator.md#the-cuda-fence-rule).
+- `synchronize()` waits until every device operation this process has queued so far, on
+  any stream, has completed (host: returns at once). Optional: a backend without it has no
+  queued device work.
 All sizes and addresses are multiples of `granularity`.
 """
 
@@ -33,6 +38,10 @@ class Backend(Protocol):
     def set_access(self, address: int, size: int) -> None: ...
     def byte_tensor(self, address: int, size: int) -> Any:
         """A 1-D uint8 torch tensor over [address, address + size), on this backend's device."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for every device operation queued so far, on any stream (host: none)."""
         ...
 
     def close(self) -> None: ...

@@ -282,6 +282,13 @@ class CudaBackend:
         for m in covered:
             self._mappings.pop(m, None)
 
+    def synchronize(self) -> None:
+        """Wait until every operation queued so far in this device's primary context (torch's
+        streams among them, whatever thread queued it) has completed: `cuCtxSynchronize`.
+        What an unmap of pages still in use waits for first (the store's `close()`)."""
+        self._enter("synchronize")
+        _check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+
     # -- tensors and truth ------------------------------------------------------------
     def byte_tensor(self, address: int, size: int) -> Any:
         import torch
@@ -331,6 +338,11 @@ class CudaBackend:
             self._reservations.clear()
         _check(drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         errors: list[DriverError] = []
+        if mappings:  # work queued on them may not have run: let it, or it faults (fence rule)
+            try:
+                _check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+            except DriverError as e:
+                errors.append(e)
         for address, (size, _) in mappings.items():
             try:
                 _check(drv.cuMemUnmap(address, size), "cuMemUnmap", address)

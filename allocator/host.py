@@ -4,22 +4,37 @@
   space only, and touching it faults (SIGSEGV), as an unmapped CUDA VA does.
 - Physical memory is one memfd per backend (the "arena"). `create` fallocates a
   range of it, so the blocks are committed at once, like cuMemCreate; the
-  handle is that range. `release` punches the range out (deferred while it is
-  still mapped), and the memfd's allocated blocks drop.
+  handle is that range. `release` (deferred while the handle is still mapped)
+  hands the range to the backend's *reaper* thread, which punches it out, and
+  the memfd's allocated blocks drop. Punching a range frees its pages in the
+  kernel (about 0.1 ms per 2 MiB here), work the allocating thread need not
+  wait for; the call releases the GIL, so the reaper runs beside it. A range
+  goes back to the arena's free ranges only once punched, so a `create` never
+  gets a range still being freed (it extends the arena instead) and always
+  reads zeros.
 - `map` places the memfd range over the reservation with MAP_FIXED but
   PROT_NONE; `set_access` makes it readable and writable; `unmap` puts the
   inaccessible reservation back.
 
-`physical_bytes()` reads the truth from the kernel: `fstat(memfd).st_blocks * 512`.
+`physical_bytes()` reads the truth from the kernel: `fstat(memfd).st_blocks * 512`,
+after waiting for the reaper to finish every punch queued before the call. So a handle
+released is gone from the truth whenever the truth is read, exactly as the books
+(`stats()`, and a ledger counting the release) say: the two agree at every reading.
+A punch that fails is counted (`reap_failures`) and logged; its blocks stay allocated
+(the truth shows them, so a reconciliation sees the difference) and its range is never
+reused; `close()` frees them with the memfd. `HostBackend(reaper=False)` punches on the
+releasing thread, as before the reaper, raising DriverError when the punch fails.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +51,8 @@ _MAP_NORESERVE = 0x4000  # linux/mman.h
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _MAP_FAILED = ctypes.c_void_p(-1).value
+
+log = logging.getLogger(__name__)
 
 # The C library's mmap, munmap, mprotect and fallocate, called by name through this module
 # global (tests replace it to make one call fail).
@@ -111,7 +128,7 @@ class HostBackend:
 
     name = "host"
 
-    def __init__(self, granularity: int = DEFAULT_GRANULARITY) -> None:
+    def __init__(self, granularity: int = DEFAULT_GRANULARITY, *, reaper: bool = True) -> None:
         page = mmap.PAGESIZE
         if granularity <= 0 or granularity % page:
             raise ValueError(f"granularity={granularity!r}, expected a positive multiple of {page}")
@@ -125,6 +142,17 @@ class HostBackend:
         self._reservations: dict[int, int] = {}  # address -> size
         self._mappings: dict[int, tuple[int, int]] = {}  # address -> (size, handle)
         self._granule_owner: dict[int, int] = {}  # granule address -> mapping address
+        # Released ranges waiting for the reaper, (offset, size); `_reaping` counts the one
+        # being punched; `_reaped` is notified (under `_lock`) when a punch ends.
+        self.reaper = reaper
+        self._reap_queue: deque[tuple[int, int]] = deque()
+        self._reaping = 0
+        self._reaping_bytes = 0
+        self._reaped = threading.Condition(self._lock)
+        self._reaper_thread: threading.Thread | None = None
+        self._stopping = False
+        self.reaped = 0  # ranges punched by the reaper
+        self.reap_failures = 0  # punches that failed (their blocks stay allocated)
         self.map_limit = _max_map_count()
         # How many of our mappings fit before the process map count must be read again.
         self._map_room = self.map_limit - MAP_COUNT_HEADROOM - _process_map_count()
@@ -197,7 +225,18 @@ class HostBackend:
                 raise DriverError("release", "EINVAL", f"unknown handle {handle!r}")
             h.released = True
             if h.mapped == 0:
-                self._punch(handle, h)
+                self._retire(handle, h)
+
+    def _retire(self, handle: int, h: _Handle) -> None:
+        """The handle is released and unmapped: its range goes to the reaper (or is punched
+        now, without one). Lock held."""
+        if not self.reaper:
+            self._punch(handle, h)
+            return
+        del self._handles[handle]
+        self._reap_queue.append((h.offset, h.size))
+        self._start_reaper()
+        self._reaped.notify_all()
 
     def _punch(self, handle: int, h: _Handle) -> None:
         assert self._fd is not None
@@ -206,6 +245,73 @@ class HostBackend:
             raise _errno_error("release", None, f"handle {handle}")
         del self._handles[handle]
         self._free_offsets.setdefault(h.size, []).append(h.offset)
+
+    # -- the reaper ---------------------------------------------------------------------
+    def _start_reaper(self) -> None:
+        """Start the reaper thread if it is not running (first release; after a fork). Lock
+        held."""
+        t = self._reaper_thread
+        if t is None or not t.is_alive():
+            t = threading.Thread(target=self._reap, name="kvledger-host-reaper", daemon=True)
+            self._reaper_thread = t
+            t.start()
+
+    def _reap(self) -> None:
+        """The reaper's loop: punch each queued range, the lock released during the call;
+        then the range is free for `create`. Ends at `close()` (what is still queued goes
+        with the memfd)."""
+        mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+        with self._lock:
+            while True:
+                while not self._reap_queue and not self._stopping:
+                    self._reaped.wait()
+                if self._stopping or self._fd is None:
+                    return
+                offset, size = self._reap_queue.popleft()
+                fd = self._fd  # stays open: close() joins this thread before closing it
+                self._reaping += 1
+                self._reaping_bytes += size
+                self._lock.release()
+                try:
+                    rc = libc.fallocate(fd, mode, offset, size)
+                    err = ctypes.get_errno() if rc != 0 else 0
+                except BaseException as e:  # a stand-in libc raising: counted, never fatal
+                    rc, err = -1, getattr(e, "errno", None) or errno.EIO
+                finally:
+                    self._lock.acquire()
+                self._reaping -= 1
+                self._reaping_bytes -= size
+                if rc == 0:
+                    self.reaped += 1
+                    self._free_offsets.setdefault(size, []).append(offset)
+                else:
+                    self.reap_failures += 1
+                    log.error(
+                        "kvledger host backend: punching %d bytes at arena offset %d failed "
+                        "(%s); the blocks stay allocated until close",
+                        size,
+                        offset,
+                        errno.errorcode.get(err, f"errno {err}"),
+                    )
+                self._reaped.notify_all()
+
+    def _wait_reaped(self) -> None:
+        """Wait until every range queued so far is punched (or failed). Lock held."""
+        while self._reap_queue or self._reaping:
+            if not self._reaping:
+                self._start_reaper()  # none running (a fork): start one
+            self._reaped.wait(timeout=1.0)
+
+    def wait_released(self) -> None:
+        """Return once every range released before the call is punched (or failed): what a
+        reader of the kernel's own figures (/proc, fstat) needs first. Takes the lock."""
+        with self._lock:
+            self._wait_reaped()
+
+    def pending_release_bytes(self) -> int:
+        """Bytes released and not punched yet (queued or being punched); takes the lock."""
+        with self._lock:
+            return self._reaping_bytes + sum(size for _, size in self._reap_queue)
 
     # -- mappings ---------------------------------------------------------------------
     def map(self, address: int, size: int, handle: int) -> None:
@@ -283,7 +389,7 @@ class HostBackend:
             h = self._handles[handle]
             h.mapped -= 1
             if h.released and h.mapped == 0:
-                self._punch(handle, h)
+                self._retire(handle, h)
 
     def _in_reservation(self, address: int, size: int) -> bool:
         return any(
@@ -297,10 +403,15 @@ class HostBackend:
         buf = (ctypes.c_uint8 * size).from_address(address)
         return torch.frombuffer(buf, dtype=torch.uint8)
 
+    def synchronize(self) -> None:
+        """Host memory: every access happened when its call returned; nothing to wait for."""
+
     def physical_bytes(self) -> int:
-        """Bytes the kernel has allocated to the arena: the host's device truth."""
+        """Bytes the kernel has allocated to the arena: the host's device truth, read once
+        every release made before the call has been punched (see the module docstring)."""
         with self._lock:
             fd = self._check_open("physical_bytes")
+            self._wait_reaped()
             return os.fstat(fd).st_blocks * 512
 
     def is_mapped(self, address: int) -> bool:
@@ -317,6 +428,8 @@ class HostBackend:
     def debug_state(self) -> HostBackendState:
         """A copy of everything the backend holds (`HostBackendState`), for tests."""
         with self._lock:
+            if self._fd is not None:
+                self._wait_reaped()
             st = os.fstat(self._fd) if self._fd is not None else None
             return HostBackendState(
                 reservations=dict(self._reservations),
@@ -339,10 +452,21 @@ class HostBackend:
         return self._fd is None
 
     def close(self) -> None:
-        """Unmap everything, free every reservation and close the memfd. Idempotent."""
+        """Stop the reaper, unmap everything, free every reservation and close the memfd
+        (which frees every block, punched or not). Idempotent."""
         with self._lock:
             if self._fd is None:
                 return
+            self._stopping = True
+            self._reaped.notify_all()
+            reaper = self._reaper_thread
+        if reaper is not None and reaper is not threading.current_thread():
+            reaper.join()  # it ends after the punch under way, if any: the fd is still open
+        with self._lock:
+            if self._fd is None:
+                return
+            self._reap_queue.clear()
+            self._reaper_thread = None
             for address, size in list(self._reservations.items()):
                 libc.munmap(address, size)
             self._reservations.clear()

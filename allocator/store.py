@@ -59,8 +59,9 @@ The unmap transaction
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from threading import Condition, RLock
 from typing import Any, Protocol
@@ -73,6 +74,8 @@ from allocator.reporting import Reporter
 from allocator.spares import Fence, SparePolicy
 from allocator.states import PageState
 from allocator.transaction import Transaction
+
+QUIESCE_TIMEOUT_S = 0.5  # `quiescent` waits this long at most for driver calls in flight
 
 # Bound once: reading a member off the enum class costs a few hundred ns, and `set_use` runs
 # for every page an allocation touches.
@@ -621,7 +624,13 @@ class PageStore:
 
     def begin_unmap(self, p: int) -> None:
         """Step 1, lock held: spare `p` becomes BUSY, leaves the spares (its fence too) and
-        counts in `busy`; the user is told."""
+        counts in `busy`; the user is told. A fence of `p` not done yet is waited for first
+        (the one rule every unmap keeps: docs/allocator.md#the-cuda-fence-rule): the spare
+        policy's own trims never pick such a page, a TP follower's trim (rank 0's plan, taken
+        as it comes) or a direct caller may."""
+        fence = self.policy.fences.get(p)
+        if fence is not None and not fence.done():
+            fence.wait()
         self.state[p] = _BUSY
         self.busy += 1
         self.spares.pop(p, None)
@@ -681,6 +690,21 @@ class PageStore:
                 self.reporter.emit(PoolEvent.HANDLES_RELEASED, 1)
                 self.cond.notify_all()
 
+    @contextlib.contextmanager
+    def quiescent(self, timeout: float = QUIESCE_TIMEOUT_S) -> Iterator[None]:
+        """Hold the lock with no driver call in flight (`busy` 0), waiting up to `timeout` for
+        those under way (the background mapper's maps and releases, off the lock) to end:
+        the backend's memory and what the store has reported are then the same. For a
+        ledger snapshot's truth (accounting.reconcile.HostMemfdTruth). Takes the lock."""
+        with self.lock:
+            deadline = time.monotonic() + timeout
+            while self.busy and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break  # a stuck driver call: read anyway, the figure may be a page off
+                self.cond.wait(left)
+            yield
+
     # -- lifetime ----------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -697,7 +721,11 @@ class PageStore:
         whatever the driver says (failures are counted and logged, never raised).
 
         A background mapper or TP coordinator still attached is stopped first (off the lock:
-        its thread may be waiting for it); pending fences are waited for. Takes the lock."""
+        its thread may be waiting for it); pending fences are waited for, and then the
+        device: pages still in use carry no fence, and device work queued on them (the
+        engine's last kernels, a copy of their rows back into native buffers a moment ago)
+        must run before they are unmapped (`Backend.synchronize`; a failure is counted and
+        the unmaps go ahead: the driver has lost the context by then). Takes the lock."""
         if self._mapper is not None:
             self._mapper.close()
         if self._tp is not None:  # gives back its pages mapped ahead and detaches
@@ -711,6 +739,7 @@ class PageStore:
                 self.cond.wait(timeout=1.0)
             self.policy.wait_fences()
             reporter = self.reporter
+            self._drain_device()
             reporter.occupied = 0
             reporter.report()
             reporter.observer.detach(self.report_slots)
@@ -739,6 +768,16 @@ class PageStore:
                 self.pages.free_reservations()
             except Exception as e:  # the backend's close frees what is left
                 reporter.failed("free_reservation", e)
+
+    def _drain_device(self) -> None:
+        """Wait for all device work queued so far (close: before pages in use are unmapped)."""
+        sync = getattr(self.pages.backend, "synchronize", None)
+        if sync is None or not any(s == _MAPPED for s in self.state):
+            return
+        try:
+            sync()
+        except Exception as e:
+            self.reporter.failed("synchronize", e)
 
     def __enter__(self) -> PageStore:
         return self

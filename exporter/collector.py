@@ -5,7 +5,10 @@ scrapes: `collect()` reads `Sources` once and builds every family of
 `exporter.metrics.METRICS` from that one `Scan` (the views and what went wrong
 reading them), so all series of one scrape come from the same snapshots. The work
 is O(sources x (families + accounts)), read from each source's typed `Summary`; it
-never touches slot counts or buffer lists.
+never touches slot counts or buffer lists, but for a vLLM worker's per-group layers and
+bytes (`exporter.vllm`: its buffer rows, one per layer view, read once per change of its
+ledger, not per scrape). A vLLM source exports the `kvledger_vllm_*` metrics under vLLM's
+labels instead of the `sglang:` ones.
 
 A stale source exports only its service metrics (`kvledger_up 0`, its age, epoch,
 interval): its figures are no longer true. Two live sources never carry the same
@@ -28,12 +31,14 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from accounting.buffers import Owner
-from accounting.figures import FIGURES
+from accounting.engine_state import REQUEST_BYTES_BUCKETS
+from accounting.figures import FIGURES, HOLDER_NAMES
 from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.snapfile.publish_errors import counts_of
 from accounting.tp_status import TP_COUNTERS
 from exporter import metrics as m
+from exporter import vllm
 from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
 from exporter.failures import SourceFailures
 from exporter.metrics import EngineKey, device_labels, engine_key, engine_labels
@@ -44,6 +49,7 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 _FIGURE_METRICS = tuple(m.figure_metric(f.name) for f in FIGURES)
 _LE = tuple(floatToGoString(b) for b in (*MAP_SECONDS_BUCKETS, float("inf")))
+_REQUEST_LE = tuple(floatToGoString(b) for b in (*REQUEST_BYTES_BUCKETS, float("inf")))
 _BUILD_LABELS = {"version": __version__, "python_version": platform.python_version()}
 
 
@@ -346,11 +352,43 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     s = v.summary
     eng = {**engine_labels(s.labels), **device_labels(s.reconciliation)}
+    role = vllm.role(s.labels)
+    if role is not None:
+        _add_vllm_series(fam, v, role)
+        fam.add("kvledger_relation_violations", eng, len(s.violations))
+        return
     fam.add(m.HEADLINE, eng, s.totals.physical_bytes / GIB)
     for row in sorted(s.families, key=lambda r: (r.family, r.owner.value)):
         labels = {**eng, "family": row.family, "owner": row.owner.value}
         for metric, value in zip(_FIGURE_METRICS, row.figures.values(), strict=True):
             fam.add(metric, labels, value)
+    for held in s.holders:
+        labels = {**eng, "family": held.family, "owner": held.owner.value}
+        for holder, slots, nbytes in zip(
+            HOLDER_NAMES, held.slots.values(), held.bytes.values(), strict=True
+        ):
+            hl = {**labels, "holder": holder}
+            fam.add(m.HELD_SLOTS, hl, slots)
+            fam.add(m.HELD_BYTES, hl, nbytes)
+        fam.add("sglang:kv_cache_evicted_slots_total", labels, held.evicted_slots_total)
+        fam.add("sglang:kv_cache_evicted_bytes_total", labels, held.evicted_bytes_total)
+        fam.add(
+            "sglang:kv_cache_window_evicted_slots_total", labels, held.window_evicted_slots_total
+        )
+        fam.add(
+            "sglang:kv_cache_window_evicted_bytes_total", labels, held.window_evicted_bytes_total
+        )
+    engine = s.engine
+    if engine is not None:
+        fam.add("sglang:kv_cache_retracted_requests_total", eng, engine.retracted_requests_total)
+        _add_histogram(
+            fam,
+            "sglang:kv_cache_request_bytes",
+            eng,
+            engine.request_bytes_counts,
+            engine.request_bytes_sum,
+            _REQUEST_LE,
+        )
     fam.add("kvledger_relation_violations", eng, len(s.violations))
     tp = s.tp
     if tp is not None:
@@ -390,18 +428,56 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         )
 
 
+_V = m.VLLM_PREFIX
+
+
+def _add_vllm_series(fam: _SeriesSet, v: SourceView, role: str) -> None:
+    """A vLLM source's series (exporter.vllm): a worker's bytes, an engine core's blocks,
+    under vLLM's labels; none of SGLang's names."""
+    if role == vllm.WORKER:
+        w = vllm.worker_of(v.published)
+        labels = vllm.worker_labels(v.summary.labels)
+        fam.add(_V + "kv_cache_physical_bytes", labels, w.physical_bytes)
+        fam.add(_V + "kv_cache_blocks", labels, w.blocks)
+        fam.add(_V + "kv_block_bytes", labels, w.block_bytes)
+        for wg in w.groups:
+            gl = {**labels, "group": str(wg.group), "kind": wg.kind}
+            fam.add(_V + "group_tensor_bytes", gl, wg.tensor_bytes)
+            fam.add(_V + "group_reserved_bytes", gl, wg.reserved_bytes)
+            fam.add(_V + "group_physical_bytes", gl, wg.physical_bytes)
+            fam.add(_V + "group_slot_bytes", gl, wg.slot_bytes)
+            fam.add(_V + "group_block_size", gl, wg.block_size)
+            fam.add(_V + "group_layers", gl, wg.layers)
+        return
+    e = vllm.engine_view(v.summary)
+    labels = vllm.engine_labels(v.summary.labels)
+    fam.add(_V + "blocks", labels, e.blocks)
+    fam.add(_V + "occupied_blocks", labels, e.occupied_blocks)
+    fam.add(_V + "evictable_blocks", labels, e.evictable_blocks)
+    fam.add(_V + "free_blocks", labels, e.free_blocks)
+    for g in e.groups:
+        gl = {**labels, "group": str(g.group), "kind": g.kind}
+        fam.add(_V + "group_capacity_slots", gl, g.capacity_slots)
+        fam.add(_V + "group_occupied_slots", gl, g.occupied_slots)
+        fam.add(_V + "group_evictable_slots", gl, g.evictable_slots)
+        fam.add(_V + "group_free_slots", gl, g.free_slots)
+
+
 def _add_histogram(
-    fam: _SeriesSet, name: str, labels: dict[str, str], counts: Sequence[int], total: float
+    fam: _SeriesSet,
+    name: str,
+    labels: dict[str, str],
+    counts: Sequence[int],
+    total: float,
+    bounds: tuple[str, ...] = _LE,
 ) -> None:
     """Per-bucket counts (the last one past every bound) to cumulative `le` buckets, then
     `_count` (the +Inf bucket) and `_sum` (`total`, the sum of the observations)."""
-    if len(counts) != len(MAP_SECONDS_BUCKETS) + 1:
-        raise ValueError(
-            f"{name}: {len(counts)} bucket counts, expected {len(MAP_SECONDS_BUCKETS) + 1}"
-        )
+    if len(counts) != len(bounds):
+        raise ValueError(f"{name}: {len(counts)} bucket counts, expected {len(bounds)}")
     running = 0
     sample = f"{name}_bucket"
-    for le, c in zip(_LE, counts, strict=True):
+    for le, c in zip(bounds, counts, strict=True):
         running += c
         fam.add(name, {**labels, "le": le}, running, sample=sample)
     fam.add(name, labels, running, sample=f"{name}_count")

@@ -16,6 +16,7 @@ value no source has is a `FilterError` naming the parameter and what exists.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,16 +24,25 @@ from typing import Any
 from pydantic import BaseModel, Field, create_model
 
 from accounting.buffers import BufferSpec, Owner
-from accounting.figures import FIGURES, Figure, Figures
+from accounting.engine_state import MAX_REQUESTS, RequestHeld
+from accounting.figures import (
+    FIGURES,
+    HOLDER_PRECEDENCE,
+    HOLDER_RELATION,
+    HOLDERS,
+    Figure,
+    Figures,
+)
 from accounting.gpu_parts import PARTS
 from accounting.relations import Violation
 from accounting.snapfile.summary import Reconciliation
 from accounting.snapshot import AccountRow, BufferRow
 from accounting.tp_status import TpStatus
+from exporter import vllm
 from exporter.collector import GIB
 from exporter.metrics import engine_labels
 from exporter.models import json_type, model_of
-from exporter.sources import Scan, SourceView
+from exporter.sources import BufferMapError, Scan, SourceView
 
 _FIGURE_FIELDS: dict[str, Any] = {
     f.name: (int, Field(description=f"{f.meaning} (unit: {f.unit}). Relation: {f.relation}."))
@@ -114,6 +124,41 @@ ReconciliationModel: Any = model_of(
 )
 
 
+# A vLLM source's figures (exporter.vllm), as its kvledger_vllm_* metrics carry them.
+VllmWorkerGroupModel: Any = model_of(
+    vllm.WorkerGroup, name="VllmWorkerGroupModel", doc="One KV-cache group as a worker holds it."
+)
+VllmEngineGroupModel: Any = model_of(
+    vllm.EngineGroup,
+    name="VllmEngineGroupModel",
+    doc="One KV-cache group's slots in the engine core's block pool.",
+)
+VllmWorkerModel: Any = model_of(
+    vllm.WorkerView,
+    name="VllmWorkerModel",
+    doc="A vLLM worker's KV storage (counted once) and its groups (aliasing the storage).",
+    drop=("groups",),
+    extra={"groups": list[VllmWorkerGroupModel]},
+)
+VllmEngineModel: Any = model_of(
+    vllm.EngineView,
+    name="VllmEngineModel",
+    doc="A vLLM engine core's block pool (shared by every group) and each group's slots.",
+    drop=("groups",),
+    extra={"groups": list[VllmEngineGroupModel]},
+)
+
+
+class VllmModel(BaseModel):
+    """A vLLM source's groups: a worker's bytes or an engine core's occupancy."""
+
+    role: str = Field(description="vllm_worker (the bytes) or vllm_scheduler (the blocks)")
+    labels: dict[str, str] = Field(description="vLLM's labels on its kvledger_vllm_* metrics")
+    worker: VllmWorkerModel | None = None
+    engine: VllmEngineModel | None = None
+    error: str | None = Field(default=None, description="why the worker's groups are not shown")
+
+
 class GpuPartModel(BaseModel):
     part: str
     scope: str = Field(description="process (this process's memory) or device (the rest)")
@@ -149,6 +194,63 @@ class LastErrorModel(BaseModel):
     reason: str = Field(description="no_space, permission, directory or other")
     detail: str
     at: float = Field(description="Unix time")
+
+
+_HELD_DOC = (
+    "Occupied slots or bytes by holder (accounting.figures.Held). "
+    + HOLDER_PRECEDENCE[0].upper()
+    + HOLDER_PRECEDENCE[1:]
+    + "."
+)
+_HELD_FIELDS: dict[str, Any] = {h.name: (int, Field(description=h.meaning)) for h in HOLDERS}
+HeldModel: Any = create_model("Held", __doc__=_HELD_DOC, **_HELD_FIELDS)
+
+
+class HoldersModel(BaseModel):
+    """Who holds one family's occupied slots and bytes, and what the engine evicted."""
+
+    family: str
+    owner: json_type(Owner)  # type: ignore[valid-type]
+    slots: HeldModel
+    bytes: HeldModel
+    free_slots: int = Field(description="capacity_slots - occupied_slots")
+    occupied_fraction: float = Field(description="occupied_slots / capacity_slots (0 if none)")
+    evicted_slots_total: int = Field(description="slots the prefix tree evicted")
+    evicted_bytes_total: int
+    window_evicted_slots_total: int = Field(description="slots freed by sliding-window eviction")
+    window_evicted_bytes_total: int
+
+
+RequestModel: Any = model_of(
+    RequestHeld,
+    name="RequestModel",
+    doc="One running request's KV footprint (the largest are listed).",
+    descriptions={
+        "rid": "the engine's request id",
+        "tokens": "tokens it holds KV for",
+        "age_seconds": "since the engine received it",
+        "bytes": "KV bytes over all families",
+        "bytes_by_family": "KV bytes per family (slots it holds x slot_bytes)",
+    },
+)
+
+
+class EngineModel(BaseModel):
+    """What the engine's holder reader said (accounting.engine_state)."""
+
+    holders_from: str = Field(description="what the holders were read from; empty if nothing")
+    notes: list[str] = Field(description="what could not be read, one line each")
+    retracted_requests_total: int
+    running_requests: int
+    request_bytes_sum: int = Field(description="KV bytes of all running requests")
+    request_bytes_counts: list[int] = Field(
+        description="running requests per KV-bytes bucket (accounting.engine_state."
+        "REQUEST_BYTES_BUCKETS, then one past the last bound); not cumulative"
+    )
+    requests: list[RequestModel] = Field(
+        description=f"the running requests holding the most KV bytes, largest first (at most "
+        f"{MAX_REQUESTS})"
+    )
 
 
 class SourceModel(BaseModel):
@@ -196,6 +298,13 @@ class SourceModel(BaseModel):
         description="a down source's last publish error: its publisher's, or no_space when "
         "the exporter finds no room for its file on the directory's filesystem",
     )
+    holders: list[HoldersModel] = Field(
+        default_factory=list, description="who holds each family's occupied slots and bytes"
+    )
+    engine: EngineModel | None = Field(
+        None, description="the engine's holder reader: source, notes, per-request footprints"
+    )
+    vllm: VllmModel | None = Field(None, description="present for a vLLM source (docs/vllm.md)")
 
 
 class RankModel(BaseModel):
@@ -228,10 +337,29 @@ class FileProblemModel(BaseModel):
     detail: str
 
 
+class HolderDef(BaseModel):
+    name: str
+    meaning: str
+
+
+class HoldersTable(BaseModel):
+    """The holders of occupied slots, their precedence and the relation the ledger checks."""
+
+    holders: list[HolderDef] = Field(
+        default_factory=lambda: [HolderDef(name=h.name, meaning=h.meaning) for h in HOLDERS]
+    )
+    precedence: str = HOLDER_PRECEDENCE
+    relation: str = HOLDER_RELATION
+
+
 class DebugKv(BaseModel):
     generated_at: float
     filters: Filters
     figures: list[FigureDef] = Field(description="the figures table: what each figure counts")
+    holders: HoldersTable = Field(
+        default_factory=lambda: HoldersTable(),
+        description="the holders table: who can hold an occupied slot (accounting.figures)",
+    )
     ranks: list[RankModel]
     sources: list[SourceModel]
     files_not_served: list[FileProblemModel] = Field(
@@ -390,4 +518,60 @@ def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceMo
         tp=TpModel(**d.tp.to_dict()) if d.tp is not None else None,
         publish_errors=dict(p.publish_errors),
         last_error=LastErrorModel(**v.last_error.to_dict()) if v.last_error else None,
+        holders=_holders(d, family),
+        engine=EngineModel(**d.engine.to_dict()) if d.engine is not None else None,
+        vllm=_vllm(v),
     )
+
+
+def _vllm(v: SourceView) -> Any:
+    role = vllm.role(v.summary.labels)
+    if role is None:
+        return None
+    if role == vllm.SCHEDULER:
+        e = vllm.engine_view(v.summary)
+        return VllmModel(
+            role=role,
+            labels=vllm.engine_labels(v.summary.labels),
+            engine=VllmEngineModel(
+                **{**dataclasses.asdict(e), "groups": [dataclasses.asdict(g) for g in e.groups]}
+            ),
+        )
+    labels = vllm.worker_labels(v.summary.labels)
+    try:
+        w = vllm.worker_of(v.published)
+    except BufferMapError as err:
+        return VllmModel(role=role, labels=labels, error=str(err))
+    return VllmModel(
+        role=role,
+        labels=labels,
+        worker=VllmWorkerModel(
+            **{**dataclasses.asdict(w), "groups": [dataclasses.asdict(g) for g in w.groups]}
+        ),
+    )
+
+
+def _holders(d: Any, family: str | None) -> list[HoldersModel]:
+    capacity = {(f.family, f.owner): f.figures for f in d.families}
+    out = []
+    for h in d.holders:
+        if family is not None and h.family != family:
+            continue
+        figs = capacity.get((h.family, h.owner))
+        cap = figs.capacity_slots if figs is not None else 0
+        occ = h.slots.total()
+        out.append(
+            HoldersModel(
+                family=h.family,
+                owner=h.owner.value,
+                slots=HeldModel(**h.slots.to_dict()),
+                bytes=HeldModel(**h.bytes.to_dict()),
+                free_slots=max(cap - occ, 0),
+                occupied_fraction=occ / cap if cap else 0.0,
+                evicted_slots_total=h.evicted_slots_total,
+                evicted_bytes_total=h.evicted_bytes_total,
+                window_evicted_slots_total=h.window_evicted_slots_total,
+                window_evicted_bytes_total=h.window_evicted_bytes_total,
+            )
+        )
+    return out

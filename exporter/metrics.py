@@ -21,7 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from accounting.figures import FIGURES
+from accounting.engine_state import MAX_REQUESTS, REQUEST_BYTES_BUCKETS
+from accounting.figures import FIGURES, HOLDER_NAMES, HOLDER_PRECEDENCE
 from accounting.gpu_parts import PARTS
 from accounting.ledger import MAP_SECONDS_BUCKETS
 
@@ -42,6 +43,12 @@ ENGINE_LABEL_DEFAULTS: dict[str, str] = {
 # in-process ledger's snapshot failed, or building a source's series failed.
 SOURCE_ERROR_REASONS: tuple[str, ...] = ("snapshot", "render")
 TYPES = ("gauge", "counter", "histogram")
+# vLLM sources (exporter.vllm): names under a prefix of kvledger's own, which vLLM's
+# `vllm:` names can never take; labels vLLM's, then a worker's ranks, then the group.
+VLLM_PREFIX = "kvledger_vllm_"
+VLLM_SCOPES = ("", "worker", "engine")
+VLLM_ENGINE_LABELS: tuple[str, ...] = ("model_name", "engine")
+VLLM_WORKER_LABELS: tuple[str, ...] = (*VLLM_ENGINE_LABELS, "tp_rank", "pp_rank")
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LEGACY_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
@@ -85,8 +92,20 @@ class MetricSpec:
     labels: tuple[str, ...]  # labels of its own, after the engine labels
     engine: bool = True  # carries the source's engine labels
     figure: str | None = None  # the accounting figure it exports, for per-family gauges
+    # "worker" or "engine": a vLLM source's metric, carrying vLLM's labels instead
+    # (VLLM_WORKER_LABELS or VLLM_ENGINE_LABELS), exported only for vLLM sources.
+    vllm: str = ""
 
     def __post_init__(self) -> None:
+        if self.vllm not in VLLM_SCOPES:
+            raise ValueError(
+                f"metric {self.name!r}: vllm={self.vllm!r}, expected one of {VLLM_SCOPES}"
+            )
+        if self.vllm and (self.engine or not self.name.startswith(VLLM_PREFIX)):
+            raise ValueError(
+                f"metric {self.name!r}: a vLLM metric is named {VLLM_PREFIX}... and carries "
+                "vLLM's labels, not SGLang's (engine=False)"
+            )
         if self.type not in TYPES:
             raise ValueError(f"metric {self.name!r}: type={self.type!r}, expected one of {TYPES}")
         if not _LEGACY_NAME.match(self.name):
@@ -141,6 +160,77 @@ def _figure_specs() -> list[MetricSpec]:
 
 
 _ACCOUNT = ("family", "pool")
+HELD_SLOTS = FIGURE_PREFIX + "held_slots"
+HELD_BYTES = FIGURE_PREFIX + "held_bytes"
+_HOLDERS = ", ".join(HOLDER_NAMES)
+
+
+def _held_specs() -> list[MetricSpec]:
+    what = (
+        f"split by holder ({_HOLDERS}; accounting.figures.Held): {HOLDER_PRECEDENCE}. Where the "
+        "holder could not be read (no tree reader for the engine), the slots are "
+        "`unattributed` and /debug/kv says why."
+    )
+    return [
+        MetricSpec(
+            HELD_SLOTS,
+            "gauge",
+            "occupied_slots per buffer family " + what,
+            ("family", "owner", "holder"),
+        ),
+        MetricSpec(
+            HELD_BYTES,
+            "gauge",
+            "occupied_bytes per buffer family (held slots x slot_bytes, all layers) " + what,
+            ("family", "owner", "holder"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "evicted_slots_total",
+            "counter",
+            "Slots of the family the engine's prefix tree evicted (cached prefixes dropped to "
+            "make room), converted from the tree's tokens to the family's slots.",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "evicted_bytes_total",
+            "counter",
+            "Bytes of the family the prefix tree evicted (evicted slots x slot_bytes).",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "window_evicted_slots_total",
+            "counter",
+            "Slots of the family freed because they left a running request's sliding "
+            "window (SWA window eviction; not a prefix eviction, nothing reusable is lost).",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "window_evicted_bytes_total",
+            "counter",
+            "Bytes of the family freed by sliding-window eviction.",
+            ("family", "owner"),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "retracted_requests_total",
+            "counter",
+            "Running requests the engine retracted (sent back to its queue, their KV freed) "
+            "because the KV cache had no room for their next tokens.",
+            (),
+        ),
+        MetricSpec(
+            FIGURE_PREFIX + "request_bytes",
+            "histogram",
+            "KV bytes each running request holds now, all families together (its tokens' "
+            "slots in every family it uses, state rows included), as a distribution over "
+            "the running requests: buckets "
+            + ", ".join(f"{b >> 20} MiB" for b in REQUEST_BYTES_BUCKETS)
+            + ". A gauge histogram: the +Inf bucket (and _count) is the running requests "
+            "now, _sum their KV bytes; both go down as requests finish (no rate()). No "
+            f"request ids: /debug/kv lists the {MAX_REQUESTS} largest requests by id.",
+            (),
+        ),
+    ]
+
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -152,6 +242,7 @@ METRICS: tuple[MetricSpec, ...] = (
         (),
     ),
     *_figure_specs(),
+    *_held_specs(),
     MetricSpec(
         "kvledger_up",
         "gauge",
@@ -410,6 +501,138 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
+_GROUP = ("group", "kind")
+
+
+def _vllm_specs() -> tuple[MetricSpec, ...]:
+    """A vLLM source's metrics (docs/vllm.md): a worker's bytes, an engine core's blocks."""
+    w, e = "worker", "engine"
+    aliased = (
+        "vLLM 0.33 lays every group out from byte 0 of the worker's one KV storage, so groups "
+        "alias it: this is that storage's bytes for each group, never to be added over groups "
+        "(kvledger_vllm_kv_cache_physical_bytes counts it once)."
+    )
+    rows = [
+        (
+            "kv_cache_physical_bytes",
+            w,
+            (),
+            "Device memory of the worker's KV storage (the one "
+            "int8 buffer initialize_kv_cache_tensors allocates; its tensor, reserved and physical "
+            "bytes are equal), counted once for all groups.",
+        ),
+        (
+            "kv_cache_blocks",
+            w,
+            (),
+            "Blocks the worker's KV storage holds (KVCacheConfig."
+            "num_blocks; a block id is one block in every layer of every group).",
+        ),
+        (
+            "kv_block_bytes",
+            w,
+            (),
+            "Bytes of one block id in the worker's storage, all layers of "
+            "all groups (kv_cache_physical_bytes / kv_cache_blocks): free blocks x this is the "
+            "worker's available KV memory.",
+        ),
+        (
+            "group_tensor_bytes",
+            w,
+            _GROUP,
+            "numel x element_size of the group's layer views, "
+            "summed over its layers: the bytes the group addresses in the storage.",
+        ),
+        (
+            "group_reserved_bytes",
+            w,
+            _GROUP,
+            "Address range of the storage the group's views lie in. " + aliased,
+        ),
+        (
+            "group_physical_bytes",
+            w,
+            _GROUP,
+            "Device memory held for the storage the group's views lie in. " + aliased,
+        ),
+        (
+            "group_slot_bytes",
+            w,
+            _GROUP,
+            "Bytes one slot (a token; a Mamba group's state) takes "
+            "over all the group's layers: the group's bytes per token on this worker.",
+        ),
+        (
+            "group_block_size",
+            w,
+            _GROUP,
+            "Slots per block of the group: vLLM's block_size in "
+            "tokens for an attention group, 1 for a state (Mamba) group.",
+        ),
+        ("group_layers", w, _GROUP, "Layers (attention layers' KV views) in the group."),
+        (
+            "blocks",
+            e,
+            (),
+            "Blocks of the engine core's block pool (num_gpu_blocks, the null "
+            "block included), shared by every KV-cache group.",
+        ),
+        ("occupied_blocks", e, (), "Blocks in use (ref count > 0, the null block included)."),
+        (
+            "evictable_blocks",
+            e,
+            (),
+            "Free blocks still holding a cached prefix (ref count 0): "
+            "reused on a prefix hit, evicted when handed out; 0 without prefix caching. A subset "
+            "of kvledger_vllm_free_blocks.",
+        ),
+        (
+            "free_blocks",
+            e,
+            (),
+            "Blocks not in use (blocks - occupied_blocks), the evictable ones "
+            "included: what new requests can take.",
+        ),
+        (
+            "group_capacity_slots",
+            e,
+            _GROUP,
+            "Slots the group can address: blocks x its slots "
+            "per block (tokens; a Mamba group's states).",
+        ),
+        (
+            "group_occupied_slots",
+            e,
+            _GROUP,
+            "The group's slots held by running requests (its "
+            "blocks in use x slots per block; a block shared by a prefix hit counts once per "
+            "request holding it, capped at the capacity). Occupied bytes on a worker = this x "
+            "that worker's kvledger_vllm_group_slot_bytes.",
+        ),
+        (
+            "group_evictable_slots",
+            e,
+            _GROUP,
+            "The pool's evictable blocks as the group's slots "
+            "(evictable_blocks x slots per block): the pool is shared by all groups.",
+        ),
+        (
+            "group_free_slots",
+            e,
+            _GROUP,
+            "The pool's free blocks as the group's slots "
+            "(free_blocks x slots per block, evictable ones included).",
+        ),
+    ]
+    return tuple(
+        MetricSpec(VLLM_PREFIX + name, "gauge", text, labels, engine=False, vllm=scope)
+        for name, scope, labels, text in rows
+    )
+
+
+VLLM_METRICS: tuple[MetricSpec, ...] = _vllm_specs()
+METRICS = METRICS + VLLM_METRICS
+
 # Exported only by a source whose device truth is a GPU read through NVML (none on the host
 # backend): the dashboard's "Where the GPU went" row is empty without a GPU.
 GPU_ONLY: frozenset[str] = frozenset(
@@ -431,6 +654,8 @@ def markdown_table() -> str:
     rows = ["| metric | type | labels | help |", "|---|---|---|---|"]
     for s in METRICS:
         labels = [*ENGINE_LABELS, "[dp_rank]", "[UUID]", "[gpu]"] if s.engine else []
+        if s.vllm:
+            labels = list(VLLM_WORKER_LABELS if s.vllm == "worker" else VLLM_ENGINE_LABELS)
         labels += list(s.labels)
         if s.type == "histogram":
             labels.append("le")

@@ -132,6 +132,8 @@ class DemoSource:
         cfg = o.workload or WorkloadConfig(max_running=o.max_running_requests)
         self.workload = Workload(self.pool, self.accounts, cfg)
         self._stack.callback(self.workload.close)
+        self.ledger.set_engine_state(self.workload.engine_state)
+        self._stack.callback(self.ledger.set_engine_state, None)
         if o.start_workload:
             self.workload.start()
 

@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float16", "fp8")
     )
     parser.add_argument(
+        "--attention-backend",
+        default="flashmla",
+        choices=("flashmla", "flashinfer"),
+        help="DeepSeek-V4 only: vLLM's NVIDIA attention backend whose KV layout to size "
+        "(default: %(default)s, vLLM's choice on Hopper)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print a JSON document instead of the table"
     )
 
@@ -88,17 +95,21 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             f"vLLM is not importable here ({type(e).__name__}: {e}); expected vLLM 0.33 "
             "(scripts/test-vllm builds a venv with it)"
         ) from None
+    from kvledger.vllm.dsv4_specs import deepseek_v4_specs, is_deepseek_v4
     from kvledger.vllm.specs import SpecError, decoder_specs
 
-    try:
-        specs = decoder_specs(hf, block_size=block, tp=tp, kv_cache_dtype=args.kv_cache_dtype)
-    except SpecError as e:
-        raise UsageError(str(e)) from None
+    dsv4 = is_deepseek_v4(hf)
+    specs: dict[str, Any] = {}
+    layouts = ["LBNHC", "LBHNC"]  # what a GPU worker with FlashAttention reports first
+    if not dsv4:
+        try:
+            specs = decoder_specs(hf, block_size=block, tp=tp, kv_cache_dtype=args.kv_cache_dtype)
+        except SpecError as e:
+            raise UsageError(str(e)) from None
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # planning needs a platform, not a GPU
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
     with tempfile.TemporaryDirectory(prefix="kvledger-inspect-") as d:
         with open(os.path.join(d, "config.json"), "w", encoding="utf-8") as f:
@@ -110,17 +121,37 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
                 load_format="dummy",
                 max_model_len=max_len,
                 block_size=block,
+                **({"kv_cache_dtype": args.kv_cache_dtype} if dsv4 else {}),
             ).create_engine_config()
-            resolve_kv_cache_layout(cfg, [["LBNHC", "LBHNC"]], list(specs.values()))
+            if dsv4:
+                specs, layouts = deepseek_v4_specs(cfg, backend=args.attention_backend)
+            resolve_kv_cache_layout(cfg, [layouts], list(specs.values()))
             groups = get_global_kv_cache_groups(cfg, [specs])
             config = get_kv_cache_configs(cfg, [specs], [memory], groups)[0]
         except ValueError as e:
             raise UsageError(str(e).splitlines()[0]) from None
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    doc = _document(config, specs, memory, layout=cfg.cache_config.get_resolved_kv_cache_layout())
+    # vLLM's own "KV cache size: N tokens, maximum concurrency ..." line, from its function.
+    tokens, concurrency = get_kv_cache_capacity(cfg, config)
+    doc["vllm_kv_cache_size_tokens"] = tokens
+    doc["vllm_max_concurrency"] = concurrency
+    doc["max_model_len"] = cfg.model_config.max_model_len
+    return doc
+
+
+def _document(config: Any, specs: dict[str, Any], memory: int, *, layout: Any) -> dict[str, Any]:
+    """What `plan` prints, from vLLM's KVCacheConfig and the per-layer specs it was
+    planned from."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
     size = config.kv_cache_tensors[0].size if config.kv_cache_tensors else 0
     out_groups = []
     for i, g in enumerate(config.kv_cache_groups):
         spec = g.kv_cache_spec
-        page = sum(specs[n].page_size_bytes for n in g.layer_names)
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: as planned
+        page = sum((per_layer or specs)[n].page_size_bytes for n in g.layer_names)
         out_groups.append(
             {
                 "group": i,
@@ -138,6 +169,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_per_block": size // config.num_blocks if config.num_blocks else 0,
         "buffer_bytes": size,
         "memory": memory,
+        "kv_cache_layout": getattr(layout, "name", str(layout)),
         "groups": out_groups,
     }
 
@@ -159,5 +191,10 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"buffer: {doc['num_blocks']} blocks of {format_size(doc['bytes_per_block'])} = "
         f"{format_size(doc['buffer_bytes'])} (one per worker; groups alias it)"
+    )
+    print(
+        f"vLLM's KV cache size: {doc['vllm_kv_cache_size_tokens']:,} tokens, maximum "
+        f"concurrency for {doc['max_model_len']:,} tokens per request: "
+        f"{doc['vllm_max_concurrency']:.2f}x"
     )
     return 0

@@ -16,7 +16,22 @@ at a time (`step()`; `start()` runs steps on a thread every `step_seconds`):
   `c128_kv`: one per 128); state rows are held while a request runs
   (`c4_attn_state`, `c4_indexer_state`: 8 ring rows, 16 with speculative decoding;
   `c128_state`: 128). They are occupied and released on the runtime accounts.
-- A finished request frees everything it held.
+- A finished request frees everything it held, but for a shared prefix (below).
+
+Prefix sharing, as an engine's prefix tree would do it for the full-token families
+(`c4_kv`, `c4_indexer`, `c128_kv`): `shared_prefixes` system prompts (lengths drawn once
+from `prefix_tokens`) start `prefix_share` of the requests. The first request with a
+prompt computes its prefix rows; when it finishes they stay cached instead of being freed.
+The SWA slots of the prompt's last window are kept with them (an engine's tree keeps
+that much SWA of a cached prefix). A later request with that prompt reuses them (a hit:
+it allocates only its own rows) and
+holds them locked while it runs. At most `cache_prefixes` prompts stay cached: past that,
+or when an admission lacks room, the least recently used unlocked one is evicted (its
+rows released, counted as evicted). After every step the accounts' holders are set
+(`Account.set_holders`): cached prefixes locked by a running request are
+`tree_protected`, the others `tree_evictable`, the rest `request_only`; SWA tokens that
+left the window are counted as window evictions, and `engine_state()` carries every
+running request's footprint (the demo hands it to the ledger).
 
 `close()` stops the thread and frees every slot and row still held, so the
 ledger's occupied figures return to zero.
@@ -34,6 +49,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from accounting.engine_state import EngineState, RequestHeld, engine_state
 from allocator.errors import CapacityError
 
 log = logging.getLogger(__name__)
@@ -94,6 +110,10 @@ class WorkloadConfig:
     max_waiting: int = 64
     speculative: bool = False
     seed: int | None = None
+    shared_prefixes: int = 4  # distinct system prompts (0: no prefix sharing)
+    prefix_tokens: tuple[int, int] = (512, 1536)
+    prefix_share: float = 0.75  # of the requests that start with one
+    cache_prefixes: int = 3  # prompts kept cached at most
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -109,6 +129,29 @@ class WorkloadConfig:
         for name in ("window", "max_running", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"workload {name}={getattr(self, name)!r}, expected >= 1")
+        lo, hi = self.prefix_tokens
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(
+                f"workload prefix_tokens=({lo!r}, {hi!r}), expected integers 1 <= min <= max"
+            )
+        if not 0.0 <= self.prefix_share <= 1.0:
+            raise ValueError(f"workload prefix_share={self.prefix_share!r}, expected in [0, 1]")
+        for name in ("shared_prefixes", "cache_prefixes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"workload {name}={getattr(self, name)!r}, expected >= 0")
+
+
+# Families an engine's prefix tree keeps for a cached prefix (rows per token of it).
+PREFIX_FAMILIES = ("c4_kv", "c4_indexer", "c128_kv")
+
+
+@dataclass
+class CachedPrefix:
+    tokens: int
+    rows: dict[str, int]
+    locks: int = 0  # running requests that reuse it
+    last_used: float = 0.0
+    swa: list[int] = field(default_factory=list)  # SWA slots of its last window, kept
 
 
 @dataclass
@@ -119,6 +162,10 @@ class Request:
     generated: int = 0
     swa: collections.deque[int] = field(default_factory=collections.deque)
     rows: dict[str, int] = field(default_factory=dict)
+    prefix_id: int | None = None  # the system prompt it starts with
+    prefix: int = 0  # that prompt's tokens (part of `prompt`)
+    hit: bool = False  # its prefix rows are the cache's, not its own
+    arrived: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -149,6 +196,13 @@ class Workload:
         self._committed = dict.fromkeys(self.accounts, 0)  # final rows of running requests
         self._next_id = 0
         self.counts = collections.Counter[str]()
+        self.swa_account: Any = accounts.get("swa_kv")
+        cfg = self.config
+        self.prefix_lengths = [
+            self._rng.randint(*cfg.prefix_tokens) for _ in range(cfg.shared_prefixes)
+        ]
+        self.cache: dict[int, CachedPrefix] = {}
+        self._state = EngineState(holders_from="kvledger demo workload")
 
     # -- one engine step ------------------------------------------------------------------
     def step(self) -> None:
@@ -165,6 +219,7 @@ class Workload:
             self._finish(freed)
             if freed:
                 self.pool.free(freed)
+            self._publish_holders()
 
     def _arrivals(self) -> None:
         cfg = self.config
@@ -173,13 +228,17 @@ class Workload:
             if len(self.waiting) >= cfg.max_waiting:
                 self.counts["rejected"] += 1
                 continue
-            self.waiting.append(
-                Request(
-                    rid=self._next_id,
-                    prompt=self._rng.randint(*cfg.prompt_tokens),
-                    output=self._rng.randint(*cfg.output_tokens),
-                )
+            r = Request(
+                rid=self._next_id,
+                prompt=self._rng.randint(*cfg.prompt_tokens),
+                output=self._rng.randint(*cfg.output_tokens),
+                arrived=self.clock,
             )
+            if self.prefix_lengths and self._rng.random() < cfg.prefix_share:
+                r.prefix_id = self._rng.randrange(len(self.prefix_lengths))
+                r.prefix = self.prefix_lengths[r.prefix_id]
+                r.prompt += r.prefix
+            self.waiting.append(r)
             self._next_id += 1
             self.counts["arrived"] += 1
 
@@ -189,6 +248,8 @@ class Workload:
         for r in self.running:
             while len(r.swa) > w:
                 freed.append(r.swa.popleft())
+        if freed and self.swa_account is not None:
+            self.swa_account.count_evicted(len(freed), window=True)
         return freed
 
     def _decode(self, freed: list[int]) -> None:
@@ -206,11 +267,19 @@ class Workload:
         self._grow_rows(batch)
         self.counts["decoded_tokens"] += len(batch)
 
+    def _own_rows(self, r: Request, family: str, tokens: int) -> int:
+        """Rows of `family` request `r` holds itself at `tokens` (a hit's prefix rows are
+        the cache's)."""
+        want = self._rules[family](tokens)
+        if r.hit and family in PREFIX_FAMILIES:
+            want -= self._rules[family](r.prefix)
+        return want
+
     def _grow_rows(self, requests: list[Request]) -> None:
-        for family, rule in self._rules.items():
+        for family in self._rules:
             delta = 0
             for r in requests:
-                want = rule(r.tokens)
+                want = self._own_rows(r, family, r.tokens)
                 delta += want - r.rows.get(family, 0)
                 r.rows[family] = want
             if delta > 0:
@@ -223,17 +292,26 @@ class Workload:
         if not self.waiting or len(self.running) >= cfg.max_running:
             return
         r = self.waiting[0]
-        final = {f: rule(r.prompt + r.output) for f, rule in self._rules.items()}
-        for f, need in final.items():
-            if self._committed[f] + need > self.accounts[f].capacity_slots:
+        entry = self.cache.get(r.prefix_id) if r.prefix_id is not None else None
+        r.hit = entry is not None
+        final = {f: self._own_rows(r, f, r.prompt + r.output) for f in self._rules}
+        while not self._room(final):
+            if not self._evict_one(keep=r.prefix_id):
                 self.counts["admission_waits"] += 1
+                r.hit = False
                 return
         try:
             ids = self.pool.alloc(r.prompt).tolist()
         except CapacityError:
             self.counts["admission_waits"] += 1
+            r.hit = False
+            self._evict_one(keep=r.prefix_id)  # SWA room for the next try
             return
         self.waiting.popleft()
+        if entry is not None:
+            entry.locks += 1
+            entry.last_used = self.clock
+            self.counts["prefix_hits"] += 1
         r.swa.extend(ids)
         for f, need in final.items():
             self._committed[f] += need
@@ -242,22 +320,108 @@ class Workload:
         self.counts["admitted"] += 1
         self.counts["prefilled_tokens"] += r.prompt
 
+    def _cached_rows(self, family: str) -> int:
+        return sum(e.rows.get(family, 0) for e in self.cache.values())
+
+    def _room(self, final: Mapping[str, int]) -> bool:
+        return all(
+            self._committed[f] + self._cached_rows(f) + need <= self.accounts[f].capacity_slots
+            for f, need in final.items()
+        )
+
+    def _evict_one(self, keep: int | None = None) -> bool:
+        """Evict the least recently used unlocked cached prefix (not `keep`); False if none."""
+        free = [(e.last_used, k) for k, e in self.cache.items() if not e.locks and k != keep]
+        if not free:
+            return False
+        _, k = min(free)
+        entry = self.cache.pop(k)
+        if entry.swa:
+            with contextlib.suppress(Exception):  # a pool already closed freed them itself
+                self.pool.free(entry.swa)
+            if self.swa_account is not None:
+                self.swa_account.count_evicted(len(entry.swa))
+        for f, rows in entry.rows.items():
+            if rows:
+                self.accounts[f].release(rows)
+                count = getattr(self.accounts[f], "count_evicted", None)
+                if count is not None:
+                    count(rows)
+        self.counts["prefix_evictions"] += 1
+        return True
+
     def _finish(self, freed: list[int]) -> None:
         done = [r for r in self.running if r.generated >= r.output]
         for r in done:
             self.running.remove(r)
-            self._drop(r, freed)
+            self._drop(r, freed, cache=True)
             self.counts["finished"] += 1
 
-    def _drop(self, r: Request, freed: list[int]) -> None:
+    def _drop(self, r: Request, freed: list[int], *, cache: bool = False) -> None:
         freed.extend(r.swa)
         r.swa.clear()
-        final = {f: rule(r.prompt + r.output) for f, rule in self._rules.items()}
+        final = {f: self._own_rows(r, f, r.prompt + r.output) for f in self._rules}
+        keep: dict[str, int] = {}
+        if r.hit:
+            entry = self.cache.get(r.prefix_id) if r.prefix_id is not None else None
+            if entry is not None:
+                entry.locks -= 1
+        elif (
+            cache
+            and r.prefix_id is not None
+            and self.config.cache_prefixes
+            and r.prefix_id not in self.cache
+        ):  # its prefix rows stay, cached
+            keep = {f: self._rules[f](r.prefix) for f in PREFIX_FAMILIES if f in self._rules}
+            try:  # the tree keeps the SWA entries of the prefix's last window
+                swa = self.pool.alloc(min(self.config.window, r.prefix)).tolist()
+            except CapacityError:
+                swa = []
+            self.cache[r.prefix_id] = CachedPrefix(r.prefix, keep, 0, self.clock, swa)
         for f, held in r.rows.items():
-            if held:
-                self.accounts[f].release(held)
+            give = held - keep.get(f, 0)
+            if give:
+                self.accounts[f].release(give)
             self._committed[f] -= final[f]
         r.rows.clear()
+        r.hit = False
+        while len(self.cache) > self.config.cache_prefixes and self._evict_one():
+            pass
+
+    def _publish_holders(self) -> None:
+        """Every account's holders and the requests' footprints, as of this step."""
+        for f, account in self.accounts.items():
+            setter = getattr(account, "set_holders", None)
+            if setter is None:
+                continue
+            locked = sum(e.rows.get(f, 0) for e in self.cache.values() if e.locks)
+            setter(locked, self._cached_rows(f) - locked)
+        if self.swa_account is not None:
+            locked = sum(len(e.swa) for e in self.cache.values() if e.locks)
+            cached = sum(len(e.swa) for e in self.cache.values())
+            self.swa_account.set_holders(locked, cached - locked)
+        per_slot = {
+            f: sum(b.slot_bytes for b in getattr(a, "buffers", ()))
+            for f, a in {**self.accounts, "swa_kv": self.swa_account}.items()
+            if a is not None
+        }
+        requests = []
+        for r in self.running:
+            by = {f: rows * per_slot.get(f, 0) for f, rows in r.rows.items()}
+            if "swa_kv" in per_slot:
+                by["swa_kv"] = len(r.swa) * per_slot["swa_kv"]
+            requests.append(
+                RequestHeld(f"demo-{r.rid}", r.tokens, self.clock - r.arrived, sum(by.values()), by)
+            )
+        self._state = engine_state(
+            holders_from="kvledger demo workload (a simulated prefix cache)",
+            requests=requests,
+        )
+
+    def engine_state(self) -> EngineState:
+        """The requests' footprints as of the last step (no lock: the ledger may call it
+        under its own)."""
+        return self._state
 
     # -- state ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -314,6 +478,9 @@ class Workload:
                 self._drop(r, freed)
             self.running.clear()
             self.waiting.clear()
+            while self._evict_one():
+                pass
+            self._publish_holders()
             if freed:
                 with contextlib.suppress(Exception):  # a pool already closed freed them itself
                     self.pool.free(freed)

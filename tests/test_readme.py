@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from accounting.figures import markdown_table
+from accounting.figures import holders_markdown_table, markdown_table
 
 
 def test_readme_figure_table_is_generated_from_the_figures_table() -> None:
@@ -24,3 +24,9 @@ def test_python_m_accounting_prints_the_table_and_nothing_else() -> None:
     )
     assert (r.returncode, r.stderr) == (0, "")
     assert r.stdout == markdown_table() + "\n"
+
+
+def test_readme_holder_table_is_generated_from_the_holders_table() -> None:
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    block = text.split("<!-- holders:begin -->\n", 1)[1].split("\n<!-- holders:end -->", 1)[0]
+    assert block == holders_markdown_table()

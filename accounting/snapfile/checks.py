@@ -46,15 +46,16 @@ def families_match_accounts(
     account's family, each with the slot figures its accounts sum to."""
     slots: dict[Key, list[int]] = {}
     for a in accounts:
-        s = slots.setdefault((a.family, a.owner), [0, 0])
+        s = slots.setdefault((a.family, a.owner), [0, 0, 0])
         s[0] += a.occupied_slots
         s[1] += a.capacity_slots
+        s[2] += a.occupied_slots * a.slot_bytes
     out: dict[Key, FamilyRow] = {}
     for i, row in enumerate(rows):
         key = (row.family, row.owner)
         if key in out:
             raise fail(f"families[{i}]", f"{_name(key)} listed twice")
-        occupied, capacity = slots.get(key, (0, 0))
+        occupied, capacity, occupied_bytes = slots.get(key, (0, 0, 0))
         figs = row.figures
         if (figs.occupied_slots, figs.capacity_slots) != (occupied, capacity):
             raise fail(
@@ -62,6 +63,13 @@ def families_match_accounts(
                 f"occupied_slots={figs.occupied_slots} capacity_slots="
                 f"{figs.capacity_slots}, but the accounts of {_name(key)} sum to "
                 f"{occupied} and {capacity}",
+            )
+        if figs.occupied_bytes != occupied_bytes:
+            # What makes the holders' bytes (held slots x slot_bytes) add up to occupied_bytes.
+            raise fail(
+                f"families[{i}]",
+                f"occupied_bytes={figs.occupied_bytes}, but the accounts of {_name(key)} "
+                f"(occupied_slots x slot_bytes) sum to {occupied_bytes}",
             )
         out[key] = row
     missing = sorted(set(slots) - set(out))
@@ -133,7 +141,11 @@ def pages_and_slots_agree(families: Sequence[FamilyRow], accounts: Sequence[Acco
 def account_may_break(a: AccountRow) -> bool:
     """Whether `check_account` can find a violation in a checked account row (figures
     already >= 0): only then is it asked."""
-    return a.mapped_pages > a.handle_pages or a.occupied_slots > a.capacity_slots
+    return (
+        a.mapped_pages > a.handle_pages
+        or a.occupied_slots > a.capacity_slots
+        or a.held.total() != a.occupied_slots
+    )
 
 
 # Relations of one buffer that hold for a family's sums whenever they hold for each buffer,

@@ -36,7 +36,7 @@ from accounting.snapfile.schema import (
     parse_json,
     str_of,
 )
-from accounting.snapfile.summary import Summary
+from accounting.snapfile.summary import Summary, family_held
 from accounting.snapshot import SCHEMA_VERSION
 
 MAX_SKEW_S = 5.0  # how far in the future a heartbeat or snapshot time may be (clock skew)
@@ -130,4 +130,6 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
         violations=tuple(violations),
         reconciliation=reconciliation,
         tp=tp,
+        holders=family_held(accounts),
+        engine=schema.engine_state_of(snap.get("engine")),
     )

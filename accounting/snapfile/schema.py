@@ -25,6 +25,15 @@ import operator
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
+from accounting.engine_state import (
+    MAX_NOTE,
+    MAX_NOTES,
+    MAX_REQUESTS,
+    MAX_RID,
+    REQUEST_BYTES_BUCKETS,
+    EngineState,
+    RequestHeld,
+)
 from accounting.figures import FIGURE_NAMES, Figures
 from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
@@ -467,3 +476,56 @@ def tp_status(d: Any) -> TpStatus | None:
         return TpStatus(last_error=str_of(d, "last_error", "tp", MAX_TEXT), **ints)
     except ValueError as e:
         raise fail("tp", str(e)) from None
+
+
+# -- engine state (accounting.engine_state) ---------------------------------------------------
+def engine_state_of(d: Any) -> EngineState | None:
+    """The engine's holder notes, retractions and per-request footprints, checked: bounded
+    lists, short strings, non-negative figures, the histogram's counts adding up to the
+    running requests."""
+    if d is None:
+        return None
+    where = "engine"
+    d = as_dict(d, where)
+    notes = as_list(d.get("notes") or [], f"{where}.notes", MAX_NOTES)
+    if not plain_strs(notes, MAX_NOTE):
+        raise fail(where, f"notes: expected strings of at most {MAX_NOTE} characters")
+    counts = as_list(get_field(d, "request_bytes_counts", where), f"{where}.request_bytes_counts")
+    if len(counts) != len(REQUEST_BYTES_BUCKETS) + 1 or not plain_ints(counts):
+        raise fail(
+            where,
+            f"request_bytes_counts: expected {len(REQUEST_BYTES_BUCKETS) + 1} non-negative "
+            "integers",
+        )
+    running = int_of(d, "running_requests", where)
+    if sum(counts) != running:
+        raise fail(where, f"request_bytes_counts sum to {sum(counts)}, running_requests={running}")
+    requests = []
+    for i, r in enumerate(as_list(d.get("requests") or [], f"{where}.requests", MAX_REQUESTS)):
+        at = f"{where}.requests[{i}]"
+        r = as_dict(r, at)
+        by_family = as_dict(r.get("bytes_by_family") or {}, f"{at}.bytes_by_family")
+        if len(by_family) > MAX_FAMILIES or not plain_strs(list(by_family)):
+            raise fail(at, "bytes_by_family: expected short family names")
+        if not plain_ints(list(by_family.values())):
+            raise fail(at, "bytes_by_family: expected non-negative integers")
+        requests.append(
+            RequestHeld(
+                rid=str_of(r, "rid", at, MAX_RID),
+                tokens=int_of(r, "tokens", at),
+                age_seconds=num_of(r, "age_seconds", at),
+                bytes=int_of(r, "bytes", at),
+                bytes_by_family=dict(by_family),
+            )
+        )
+    if len(requests) > running:
+        raise fail(where, f"{len(requests)} requests listed, running_requests={running}")
+    return EngineState(
+        holders_from=str_of(d, "holders_from", where),
+        notes=tuple(notes),
+        retracted_requests_total=int_of(d, "retracted_requests_total", where),
+        running_requests=running,
+        request_bytes_sum=int_of(d, "request_bytes_sum", where),
+        request_bytes_counts=tuple(counts),
+        requests=tuple(requests),
+    )

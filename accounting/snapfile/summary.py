@@ -14,12 +14,13 @@ reconciliation result.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.buffers import Owner
-from accounting.figures import Figures
+from accounting.engine_state import EngineState
+from accounting.figures import Figures, Held
 from accounting.relations import Violation
 from accounting.snapshot import AccountRow, Snapshot
 from accounting.tp_status import TpStatus
@@ -32,6 +33,46 @@ class FamilyRow:
     family: str
     owner: Owner
     figures: Figures
+
+
+@dataclass(frozen=True)
+class FamilyHeld:
+    """One (family, owner)'s occupied slots and bytes split by holder, summed over its
+    accounts (bytes: each account's held slots times its slot_bytes), with the pressure
+    counters of those accounts."""
+
+    family: str
+    owner: Owner
+    slots: Held
+    bytes: Held
+    evicted_slots_total: int = 0
+    evicted_bytes_total: int = 0
+    window_evicted_slots_total: int = 0
+    window_evicted_bytes_total: int = 0
+
+
+def family_held(accounts: Iterable[AccountRow]) -> tuple[FamilyHeld, ...]:
+    """The holders per (family, owner) of `accounts`, sorted."""
+    rows: dict[tuple[str, Owner], list[AccountRow]] = {}
+    for a in accounts:
+        rows.setdefault((a.family, a.owner), []).append(a)
+    out = []
+    for (family, owner), accs in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
+        out.append(
+            FamilyHeld(
+                family,
+                owner,
+                slots=Held.sum(a.held for a in accs),
+                bytes=Held.sum(a.held.times(a.slot_bytes) for a in accs),
+                evicted_slots_total=sum(a.evicted_slots_total for a in accs),
+                evicted_bytes_total=sum(a.evicted_slots_total * a.slot_bytes for a in accs),
+                window_evicted_slots_total=sum(a.window_evicted_slots_total for a in accs),
+                window_evicted_bytes_total=sum(
+                    a.window_evicted_slots_total * a.slot_bytes for a in accs
+                ),
+            )
+        )
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -95,6 +136,8 @@ class Summary:
     violations: tuple[Violation, ...]
     reconciliation: tuple[Reconciliation, ...]
     tp: TpStatus | None  # present for a pool under tensor parallelism
+    holders: tuple[FamilyHeld, ...] = ()  # occupied slots and bytes by holder, per family
+    engine: EngineState | None = None  # holders' source and notes, requests (engine_state)
 
 
 def family_rows(snap: Snapshot) -> tuple[FamilyRow, ...]:
@@ -119,4 +162,6 @@ def summary_of(snap: Snapshot) -> Summary:
         violations=snap.violations,
         reconciliation=tuple(Reconciliation.of(r) for r in snap.reconciliation),
         tp=snap.tp,
+        holders=family_held(snap.accounts),
+        engine=snap.engine,
     )

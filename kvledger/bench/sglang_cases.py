@@ -1,9 +1,19 @@
 """The cases of `kvledger bench sglang` (see `kvledger.bench.sglang`), native and bridged.
 
-Each timed case runs both variants the same way, in rounds that alternate which
-variant goes first. Bridge figures are read through the bridge's public API
-(`Bridge.stats()`, `Bridge.backend.granularity`) and the ledger the bench gave
-it (the `swa_kv` VMM account's map and unmap totals, in page ids).
+Every case is timed as whole rounds (`run_rounds`): in each round each engine runs the
+case's whole round of work back to back, the order rotating, and a round's time is all of
+it, every step and every journal replay its calls caused included (the bridged engine's
+journal is flushed inside the timed round, so what its hooks recorded is paid for in the
+round that recorded it); only the bench's own bookkeeping between steps (rows touched,
+mapped page ids checked) is left out. The ratios are paired by round
+(`kvledger.bench.bootstrap`): rounds continue past the minimum until the bridged/native
+interval is within the width asked for, or the maximum is reached.
+
+Bridge figures are read through the bridge's public API (`Bridge.stats()` between
+cases, `Bridge.backend.granularity`), its page store's `stats()` between steps (which
+replays nothing: `Bridge.stats()` replays the journal first, work no round would time) and
+the ledger the bench gave it (the `swa_kv` VMM account's map and unmap totals, in page
+ids).
 """
 
 from __future__ import annotations
@@ -22,12 +32,18 @@ from typing import Any
 from accounting.buffers import Owner
 from accounting.ledger import Account, Ledger
 from accounting.snapfile.publisher import Publisher
+from kvledger.bench import bootstrap
 from kvledger.bench.sglang_engine import PAGE, WINDOW, Engine, Request, Shape, published
+from kvledger.bench.sglang_memory import SwaMemory
+from kvledger.sglang.bridge.compact_policy import CompactionPolicy
 
 # The counter of allocations that waited for a driver map (Bridge.stats(), docs/sglang-bridge.md).
 COUNTER_DRIVER_WAITS = "waited_allocs"
 ROUND_TRIP_TOKENS = 4096
 CHURN_LOW, CHURN_HIGH = 0.10, 0.90
+CHECK_EVERY = 10  # rounds between two looks at whether the interval is narrow enough
+# The targets, bridged/native at most (issue 23), by case; judged on the interval's ends.
+TARGETS = {"decode_step": 1.03, "round_trip_4096": 1.05, "fill_drain": 1.3, "churn_event": 1.3}
 
 
 @dataclass
@@ -42,14 +58,16 @@ class Variant:
             return 0, 0
         return self.account.pages_mapped_total, self.account.pages_unmapped_total
 
+    # The bench's own reads of the bridge: the page store's figures as they are, never a
+    # replay of the journal (`Bridge.stats()` replays first: work the rounds would not time).
     def mapped_pages(self) -> int:
-        return int(self.bridge.stats()["mapped_pages"]) if self.bridge is not None else 0
+        return self.mapped_spare_physical()[0]
 
-    def mapped_and_spare(self) -> tuple[int, int]:
+    def mapped_spare_physical(self) -> tuple[int, int, int]:
         if self.bridge is None:
-            return 0, 0
-        stats = self.bridge.stats()
-        return int(stats["mapped_pages"]), int(stats["spare_pages"])
+            return 0, 0, 0
+        stats = self.bridge.store.stats()
+        return int(stats["mapped_pages"]), int(stats["spare_pages"]), int(stats["physical_bytes"])
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
@@ -66,22 +84,72 @@ Variants = tuple[Variant, ...]
 
 
 def paired(per_round: dict[str, list[float]]) -> dict[str, Any]:
-    """Ratios paired by round: in each round every engine ran back to back, so the ratio of
-    their medians in that round cancels what drifts between rounds (other load, clock
-    changes); the median of those ratios over the rounds, with their min and max."""
+    """The ratios paired by round (each engine's round time over native's in the same round):
+    for `bridged` and `control`, the median with its 95 % bootstrap interval
+    (`bootstrap.paired_ratio`, fixed seed) and the min and max of the per-round ratios."""
     out: dict[str, Any] = {"rounds": len(per_round["native"])}
     for name in ("bridged", "control"):
-        ratios = [b / n for b, n in zip(per_round[name], per_round["native"], strict=True)]
-        out[name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        r = bootstrap.ratios(per_round[name], per_round["native"])
+        ci = bootstrap.median_ci(r)
+        out[name] = {**ci.as_dict(), "min": min(r), "max": max(r)}
     return out
 
 
-def _rounds(vs: Variants, rounds: int) -> Iterator[tuple[int, Variant]]:
-    """(round, variant), the order rotating round by round (every variant goes first in turn)."""
-    for i in range(rounds):
-        k = i % len(vs)
-        for v in vs[k:] + vs[:k]:
-            yield i, v
+def _interval(pr: dict[str, Any], name: str) -> bootstrap.Interval:
+    d = pr[name]
+    return bootstrap.Interval(
+        d["median"], d["low"], d["high"], d["n"], d["level"], d["resamples"], d["seed"]
+    )
+
+
+def interval_of(case: dict[str, Any], name: str = "bridged") -> bootstrap.Interval:
+    """The paired interval of `name` (bridged or control) over native in a case's results."""
+    return _interval(case["paired"], name)
+
+
+def _order(vs: Variants, i: int) -> Variants:
+    """Round `i`'s order: every engine goes first in turn."""
+    k = i % len(vs)
+    return vs[k:] + vs[:k]
+
+
+def _quiesce(v: Variant) -> None:
+    """After an engine's round, untimed: the bridged engine's background mapper finishes
+    what the round left it (maps ahead, spares past their grace), so that none of it runs
+    while the next engine's round is timed, a cost charged to the wrong engine."""
+    if v.bridge is not None:
+        v.bridge.wait_idle()
+
+
+def run_rounds(
+    vs: Variants,
+    one_round: Callable[[Variant, int], float],
+    *,
+    least: int,
+    most: int,
+    width: float,
+    target: float | None = None,
+) -> dict[str, list[float]]:
+    """Round times per engine: `one_round(variant, i)` returns the seconds of round `i` of
+    that engine (all of it: every step and replay). At least `least` rounds; then every
+    CHECK_EVERY rounds, stop once the bridged/native interval is within +-`width` and, with
+    a `target`, lies wholly on one side of it (met or not met); at most `most` rounds."""
+    times: dict[str, list[float]] = {v.name: [] for v in vs}
+    i = 0
+    while i < most:
+        for v in _order(vs, i):
+            gc.collect()
+            times[v.name].append(one_round(v, i))
+            _quiesce(v)
+        i += 1
+        if i >= least and (i - least) % CHECK_EVERY == 0:
+            ratio = bootstrap.ratios(times[bridged_of(vs).name], times["native"])
+            ci = bootstrap.median_ci(ratio)
+            if ci.within(width) and (
+                target is None or ci.verdict(target) != bootstrap.NOT_RESOLVED
+            ):
+                break
+    return times
 
 
 def bridged_of(vs: Variants) -> Variant:
@@ -168,23 +236,22 @@ def ramp_up(e: Engine, args: Any) -> None:
 
 @dataclass(frozen=True)
 class TimedCase:
-    """A case timed step by step: `warm` once per engine, then in each round `step` timed
+    """A case of repeated steps: `warm` once per engine, then in each round `step`
     `getattr(args, per_round)` times on each engine in turn."""
 
     warm: Callable[[Engine, Any], None]
     step: Callable[[Engine, Any], None]
     per_round: str  # the argument giving the steps of one round
+    key: str  # the case's name in the results (and in TARGETS)
 
 
-DECODE_STEP = TimedCase(warm=ramp_up, step=decode_step, per_round="steps")
-ROUND_TRIP = TimedCase(warm=round_trip, step=round_trip, per_round="trips")
+DECODE_STEP = TimedCase(warm=ramp_up, step=decode_step, per_round="steps", key="decode_step")
+ROUND_TRIP = TimedCase(warm=round_trip, step=round_trip, per_round="trips", key="round_trip_4096")
 
 
 def _settle(v: Variant) -> None:
-    """After a bridged round, untimed: replay what its hooks recorded, on this thread, so the
-    background mapper does not replay it (finding the journal idle) while the next engine's
-    round is timed, a cost charged to the wrong engine. Within a round the replays that
-    SGLang's calls trigger are timed with the steps they land in (in each case's mean)."""
+    """The end of a bridged round, timed with it: replay what its hooks recorded, on this
+    thread (what the next replay would have done; the round's calls caused it)."""
     if v.bridge is not None:
         v.bridge.flush()
 
@@ -195,26 +262,49 @@ def _timed(fn: Callable[..., None], *args: Any) -> float:
     return time.perf_counter() - t0
 
 
+def limits(args: Any, case: str) -> tuple[int, int]:
+    """(least, most) rounds of `case` ("steps", "cycles" or "churn")."""
+    if case == "cycles":
+        return args.cycles, max(args.cycles, args.max_cycles)
+    if case == "churn":
+        least = -(-args.churn_events // args.churn_round)
+        return least, max(least, args.max_rounds)
+    return args.rounds, max(args.rounds, args.max_rounds)
+
+
 def bench_timed(vs: Variants, args: Any, case: TimedCase) -> dict[str, Any]:
-    """Each engine's step times, the ratios paired by round, and the bridged engine's maps
-    and unmaps over the timed rounds."""
+    """Each engine's round times (every step and the replays, `run_rounds`), the ratios
+    paired by round, the steps' own times (their median is what the bench reported before
+    it timed whole rounds: it leaves out the replays) and the bridged engine's maps and
+    unmaps over the timed rounds."""
     for v in vs:
         case.warm(v.engine, args)
-    times: dict[str, list[float]] = {v.name: [] for v in vs}
-    per_round: dict[str, list[float]] = {v.name: [] for v in vs}
+    steps_of: dict[str, list[float]] = {v.name: [] for v in vs}
     steps = getattr(args, case.per_round)
     bridged = bridged_of(vs)
     m0, u0 = bridged.map_totals()
-    for _, v in _rounds(vs, args.rounds):
-        gc.collect()
-        got = [_timed(case.step, v.engine, args) for _ in range(steps)]
+
+    def one_round(v: Variant, i: int) -> float:
+        got = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t1 = time.perf_counter()
+            case.step(v.engine, args)
+            got.append(time.perf_counter() - t1)
         _settle(v)
-        times[v.name] += got
-        per_round[v.name].append(statistics.median(got))
+        seconds = time.perf_counter() - t0
+        steps_of[v.name] += got
+        return seconds
+
+    least, most = limits(args, "steps")
+    times = run_rounds(
+        vs, one_round, least=least, most=most, width=args.ci_width, target=TARGETS[case.key]
+    )
     m1, u1 = bridged.map_totals()
     return {
         **{k: summary(t) for k, t in times.items()},
-        "paired": paired(per_round),
+        "steps": {k: summary(t) for k, t in steps_of.items()},
+        "paired": paired(times),
         "bridged_maps": m1 - m0,
         "bridged_unmaps": u1 - u0,
     }
@@ -256,6 +346,7 @@ def fill_drain(v: Variant, args: Any, geometry: tuple[int, int] | None) -> dict[
         seconds += _timed(_evict_one, e, req)
     for r in list(e.running):
         seconds += _timed(_finish_one, e, r)
+    seconds += _timed(_settle, v)  # the replays the cycle's calls left, timed with it
     out: dict[str, Any] = {"seconds": seconds}
     if geometry is not None:
         rb, gran = geometry
@@ -270,19 +361,25 @@ def fill_drain(v: Variant, args: Any, geometry: tuple[int, int] | None) -> dict[
 
 
 def bench_fill_drain(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str, Any]:
+    """One cycle per engine per round (`fill_drain`, its replays included), the ratios paired
+    by round, and the bridged engine's maps per cycle."""
     for v in vs:
         v.engine.finish_all()
         fill_drain(v, args, None)  # warm
-    times: dict[str, list[float]] = {v.name: [] for v in vs}
+        _quiesce(v)
     cycles = []
-    for _, v in _rounds(vs, args.cycles):
-        gc.collect()
+
+    def one_round(v: Variant, i: int) -> float:
         r = fill_drain(v, args, geometry if v.bridge is not None else None)
-        _settle(v)
-        times[v.name].append(r.pop("seconds"))
+        seconds = float(r.pop("seconds"))
         if r:
             cycles.append(r)
-    # one cycle per engine per round: the per-round "medians" are the cycles themselves
+        return seconds
+
+    least, most = limits(args, "cycles")
+    times = run_rounds(
+        vs, one_round, least=least, most=most, width=args.ci_width, target=TARGETS["fill_drain"]
+    )
     return {**{k: summary(t) for k, t in times.items()}, "paired": paired(times), "cycles": cycles}
 
 
@@ -319,28 +416,42 @@ class Churn:
         return "finish"
 
 
+def compact_between_events(v: Variant, policy: CompactionPolicy) -> None:
+    """The churn case's one compaction call site: between two events (no batch holds
+    translated SWA ids), timed with the event: one step of the production compaction policy,
+    exactly as the plugin runs it between batches (`kvledger.sglang.bridge.compact_policy`)."""
+    if v.bridge is not None:
+        policy.step(v.bridge)
+        v.engine.sync()
+
+
 def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str, Any]:
+    """Rounds of `--churn-round` events per engine (the same trace on each: the same seed and
+    page counts), each event timed with its compaction; after each of the bridged engine's
+    events past the warm-up (untimed) its mapped page ids are checked against the bound."""
     rb, gran = geometry
-    per_round = -(-args.churn_events // args.rounds)
+    per_round = args.churn_round
     state = {v.name: Churn(args.seed, args.swa_pages) for v in vs}
-    times: dict[str, list[float]] = {v.name: [] for v in vs}
     kinds = {"admit": 0, "finish": 0}
     occ: list[float] = []
     samples: list[tuple[int, int]] = []  # (mapped, bound) after warm-up
     spares: list[int] = []  # spare page ids at each of those samples
+    # The production compaction policy, exactly as the plugin runs it (one step per event).
+    policy = CompactionPolicy.from_env()
+    memory = SwaMemory(row_bytes=rb, layers=args.layers, rows=args.swa_pages)
     for v in vs:
         v.engine.finish_all()
-    for _, v in _rounds(vs, args.rounds):
+        _quiesce(v)
+
+    def one_round(v: Variant, i: int) -> float:
         churn = state[v.name]
         e = v.engine
-        gc.collect()
-        for _ in range(min(per_round, args.churn_events - churn.done)):
+        seconds = 0.0
+        for _ in range(per_round):
             t0 = time.perf_counter()
             kind = churn.event(e)
-            if v.bridge is not None:  # between batches: the bridge may move held rows
-                v.bridge.compact()
-                e.sync()
-            times[v.name].append(time.perf_counter() - t0)
+            compact_between_events(v, policy)
+            seconds += time.perf_counter() - t0
             if v.bridge is None:
                 continue
             kinds[kind] += 1
@@ -348,17 +459,29 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
             occ.append(held / args.swa_pages)
             if churn.done > args.churn_warmup:
                 bound = math.ceil((held + 1) * rb / gran) + args.max_spare_pages + 1
-                mapped, spare = v.mapped_and_spare()
+                mapped, spare, physical = v.mapped_spare_physical()
                 samples.append((mapped, bound))
                 spares.append(spare)
+                memory.add(physical, held)
+        return seconds + _timed(_settle, v)
+
+    least, most = limits(args, "churn")
+    times = run_rounds(
+        vs, one_round, least=least, most=most, width=args.ci_width, target=TARGETS["churn_event"]
+    )
     for v in vs:
         v.engine.finish_all()
     excess = [m - b for m, b in samples]
     worst = max(range(len(samples)), key=lambda i: samples[i][0])
+    events = state["native"].done
     return {
         **{k: summary(t) for k, t in times.items()},
+        "paired": paired(times),
         "rows_moved": int(bridged_of(vs).bridge.stats()["rows_moved"]),
-        "events": args.churn_events,
+        "compaction": {**policy.stats(), "describe": policy.describe()},
+        "swa_memory": memory.result(),
+        "events": events,
+        "round_events": per_round,
         "admits": kinds["admit"],
         "finishes": kinds["finish"],
         "occupancy_min": min(occ[args.churn_warmup :]),
@@ -379,7 +502,10 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
     }
 
 
-def run_all(args: Any, *, threads: int) -> dict[str, Any]:
+def run_all(
+    args: Any, *, threads: int, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Every case on the three engines; `progress` gets a line after each case."""
     import importlib.metadata
 
     import torch
@@ -389,7 +515,7 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
     if args.max_spare_pages is None:  # the bridge's own policy
         args.max_spare_pages = int(DEFAULT_POOL_OPTIONS["max_spare_pages"])
 
-    with variants(args) as vs:
+    with variants(args) as vs, _frozen_heap():
         bridge = bridged_of(vs).bridge
         row_bytes = int(bridged_of(vs).engine.pool.swa_kv_pool.kv_buffer[0].shape[1])
         gran = int(bridge.backend.granularity)
@@ -412,6 +538,19 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
                 "layers": args.layers,
                 "swa_pages": args.swa_pages,
                 "max_spare_pages": args.max_spare_pages,
+                "steps": args.steps,
+                "trips": args.trips,
+                "churn_round": args.churn_round,
+                "ci_width": args.ci_width,
+                "rounds": args.rounds,
+                "max_rounds": args.max_rounds,
+                "cycles": args.cycles,
+                "max_cycles": args.max_cycles,
+                "bootstrap": {
+                    "level": bootstrap.LEVEL,
+                    "resamples": bootstrap.RESAMPLES,
+                    "seed": bootstrap.SEED,
+                },
             }
         }
         waits_by_case: dict[str, int] = {}
@@ -423,14 +562,21 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
         ]
         for name, case in cases:
             before = _waits(bridge)
+            t0 = time.perf_counter()
             results[name] = case()
+            if progress is not None:
+                ci = interval_of(results[name])
+                progress(
+                    f"bench sglang: {name}: {ci.n} rounds in {time.perf_counter() - t0:.0f} s, "
+                    f"bridged/native {ci.median:.3f}x [{ci.low:.3f}, {ci.high:.3f}]"
+                )
             after = _waits(bridge)
             if before is not None and after is not None:
                 waits_by_case[name] = after - before
         results["churn"] = {
             k: v
             for k, v in results["churn_event"].items()
-            if k not in ("native", "control", "bridged")
+            if k not in ("native", "control", "bridged", "paired")
         }
         for k in list(results["churn"]):
             del results["churn_event"][k]
@@ -440,6 +586,20 @@ def run_all(args: Any, *, threads: int) -> dict[str, Any]:
         results["driver_waits_by_case"] = waits_by_case
         results["bridge_stats"] = {k: int(x) for k, x in stats.items()}
     return results
+
+
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """Everything alive now (SGLang, torch, the engines: half a million objects) moved out
+    of the collector's sight (`gc.freeze`), so that the collection before each engine's
+    round (which keeps collector pauses out of the timed rounds) costs microseconds, not
+    the second a full collection takes here. Unfrozen afterwards."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _waits(bridge: Any) -> int | None:

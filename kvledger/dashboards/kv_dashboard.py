@@ -278,6 +278,97 @@ def occupancy_row(slots: tuple[Panel, ...]) -> Row:
     )
 
 
+def holders_row() -> Row:
+    """Who holds the KV cache: per family the holders stacked (they add up to occupied
+    bytes), the binding family, and the eviction rates."""
+    from accounting.figures import HOLDER_PRECEDENCE, HOLDERS
+
+    held = r.metric(m.HELD_BYTES)
+    meanings = " ".join(f"{h.name}: {h.meaning}." for h in HOLDERS)
+    return Row(
+        "Who holds the KV cache",
+        (
+            Panel(
+                "$family: occupied bytes by holder (stacked)",
+                f"{held} of the family, stacked by holder, summed over the selected ranks: the "
+                f"holders add up to the family's occupied bytes. {HOLDER_PRECEDENCE}. {meanings}",
+                (
+                    Target(
+                        f'sum by (holder) ({held}{{{SEL}, family=~"$family"}})',
+                        "{{holder}}",
+                    ),
+                ),
+                BYTES,
+                stack=True,
+                width=8,
+                repeat="family",
+            ),
+            Panel(
+                "Unreclaimable share per family (the binding constraint)",
+                f"{r.UNRECLAIMABLE.help}. Alert KvCacheNonFullFamilyBinding fires when a family "
+                f"other than the full-token ones passes {r.BINDING_RATIO:.0%} (or evicts "
+                f"prefixes) while the full family is under {1 - r.FULL_ROOM_RATIO:.0%} occupied.",
+                (
+                    Target(
+                        f"max by (family) ({r.UNRECLAIMABLE.record}{{{FAM}}})",
+                        "{{family}}",
+                    ),
+                ),
+                RATIO,
+                min=0,
+                max=1,
+                thresholds=((None, "green"), (r.BINDING_RATIO, "red")),
+                width=8,
+            ),
+            Panel(
+                "Prefix-tree and window evictions per family",
+                f"{r.EVICTED_RATE.help} (prefix), and {r.WINDOW_EVICTED_RATE.help} (window), "
+                "summed over the selected ranks. Prefix evictions in one family while the "
+                "others have room mean that family is too small.",
+                (
+                    Target(_by_family(r.EVICTED_RATE.record), "{{family}} prefix"),
+                    Target(_by_family(r.WINDOW_EVICTED_RATE.record), "{{family}} window"),
+                ),
+                "short",
+                axis_label="slots / s",
+                width=8,
+            ),
+            Panel(
+                "Requests retracted for lack of KV",
+                f"rate of {r.metric('sglang:kv_cache_retracted_requests_total')}: running "
+                "requests sent back to the queue, their KV freed, because the cache had no "
+                "room for their next tokens.",
+                (
+                    Target(
+                        f"sum(rate({r.metric('sglang:kv_cache_retracted_requests_total')}"
+                        f"{{{SEL}}}[{RATE}]))",
+                        "retracted / s",
+                    ),
+                ),
+                "short",
+                axis_label="requests / s",
+                width=12,
+            ),
+            Panel(
+                "KV bytes per running request (median, 90th percentile)",
+                "Quantiles of sglang:kv_cache_request_bytes over the running requests of the "
+                "selected ranks: the KV bytes one request holds, all families together. "
+                "/debug/kv lists the largest requests by id.",
+                tuple(
+                    Target(
+                        f"histogram_quantile({q}, sum by (le) "
+                        f"({r.metric('sglang:kv_cache_request_bytes_bucket')}{{{SEL}}}))",
+                        f"p{int(q * 100)}",
+                    )
+                    for q in (0.5, 0.9)
+                ),
+                BYTES,
+                width=12,
+            ),
+        ),
+    )
+
+
 def allocator_row() -> Row:
     mapped, unmapped = (
         r.metric("kvledger_pages_mapped_total"),
@@ -530,6 +621,105 @@ def fleet_row() -> Row:
     )
 
 
+VSEL = 'instance=~"$instance", model_name=~"$model_name"'
+WORKER_LEGEND = "{{model_name}} engine {{engine}} tp{{tp_rank}} pp{{pp_rank}}"
+GROUP_LEGEND = "g{{group}} {{kind}} engine {{engine}} tp{{tp_rank}}"
+
+
+def _v(name: str) -> str:
+    return r.metric(m.VLLM_PREFIX + name)
+
+
+def vllm_row() -> Row:
+    """vLLM engines (kvledger.vllm): a worker's bytes per KV-cache group and the engine
+    core's blocks, joined on vLLM's labels (`model_name`, `engine`, `group`)."""
+    occ, slot = _v("group_occupied_slots"), _v("group_slot_bytes")
+    free, block = _v("free_blocks"), _v("kv_block_bytes")
+    return Row(
+        "vLLM: KV-cache groups (tensor bytes per worker, blocks per engine)",
+        (
+            Panel(
+                "vLLM: KV storage per worker",
+                f"{_v('kv_cache_physical_bytes')} per worker: the one KV buffer vLLM allocates "
+                f"for all groups, counted once. {_help(_v('kv_cache_physical_bytes'))}",
+                (Target(f"{_v('kv_cache_physical_bytes')}{{{VSEL}}}", WORKER_LEGEND),),
+                BYTES,
+            ),
+            Panel(
+                "vLLM: bytes per token, per group",
+                f"{slot} per worker and KV-cache group: what one token (a state, for a Mamba "
+                "group) costs in the group's layers; groups differ (DeepSeek-V4's five, vLLM "
+                f"#51041). {_help(slot)}",
+                (Target(f"{slot}{{{VSEL}}}", GROUP_LEGEND),),
+                BYTES,
+            ),
+            Panel(
+                "vLLM: bytes each group addresses",
+                f"{_v('group_tensor_bytes')}: the group's layer views. Groups alias one storage, "
+                f"so these do not add up to it (not stacked). {_help(_v('group_tensor_bytes'))}",
+                (Target(f"{_v('group_tensor_bytes')}{{{VSEL}}}", GROUP_LEGEND),),
+                BYTES,
+            ),
+            Panel(
+                "vLLM: blocks per engine (occupied, evictable, free)",
+                "The engine core's block pool, shared by every group: blocks in use, free blocks "
+                "still holding a cached prefix (evictable, a subset of free), and free blocks. "
+                f"{_help(_v('evictable_blocks'))}",
+                (
+                    Target(f"{_v('occupied_blocks')}{{{VSEL}}}", "occupied engine {{engine}}"),
+                    Target(f"{_v('evictable_blocks')}{{{VSEL}}}", "evictable engine {{engine}}"),
+                    Target(f"{free}{{{VSEL}}}", "free engine {{engine}}"),
+                ),
+                "short",
+                axis_label="blocks",
+            ),
+            Panel(
+                "vLLM: slot occupancy per group",
+                f"{occ} / {_v('group_capacity_slots')} per engine and group: the share of the "
+                "group's slots held by running requests.",
+                (
+                    Target(
+                        f"{occ}{{{VSEL}}} / ({_v('group_capacity_slots')}{{{VSEL}}} > 0)",
+                        "g{{group}} {{kind}} engine {{engine}}",
+                    ),
+                ),
+                RATIO,
+                min=0,
+                max=1,
+            ),
+            Panel(
+                "vLLM: occupied bytes per worker and group",
+                f"The engine core's {occ} times each worker's {slot} (joined on model_name, "
+                "engine, group): the bytes of each worker's KV storage holding running "
+                "requests' entries, per group.",
+                (
+                    Target(
+                        f"{occ}{{{VSEL}}} * on(model_name, engine, group) group_right "
+                        f"{slot}{{{VSEL}}}",
+                        GROUP_LEGEND,
+                    ),
+                ),
+                BYTES,
+                width=12,
+            ),
+            Panel(
+                "vLLM: available KV memory per worker",
+                f"The engine core's {free} times each worker's {block} (joined on model_name, "
+                "engine): device memory new requests can take, cached prefixes included "
+                "(vLLM #26850).",
+                (
+                    Target(
+                        f"{free}{{{VSEL}}} * on(model_name, engine) group_right {block}{{{VSEL}}}",
+                        WORKER_LEGEND,
+                    ),
+                ),
+                BYTES,
+                width=12,
+            ),
+        ),
+    )
+
+
 def _values(label: str, series: str) -> str:
     return f"label_values({series}, {label})"
 
@@ -588,8 +778,10 @@ def dashboard() -> Dashboard:
             where_row(),
             gpu_row(),
             occupancy_row(slot_panels),
+            holders_row(),
             allocator_row(),
             health_row(),
             fleet_row(),
+            vllm_row(),
         ),
     )

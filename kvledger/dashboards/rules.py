@@ -79,12 +79,47 @@ BACKED = Recorded(
     "device memory (1 for runtime-owned tensors; for a VMM family, how close its physical "
     "memory is to the most it can back)",
 )
+
+
+def held(holder: str) -> str:
+    """The held-slots gauge of one holder (accounting.figures.HOLDERS)."""
+    from accounting.figures import HOLDER_NAMES
+
+    if holder not in HOLDER_NAMES:
+        raise KeyError(f"holder {holder!r}, expected one of {HOLDER_NAMES}")
+    return f'{metric(m.HELD_SLOTS)}{{holder="{holder}"}}'
+
+
+UNRECLAIMABLE = Recorded(
+    "kvledger:kv_cache_unreclaimable:ratio",
+    f"({fig('occupied_slots')} - ignoring(holder) {held('tree_evictable')})\n"
+    f"  / ({fig('capacity_slots')} > 0)",
+    "(occupied_slots - tree_evictable slots) / capacity_slots: the share of the family's slots "
+    "that evicting every unlocked cached prefix would not free (held by running requests, "
+    "locked in the tree, or of unknown holder). The family nearest 1 is the binding "
+    "constraint: the next allocation fails there first",
+)
+EVICTED_RATE = Recorded(
+    "kvledger:kv_cache_evicted_slots:rate5m",
+    f"rate({metric('sglang:kv_cache_evicted_slots_total')}[5m])",
+    "slots per second the prefix tree evicted from the family (cached prefixes lost, to be "
+    "re-prefilled if asked for again), over 5 minutes",
+)
+WINDOW_EVICTED_RATE = Recorded(
+    "kvledger:kv_cache_window_evicted_slots:rate5m",
+    f"rate({metric('sglang:kv_cache_window_evicted_slots_total')}[5m])",
+    "slots per second freed because they left a sliding window, over 5 minutes (routine, "
+    "nothing reusable is lost)",
+)
 PER_SERIES: tuple[Recorded, ...] = (
     IDLE_PHYSICAL,
     UNBACKED_RESERVED,
     SLOT_OCCUPANCY,
     BYTES_OCCUPANCY,
     BACKED,
+    UNRECLAIMABLE,
+    EVICTED_RATE,
+    WINDOW_EVICTED_RATE,
 )
 
 
@@ -142,6 +177,12 @@ def recording_rules() -> dict[str, Any]:
 
 
 # -- alerts -----------------------------------------------------------------------------------
+# The families that count slots of the full-token space (the "full" family of the binding
+# alert): DeepSeek-V4's compressed KV and indexer, an MHA or MLA pool's k / v / kv.
+FULL_FAMILIES = ("c4_kv", "c128_kv", "c4_indexer", "k", "v", "kv")
+BINDING_RATIO = 0.9  # a non-full family this full beyond what eviction reclaims ...
+FULL_ROOM_RATIO = 0.5  # ... while the full family has more than this of its slots free
+ENGINE_ON = "model_name, engine_type, tp_rank, pp_rank, moe_ep_rank, instance"
 NEAR_BUDGET_RATIO = 0.9
 UNATTRIBUTED_BYTES = 256 * 2**20
 STALE_AGE_SECONDS = 60
@@ -167,7 +208,27 @@ class Alert:
         }
 
 
+_FULL = "|".join(FULL_FAMILIES)
+_NOT_FULL = "|".join((*FULL_FAMILIES, ".*_state"))  # state rings follow requests, not KV room
 ALERTS: tuple[Alert, ...] = (
+    Alert(
+        "KvCacheNonFullFamilyBinding",
+        f'(\n  {UNRECLAIMABLE.record}{{family!~"{_NOT_FULL}"}} > {BINDING_RATIO}\n'
+        f'  or {EVICTED_RATE.record}{{family!~"{_NOT_FULL}"}} > 0\n)\n'
+        f"and on({ENGINE_ON})\n"
+        f'  max by ({ENGINE_ON}) ({SLOT_OCCUPANCY.record}{{family=~"{_FULL}"}}) '
+        f"< {1 - FULL_ROOM_RATIO}",
+        "5m",
+        "warning",
+        "KV-cache family {{ $labels.family }} is the binding constraint, not the full "
+        "family (" + ENGINE + ")",
+        f"The family is over {BINDING_RATIO:.0%} full beyond what evicting cached prefixes "
+        "would free, or its prefixes are being evicted, while the full-token families have "
+        f"more than {FULL_ROOM_RATIO:.0%} of their slots free: the engine's token gauges "
+        "(which count the full pool) look healthy, yet requests wait or re-prefill their "
+        "prefixes because this family has no room. Size it up (for DeepSeek-V4's SWA family: "
+        "--swa-full-tokens-ratio), or see which requests hold it in /debug/kv.",
+    ),
     Alert(
         "KvCachePhysicalNearBudget",
         f'{BACKED.record}{{owner="vmm"}} > {NEAR_BUDGET_RATIO}',

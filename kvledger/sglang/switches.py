@@ -8,6 +8,9 @@
                                            SWA KV buffers on kvledger's VMM pool
     KVLEDGER_SGLANG_DSV4_BRIDGE_REQUIRE=1  an incompatible pool fails start-up instead of
                                            keeping SGLang's own buffers
+    KVLEDGER_SGLANG_DSV4_COMPACT=0         a bridged pool is not compacted (on by default:
+                                           `kvledger.sglang.bridge.compact_policy`, run by
+                                           the plugin between batches and when idle)
     KVLEDGER_SNAPSHOT_DIR=DIR              where each rank publishes (default: the directory
                                            `kvledger serve` reads)
     KVLEDGER_PUBLISH_INTERVAL=SECONDS      heartbeat of the published file (default 1)
@@ -17,7 +20,8 @@
                                            `kvledger.sglang.mem_usage`)
 
 The yes/no switches are read by `accounting.switches.switch` (the one parser: unset, empty,
-0/false/no/off is off, 1/true/yes/on is on, anything else an error naming the variable). The
+0/false/no/off is off, 1/true/yes/on is on, anything else an error naming the variable);
+`KVLEDGER_SGLANG_DSV4_COMPACT` alone is on when unset or empty. The
 bridge switch alone changes nothing: it takes effect in a call to `attach`, and `attach`
 without it only registers the pool with the ledger.
 
@@ -27,6 +31,7 @@ here in every SGLang process.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,6 +41,7 @@ PLUGIN_ENABLE = "KVLEDGER_SGLANG"
 PLUGIN_REQUIRE = "KVLEDGER_SGLANG_REQUIRE"
 BRIDGE_ENABLE = "KVLEDGER_SGLANG_DSV4_BRIDGE"
 BRIDGE_REQUIRE = "KVLEDGER_SGLANG_DSV4_BRIDGE_REQUIRE"
+COMPACT = "KVLEDGER_SGLANG_DSV4_COMPACT"
 SNAPSHOT_DIR = "KVLEDGER_SNAPSHOT_DIR"
 PUBLISH_INTERVAL = "KVLEDGER_PUBLISH_INTERVAL"
 NATIVE_MEM_USAGE = "KVLEDGER_SGLANG_NATIVE_MEM_USAGE"
@@ -58,6 +64,12 @@ def plugin_required(env: Mapping[str, str] | None = None) -> bool:
         return switch(PLUGIN_REQUIRE, env)
     except ValueError:
         return True
+
+
+def compaction_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """`KVLEDGER_SGLANG_DSV4_COMPACT`: on when unset or empty; a malformed value raises."""
+    raw = (os.environ if env is None else env).get(COMPACT, "")
+    return True if not raw.strip() else switch(COMPACT, {COMPACT: raw})
 
 
 @dataclass(frozen=True)

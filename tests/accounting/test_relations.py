@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from accounting.buffers import BufferSpec, Owner
 from accounting.events import PoolEvent
+from accounting.figures import HOLDER_RELATION
 from accounting.ledger import Ledger
 from accounting.relations import Violation, check_account, check_buffer
 from accounting.snapshot import AccountRow, BufferRow
@@ -112,9 +115,25 @@ def test_check_account_reports_each_relation() -> None:
         unmap_seconds_total=0.0,
         map_calls=1,
         map_bucket_counts=(1,),
+        held_unattributed=11,
     )
     rels = {v.relation for v in check_account(row)}
     assert rels == {"mapped_pages <= handle_pages", "occupied_slots <= capacity_slots"}
+
+
+def test_the_holders_must_add_up_to_occupied_slots() -> None:
+    ok = AccountRow(
+        key="k", family="swa_kv", pool="swa", owner=Owner.RUNTIME, page_bytes=0,
+        capacity_slots=10, occupied_slots=7, peak_occupied_slots=7, handle_pages=0,
+        peak_handle_pages=0, mapped_pages=0, pages_mapped_total=0, pages_unmapped_total=0,
+        map_seconds_total=0.0, unmap_seconds_total=0.0, map_calls=0, map_bucket_counts=(0,),
+        held_tree_protected=2, held_tree_evictable=3, held_request_only=2,
+    )  # fmt: skip
+    assert check_account(ok) == []
+    bad = dataclasses.replace(ok, held_request_only=3)
+    (v,) = check_account(bad)
+    assert v.relation == HOLDER_RELATION
+    assert "sum to 8, occupied_slots=7" in v.detail
 
 
 def test_violation_round_trips() -> None:

@@ -87,6 +87,8 @@ def _expected_unit(exprs: list[str]) -> str | None:
     text = " ".join(exprs)
     if used & GIB_METRICS:
         return "gbytes"
+    if "histogram_quantile" in text and any(n.endswith("_bytes_bucket") for n in used):
+        return "bytes"
     if "histogram_quantile" in text or any(n.endswith("_seconds_total") for n in used):
         return "s"
     if any(n.endswith(":ratio") for n in used) or " / " in text:
@@ -135,12 +137,30 @@ def test_stacking_never_sums_different_figures_or_slot_counts():
 
 
 def test_figures_side_by_side_per_family():
-    repeated = [p for p in _panels() if p.get("repeat") == "family"]
+    repeated = [
+        p
+        for p in _panels()
+        if p.get("repeat") == "family" and p["title"] == "$family: figures side by side"
+    ]
     assert len(repeated) == 1
     p = repeated[0]
     assert p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "none"
     shown = set().union(*(metric_names(t["expr"]) for t in p["targets"]))
     assert shown == BYTE_FIGURE_METRICS
+
+
+def test_who_holds_the_kv_cache_row_stacks_the_holders_per_family():
+    from accounting.figures import HOLDER_NAMES
+
+    (p,) = [p for p in _panels() if p["title"] == "$family: occupied bytes by holder (stacked)"]
+    assert p.get("repeat") == "family"
+    assert p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert p["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert "sum by (holder) (sglang:kv_cache_held_bytes" in p["targets"][0]["expr"]
+    assert all(h in p["description"] for h in HOLDER_NAMES)
+    titles = {q["title"] for q in _panels()}
+    assert "Prefix-tree and window evictions per family" in titles
+    assert "Unreclaimable share per family (the binding constraint)" in titles
 
 
 def test_module_check_exits_zero_on_the_committed_files(capsys):

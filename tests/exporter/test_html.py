@@ -191,3 +191,59 @@ def test_chromium_lists_files_not_served_and_a_failed_buffer_map(tmp_path):
     assert by_source["good"]["buffers_error"] is None
     sections = {e["data-source"] for e in parsed.elements if e.get("class") == "source"}
     assert sections == {"good", "rows"}  # both served, figures shown
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not browser.available(), reason="needs Debian's chromium")
+def test_chromium_shows_who_holds_each_family_and_the_largest_requests():
+    """The holders of every family as the JSON has them, the binding family, the reader's
+    notes, and the largest requests by id: "which sessions hold my SWA family"."""
+    from accounting.engine_state import RequestHeld, engine_state
+    from exporter.app import create_app
+    from exporter.sources import Sources
+    from tests.ledgers import small_ledger
+    from tests.servers import UvicornThread
+
+    with small_ledger({"model_name": "m", "tp_rank": "0"}) as sl:
+        sl.allocate(600)
+        sl.c4.occupy(40)
+        sl.c4.set_holders(10, 20)
+        sl.swa.set_holders(0, 0)
+        reqs = [
+            RequestHeld("sess-big", 500, 3.0, 500 * 584, {"swa_kv": 500 * 584}),
+            RequestHeld("sess-small", 100, 1.0, 100 * 584, {"swa_kv": 100 * 584}),
+        ]
+        sl.ledger.set_engine_state(
+            lambda: engine_state(
+                holders_from="TestTree", notes=["HiCache host tier on: not counted"], requests=reqs
+            )
+        )
+        sources = Sources()
+        sources.add_ledger(sl.ledger)
+        with UvicornThread(create_app(sources, debug_html=html.page)) as server:
+            doc = httpx.get(f"{server.url}/debug/kv", timeout=5).json()
+            parsed = browser.parse(browser.dump_dom(f"{server.url}/debug/kv"))
+    src = doc["sources"][0]
+    shown = {
+        (e["data-family"], e["data-figure"], e["data-holder"]): int(e["data-value"])
+        for e in parsed.elements
+        if "data-holder" in e
+    }
+    for h in src["holders"]:
+        for holder, slots in h["slots"].items():
+            assert shown[(h["family"], "held_slots", holder)] == slots
+            assert shown[(h["family"], "held_bytes", holder)] == h["bytes"][holder]
+    c4 = next(h for h in src["holders"] if h["family"] == "c4_kv")
+    assert c4["slots"] == {
+        "tree_protected": 10, "tree_evictable": 20, "request_only": 10, "unattributed": 0
+    }  # fmt: skip
+    swa = next(h for h in src["holders"] if h["family"] == "swa_kv")
+    assert swa["slots"]["request_only"] == 600
+    text = " ".join(parsed.text)
+    assert "Who holds the KV cache" in text and "read from TestTree" in text
+    assert any(e.get("data-note") == "HiCache host tier on: not counted" for e in parsed.elements)
+    rids = list(dict.fromkeys(e["data-rid"] for e in parsed.elements if "data-rid" in e))
+    assert rids == ["sess-big", "sess-small"]
+    assert "binding" in text
+    assert doc["holders"]["relation"] in text  # listed, and ticked, with the other relations
+    assert "every relation holds" in text

@@ -58,6 +58,21 @@ def _check_values_equal_debug(prom: Prometheus, debug: dict) -> None:
     acc = next(a for a in src["accounts"] if a["family"] == "swa_kv")
     [r] = prom.query('kvledger_pages_mapped_total{family="swa_kv"}')
     assert float(r["value"][1]) == acc["pages_mapped_total"]
+    assert src["holders"]
+    for h in src["holders"]:
+        for holder, slots in h["slots"].items():
+            sel = f'{{family="{h["family"]}",owner="{h["owner"]}",holder="{holder}"}}'
+            [r] = prom.query(m.HELD_SLOTS + sel)
+            assert float(r["value"][1]) == slots, sel
+            [r] = prom.query(m.HELD_BYTES + sel)
+            assert float(r["value"][1]) == h["bytes"][holder], sel
+        [r] = prom.query(f'sglang:kv_cache_evicted_slots_total{{family="{h["family"]}"}}')
+        assert float(r["value"][1]) == h["evicted_slots_total"]
+    engine = src["engine"]
+    [r] = prom.query('sglang:kv_cache_request_bytes_bucket{le="+Inf"}')
+    assert float(r["value"][1]) == engine["running_requests"]
+    [r] = prom.query("sglang:kv_cache_retracted_requests_total")
+    assert float(r["value"][1]) == engine["retracted_requests_total"]
 
 
 @pytest.mark.skipif(
@@ -70,8 +85,15 @@ def test_prometheus_stores_exactly_the_exported_series_and_values(tmp_path):
         UvicornThread(create_app(Sources(tmp_path))) as server,
         Prometheus([f"127.0.0.1:{server.port}"], interval="1s") as prom,
     ):
+        from accounting.engine_state import RequestHeld, engine_state
+
         sl.allocate(700)
         sl.c4.occupy(11)
+        sl.c4.set_holders(3, 5)  # and 3 request_only
+        sl.c4.count_evicted(7)
+        sl.swa.set_holders(0, 0)
+        reqs = [RequestHeld("a", 600, 1.0, 600 * 584), RequestHeld("b", 100, 1.0, 5 << 30)]
+        sl.ledger.set_engine_state(lambda: engine_state(holders_from="T", requests=reqs))
         epoch = sl.ledger.epoch
         wait_until(lambda: pub.last_snapshot and pub.last_snapshot.epoch == epoch, 5, "published")
         _wait_epoch(prom, epoch)

@@ -101,6 +101,54 @@ def test_bad_config_names_the_field(kwargs, name):
         WorkloadConfig(**kwargs)
 
 
+def test_shared_prefixes_make_every_holder_move_and_they_add_up():
+    """The default workload shares system prompts: cached prefixes are protected while a
+    request reuses them, evictable after, evicted past the cache's cap; the holders always
+    add up to occupied (the ledger checks it) and the requests' footprints travel."""
+    from accounting.ledger import Ledger
+    from tests.accounting.helpers import runtime_specs
+
+    ledger = Ledger({"model_name": "w"})
+    accounts = {
+        f: ledger.add_account(runtime_specs("p", f, 2, rows=200_000, row_bytes=64))
+        for f in row_rules()
+    }
+    with small_ledger(slots=8192) as sl:
+        config = WorkloadConfig(
+            rate=40,
+            prompt_tokens=(50, 200),
+            output_tokens=(20, 80),
+            prefix_tokens=(300, 600),
+            seed=5,
+            cache_prefixes=2,
+        )
+        w = Workload(sl.pool, {**accounts, "swa_kv": sl.swa}, config)
+        ledger.set_engine_state(w.engine_state)
+        seen: set[str] = set()
+        seen_swa: set[str] = set()
+        for _ in range(600):
+            w.step()
+            snap = ledger.snapshot()
+            assert snap.violations == (), snap.violations
+            row = next(a for a in snap.accounts if a.family == "c4_kv")
+            seen |= {k for k, v in row.held.to_dict().items() if v}
+            swa = sl.ledger.snapshot()
+            assert swa.violations == (), swa.violations
+            (swa_row,) = [a for a in swa.accounts if a.family == "swa_kv"]
+            seen_swa |= {k for k, v in swa_row.held.to_dict().items() if v}
+        assert seen == {"tree_protected", "tree_evictable", "request_only"}
+        assert seen_swa == {"tree_protected", "tree_evictable", "request_only"}
+        stats = w.stats()
+        assert stats["prefix_hits"] > 5 and stats["prefix_evictions"] > 0, stats
+        assert sum(a.evicted_slots_total for a in ledger.snapshot().accounts) > 0
+        assert sl.swa.window_evicted_slots_total > 0
+        state = ledger.snapshot().engine
+        assert state.running_requests == len(w.running)
+        w.close()
+        snap = ledger.snapshot()
+        assert all(a.occupied_slots == 0 and a.held.total() == 0 for a in snap.accounts)
+
+
 def test_every_runtime_family_of_a_v41_buffer_map_has_a_row_rule():
     """The demo's workload moves V4.1's low-ratio families too (served with a V4.1 config)."""
     from kvledger.sglang.dsv4 import Knobs, plan

@@ -170,6 +170,14 @@ class Bridge:
             raise RuntimeError("bridge has no backend with a physical_bytes reader")
         return int(self.backend.physical_bytes())
 
+    def quiescent(self) -> Any:
+        """A context manager during which the store has no driver call in flight (its lock
+        held): for the truth reader, so the ledger and the backend are read at one instant
+        (`accounting.reconcile.host_memfd_truth(bridge.physical_bytes, bridge.quiescent)`)."""
+        if self.store is None:
+            return contextlib.nullcontext()
+        return self.store.quiescent()
+
     # -- teardown -----------------------------------------------------------------------------
     def detach(self) -> None:
         """Restore SGLang's own SWA buffers (live rows copied back), release everything the

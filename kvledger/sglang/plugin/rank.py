@@ -39,6 +39,7 @@ from accounting.ledger import Account, Ledger
 from accounting.publisher import Publisher
 from accounting.snapshot import Snapshot
 from kvledger.sglang import mem_usage, vmm_owner
+from kvledger.sglang.bridge.compact_policy import CompactionPolicy
 from kvledger.sglang.inventory import UNKNOWN, pool_kind, register_pool, unregister
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,14 @@ class RankLedger:
         self.interval = interval
         self.bridge_env = bridge_env
         self.pools: dict[str, PoolRecord] = {}
+        # The production compaction policy (kvledger.sglang.bridge.compact_policy), for
+        # every bridged pool of this process; off with KVLEDGER_SGLANG_DSV4_COMPACT=0.
+        self.compaction = CompactionPolicy.from_env(bridge_env)
         self.truth: Any = None
         self.publisher: Publisher | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.holders: Any = None  # kvledger.sglang.holders.HolderReader, once a scheduler is seen
 
     # -- pools ----------------------------------------------------------------------------
     def add_runner(self, runner: Any) -> PoolRecord:
@@ -107,6 +112,9 @@ class RankLedger:
                 if old.pool() is pool:
                     return old  # the same pool reported again: nothing changes
                 # The runner rebuilt its pool (a resize, a role switch): the old one is gone.
+                if self.holders is not None and not name.startswith("draft"):
+                    self.holders.close()
+                    self.holders = None
                 del self.pools[name]
                 self._release(old)
             device = _device_of(pool)
@@ -208,7 +216,7 @@ class RankLedger:
         if bridge.active and not record.device.startswith("cuda"):
             from accounting.reconcile import host_memfd_truth
 
-            self.ledger.add_truth(host_memfd_truth(bridge.physical_bytes))
+            self.ledger.add_truth(host_memfd_truth(bridge.physical_bytes, bridge.quiescent))
 
     def _add_nvml_truth(self, device: str, pool: Any) -> None:
         import torch
@@ -250,6 +258,61 @@ class RankLedger:
             self.publisher.publish()
         return got
 
+    def compact_step(self) -> int:
+        """One compaction step for each bridged pool (the scheduler's hooks call it with no
+        batch in flight); returns the rows moved."""
+        if not self.compaction.enabled or self._closed:
+            return 0
+        moved = 0
+        for record in list(self.pools.values()):
+            if record.bridged:
+                moved += self.compaction.step(record.bridge)
+        return moved
+
+    # -- holders ---------------------------------------------------------------------------
+    def attach_scheduler(self, scheduler: Any) -> Any:
+        """Read who holds the target pool's slots from `scheduler` (an SGLang Scheduler):
+        its tree cache, allocator, request pool and running batch
+        (`kvledger.sglang.holders.HolderReader`). Returns the reader, None without a
+        target pool. A second call replaces the first reader."""
+        from kvledger.sglang.holders import GENERIC_UNITS, HolderReader, dsv4_units
+
+        with self._lock:
+            if self._closed:
+                return None
+            record = next((r for r in self.pools.values() if not r.name.startswith("draft")), None)
+            if record is None:
+                return None
+            pool = record.pool()
+            if self.holders is not None:
+                self.holders.close()
+                self.holders = None
+            accounts: dict[str, list[Any]] = {}
+            for a in self.ledger.accounts():
+                if a.pool == record.name:
+                    accounts.setdefault(a.family, []).append(a)
+            units = dsv4_units(pool) if record.kind == "dsv4" else GENERIC_UNITS
+            # Families whose slots an attached allocator reports (the bridge's SWA family);
+            # the reader sets the others' from SGLang's counts.
+            bridged = {f for f, accs in accounts.items() if any(a.reported for a in accs)}
+
+            def running() -> Any:
+                batch = getattr(scheduler, "running_batch", None)
+                return list(getattr(batch, "reqs", None) or ())
+
+            self.holders = HolderReader(
+                self.ledger,
+                accounts,
+                tree=getattr(scheduler, "tree_cache", None),
+                allocator=scheduler.token_to_kv_pool_allocator,
+                req_to_token=getattr(scheduler, "req_to_token_pool", None),
+                units=units,
+                bridged=bridged,
+                running=running,
+                sync=record.bridge.flush if record.bridged else None,
+            )
+            return self.holders
+
     # -- lifetime --------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -265,6 +328,9 @@ class RankLedger:
                 return
             self._closed = True
             publisher, self.publisher = self.publisher, None
+            holders, self.holders = self.holders, None
+        if holders is not None:
+            holders.close()
         try:
             if publisher is not None:
                 publisher.close()

@@ -26,6 +26,17 @@ from tests.accounting.snapfile.files import copy_of, file_bytes, load_s, refused
             lambda s: s["accounts"][0].update(mapped_pages=s["accounts"][0]["handle_pages"] + 1),
             "breaks mapped_pages <= handle_pages; not listed",
         ),
+        (
+            lambda s: s["accounts"][0].update(slot_bytes=s["accounts"][0]["slot_bytes"] + 1),
+            "(occupied_slots x slot_bytes) sum to",
+        ),
+        (
+            lambda s: s["accounts"][0].update(
+                held_unattributed=s["accounts"][0]["held_unattributed"] + 1
+            ),
+            "breaks tree_protected + tree_evictable + request_only + unattributed == "
+            "occupied_slots; not listed",
+        ),
     ],
 )
 def test_figures_the_first_line_can_recompute_are_not_trusted(published, change, needle):
@@ -39,15 +50,13 @@ def test_a_family_whose_sums_break_a_relation_must_list_a_violation(published):
     envelope, rows = copy_of(published)
     snap = envelope["snapshot"]
     fam = next(f for f in snap["families"] if f["owner"] == "vmm")
-    # Past mapped_bytes, still a whole number of slots (of the one account's slot bytes).
-    slots = fam["occupied_slots"]
-    grown = -(-(fam["mapped_bytes"] + 1 - fam["occupied_bytes"]) // slots) * slots
-    fam["occupied_bytes"] += grown
-    snap["totals"]["occupied_bytes"] += grown
+    grown = fam["reserved_bytes"] + 1 - fam["tensor_bytes"]
+    fam["tensor_bytes"] += grown
+    snap["totals"]["tensor_bytes"] += grown
     e = refused(file_bytes(envelope, rows))
-    assert "no violation of occupied_bytes <= mapped_bytes listed" in e.detail
+    assert "no violation of tensor_bytes <= reserved_bytes listed" in e.detail
     snap["violations"].append(
-        {"subject": "p/x", "relation": "occupied_bytes <= mapped_bytes", "detail": "d"}
+        {"subject": "p/x", "relation": "tensor_bytes <= reserved_bytes", "detail": "d"}
     )
     head = load_s(file_bytes(envelope, rows))
     assert len(head.summary.violations) == 1  # exported as listed
@@ -59,7 +68,14 @@ def test_a_family_whose_sums_break_a_relation_must_list_a_violation(published):
     st.fixed_dictionaries(
         {
             k: st.integers(0, 20)
-            for k in ("handle_pages", "mapped_pages", "occupied_slots", "capacity_slots")
+            for k in (
+                "handle_pages",
+                "mapped_pages",
+                "occupied_slots",
+                "capacity_slots",
+                "held_request_only",
+                "held_unattributed",
+            )
         }
     )
 )

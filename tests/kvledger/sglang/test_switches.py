@@ -50,7 +50,7 @@ def test_the_plugin_switch_and_its_require() -> None:
 def test_the_names_are_the_documented_ones() -> None:
     doc = switches.__doc__ or ""
     names = [v for k, v in vars(switches).items() if k.isupper() and isinstance(v, str)]
-    assert len(names) == 7
+    assert len(names) == 8
     for name in names:
         assert f"    {name}=" in doc, f"{name} is not in the module's list"
 
@@ -64,6 +64,16 @@ def test_the_plugin_and_the_bridge_export_the_same_names() -> None:
     assert bridge.ENV_ENABLE == ENV_ENABLE == "KVLEDGER_SGLANG_DSV4_BRIDGE"
     assert bridge.ENV_REQUIRE == ENV_REQUIRE
     assert bridge.BridgeActivation is BridgeActivation
+
+
+def test_compaction_is_on_unless_its_switch_says_off() -> None:
+    assert switches.compaction_enabled({})
+    assert switches.compaction_enabled({switches.COMPACT: " "})
+    assert switches.compaction_enabled({switches.COMPACT: "1"})
+    for off in ("0", "false", "no", "off"):
+        assert not switches.compaction_enabled({switches.COMPACT: off})
+    with pytest.raises(ValueError, match="KVLEDGER_SGLANG_DSV4_COMPACT='later'"):
+        switches.compaction_enabled({switches.COMPACT: "later"})
 
 
 def test_sglangs_mem_usage_is_fixed_unless_the_native_switch_is_on() -> None:

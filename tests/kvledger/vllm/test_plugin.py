@@ -74,28 +74,7 @@ print("ok")
     assert out.stdout.strip().endswith("ok")
 
 
-class _Layer:
-    def bind_kv_cache(self, kv_cache) -> None:
-        self.kv_cache = kv_cache
-
-
-def _runner(cfg, config):
-    """A GPUModelRunner carrying only what `initialize_kv_cache_tensors` reads."""
-    return SimpleNamespace(
-        vllm_config=cfg,
-        device="cpu",
-        cache_config=cfg.cache_config,
-        shared_kv_cache_layers={},
-        model_config=cfg.model_config,
-        attn_groups=[],
-        speculative_config=None,
-        compilation_config=SimpleNamespace(
-            static_forward_context={
-                n: _Layer() for g in config.kv_cache_groups for n in g.layer_names
-            }
-        ),
-        kv_caches=[],
-    )
+_runner = vs.runner
 
 
 @pytest.fixture

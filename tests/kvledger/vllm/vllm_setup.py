@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from types import SimpleNamespace
 from typing import Any
 
 LLAMA = {
@@ -91,3 +92,29 @@ def kind_of(spec: Any) -> str:
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
     return str(get_kv_cache_spec_kind(spec).value)
+
+
+class Layer:
+    """A stand-in attention layer: what `bind_kv_cache` needs."""
+
+    def bind_kv_cache(self, kv_cache: Any) -> None:
+        self.kv_cache = kv_cache
+
+
+def runner(cfg: Any, config: Any, device: str = "cpu") -> Any:
+    """A GPUModelRunner carrying only what `initialize_kv_cache_tensors` reads."""
+    return SimpleNamespace(
+        vllm_config=cfg,
+        device=device,
+        cache_config=cfg.cache_config,
+        shared_kv_cache_layers={},
+        model_config=cfg.model_config,
+        attn_groups=[],
+        speculative_config=None,
+        compilation_config=SimpleNamespace(
+            static_forward_context={
+                n: Layer() for g in config.kv_cache_groups for n in g.layer_names
+            }
+        ),
+        kv_caches=[],
+    )

@@ -69,7 +69,9 @@ class Rig:
         kw.setdefault("backend", self.backend)
         self.bridge = attach(self.pool, self.ledger, allocator=self.alloc, **kw)
         if self.bridge.active and not self._truth:
-            self.ledger.add_truth(host_memfd_truth(self.backend.physical_bytes))
+            self.ledger.add_truth(
+                host_memfd_truth(self.backend.physical_bytes, self.bridge.quiescent)
+            )
             self._truth = True
         return self.bridge
 
@@ -431,6 +433,39 @@ def test_detach_restores_native_buffers_and_leaves_nothing_mapped(r: Rig) -> Non
     detach(r.pool)  # idempotent
     br.detach()
     assert r.backend.physical_bytes() == 0 and r.ledger.accounts() == ()
+
+
+def test_detach_unmaps_only_after_its_copy_back_has_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the copy of the live rows back into native buffers is queued on the stream when
+    detach unmaps the pages; the store's close must wait for it (issue 23: without, an
+    illegal address on a busy H200). Modelled with tests.allocator.queued.QueuedDevice: the
+    copies' source rows are queued device work until a synchronize."""
+    from kvledger.sglang.bridge import bridge as bridge_mod
+    from tests.allocator.queued import QueuedDevice
+
+    rg = Rig()
+    dev = QueuedDevice(rg.backend)
+    rg.backend = dev  # type: ignore[assignment]
+    try:
+        br = rg.attach(pool_options=EXACT)
+        rg.sched.prefill(2 * rig.PAGE)
+        br.flush()
+        real = bridge_mod.native_copy
+
+        def queued_copy(vmm: list[Any], follower: Any, facts: Any) -> list[Any]:
+            out = real(vmm, follower, facts)
+            for t in vmm:
+                for row in [0, *follower.held().tolist()]:
+                    dev.queue(t[row].data_ptr(), ROW)  # read by a copy not run yet
+            return out
+
+        monkeypatch.setattr(bridge_mod, "native_copy", queued_copy)
+        br.detach()
+        assert dev.queued == [] and dev.syncs == 1
+        assert dev.faults == []
+        assert rg.backend.physical_bytes() == 0
+    finally:
+        rg.close()
 
 
 # -- DeepSeek-V4.1 ---------------------------------------------------------------------------------

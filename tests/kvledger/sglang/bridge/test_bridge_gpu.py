@@ -277,3 +277,39 @@ def test_a_page_is_unmapped_only_after_the_gpu_work_reading_it_is_done() -> None
         assert bridge.stats()["mapped_pages"] < mapped  # the page did go
     finally:
         bridge.detach()
+
+
+def test_detach_beside_a_gpu_hog_carries_every_row_back() -> None:
+    """Issue 23: beside another process running bf16 matmuls, `Bridge.detach()` faulted
+    (`cudaErrorIllegalAddress`, 2 of 2 runs): its copy-back into native buffers was still
+    queued when the store unmapped the pages. The store's close now drains the device first.
+    In a child process (a fault kills its CUDA context), beside a hog child; every byte of
+    every held row and the padding row checked in the native buffers.
+
+        # what it catches, without the drain (expect an error or wrong bytes):
+        python -m tests.kvledger.sglang.bridge.detach_busy_child --no-drain
+    """
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[4]
+    hog = subprocess.Popen(
+        [sys.executable, "-m", "tests.allocator.cuda_busy_probe", "hog", "200"],
+        cwd=root, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "hog ready"
+        run = subprocess.run(
+            [sys.executable, "-m", "tests.kvledger.sglang.bridge.detach_busy_child"],
+            cwd=root, capture_output=True, text=True, timeout=200,
+        )  # fmt: skip
+        assert hog.poll() is None, "the hog stopped before the child ended"
+    finally:
+        hog.kill()
+        hog.wait()
+    print(run.stdout, run.stderr[-2000:])
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got == {"rounds": 5, "wanted": 5, "wrong_bytes": 0, "error": "", "drain": True}

@@ -106,6 +106,7 @@ def minimal_scheduler() -> Any:
     s.hisparse_coordinator = None
     s.tree_cache = types.SimpleNamespace(release_host_resources=lambda: None)
     s.decode_offload_manager = None
+    s.enable_overlap = False  # the normal loop: compaction may run (server_hooks)
     return s
 
 
@@ -191,6 +192,14 @@ def main() -> None:
                 sched.prefill(int(rest[0]))
             elif cmd == "finish":
                 sched.finish_all()
+            elif cmd == "finish_every_other":
+                sched.finish_every_other()
+            elif cmd == "idle":
+                # SGLang's own on_idle needs a running server's state: the plugin's AFTER hook
+                # is called directly, on a scheduler of the normal loop, as HookRegistry would.
+                if record is not None and record.bridge is not None and record.bridged:
+                    record.bridge.wait_idle()
+                hooks.on_idle(None, minimal_scheduler())
             elif cmd == "exit":
                 minimal_scheduler().release_host_resources()  # the hooked method, for real
                 reply(file_exists=bool(path and os.path.exists(path)), rank=hooks.current() is None)
@@ -219,7 +228,15 @@ def main() -> None:
             else:
                 totals, recon = {}, []
             swa = getattr(alloc, "swa_attn_allocator", None)
+            compaction: dict[str, Any] = {}
+            if rank is not None and record is not None and record.bridged:
+                compaction = {
+                    **rank.compaction.stats(),
+                    "excess_pages": rank.compaction.excess(record.bridge),
+                    "rows_moved": int(record.bridge.rows_moved),
+                }
             reply(
+                compaction=compaction,
                 swa_free_pages=int(swa.available_size()) // rig.PAGE if swa else None,
                 swa_pages=int(alloc.size_swa) // rig.PAGE if swa else None,
                 totals=totals,

@@ -36,6 +36,13 @@ TARGETS = {
     "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
     "sglang.srt.model_executor.model_runner.ModelRunner.post_capture_resize_kv_pool",
     "sglang.srt.managers.scheduler.Scheduler.release_host_resources",
+    "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+    "sglang.srt.managers.scheduler.Scheduler.on_idle",
+    "sglang.srt.managers.scheduler.Scheduler.__init__",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._evict",
+    "sglang.srt.mem_cache.common.free_swa_out_of_window_slots",
+    "sglang.srt.mem_cache.unified_cache.components.swa.free_swa_out_of_window_slots",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
 }
 LABELS = {
     "model_name": "kvl-plugin-test",
@@ -172,8 +179,14 @@ def family_figure(samples: list, figure: str) -> dict[tuple[str, str], float]:
 def test_sglang_discovers_kvledger_and_off_registers_nothing() -> None:
     from importlib.metadata import entry_points
 
-    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
-    assert eps.get("kvledger") == "kvledger.sglang.plugin:register"
+    want = "kvledger.sglang.plugin:register"
+    if dist.installed():
+        eps = {ep.name: ep.value for ep in entry_points(group=dist.GROUP)}
+        assert eps.get("kvledger") == want
+    else:  # a plain copy of the tree: the child finds the dist-info an install would write
+        info = Path(_dist_path() or "")
+        (ep,) = info.glob("kvledger-*.dist-info/entry_points.txt")
+        assert ep.read_text() == f"[{dist.GROUP}]\nkvledger = {want}\n"
     proc = Proc(_env())  # KVLEDGER_SGLANG unset
     assert proc.wait() == 0
     assert proc.first["hooks"] == [] and proc.first["patched"] == []
@@ -306,6 +319,47 @@ def test_bridge_on_swa_is_vmm_owned_and_moves_with_sglang_allocations(
         assert occ == 0 and idle_mapped <= mapped <= idle_mapped + spare < peak_mapped
         assert idle_phys <= phys <= peak
         assert (head - idle_head) * 2**30 == phys - idle_phys
+    finally:
+        proc.close()
+
+
+@pytest.mark.parametrize("switch", ["", "0"])
+def test_the_plugin_compacts_a_fragmented_bridged_pool_when_idle(
+    snapdir: Path, switch: str
+) -> None:
+    """Requests of 8 SGLang pages each, every other one finished: the held rows are spread
+    over twice the pages they need. The plugin's idle hook compacts (the production policy,
+    kvledger.sglang.bridge.compact_policy) until the mapped pages are within the packing
+    bound; KVLEDGER_SGLANG_DSV4_COMPACT=0 leaves them."""
+    env = _env(
+        KVLEDGER_SGLANG="1",
+        KVLEDGER_SGLANG_DSV4_BRIDGE="1",
+        KVLEDGER_SNAPSHOT_DIR=str(snapdir),
+        KVLEDGER_SGLANG_DSV4_COMPACT=switch,
+    )
+    proc = Proc(env, "--build", "--swa-pages", "256", "--full-pages", "320")
+    try:
+        assert proc.first["bridged"] is True, proc.first["reason"]
+        for _ in range(24):
+            proc.send(f"prefill {8 * 256}")
+        step = proc.send("finish_every_other")
+        assert step["compaction"]["excess_pages"] > 0, step
+        phys_before = step["totals"]["physical_bytes"]
+        step = proc.send("idle")
+        c = step["compaction"]
+        if switch == "0":
+            assert c["rows_moved"] == 0 and c["compaction_runs"] == 0
+            assert c["excess_pages"] > 0
+        else:
+            assert c["rows_moved"] > 0 and c["compaction_runs"] >= 1
+            assert c["excess_pages"] <= 0, c
+            assert step["totals"]["physical_bytes"] < phys_before
+            (rec,) = step["reconciliation"]
+            assert rec["unattributed_bytes"] == 0
+            again = proc.send("idle")["compaction"]  # not due any more: a count, no moves
+            assert again["rows_moved"] == c["rows_moved"]
+            assert again["compaction_steps"] == c["compaction_steps"] + 1
+        assert step["swa_free_pages"] == step["swa_pages"] - 12 * 8
     finally:
         proc.close()
 

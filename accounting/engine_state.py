@@ -1,0 +1,130 @@
+"""What an engine says beside its accounts about who holds the KV cache, carried in each snapshot.
+
+Filled by an engine's holder reader (`kvledger.sglang.holders` for SGLang); the ledger
+only carries it, as it carries `accounting.tp_status.TpStatus`:
+
+- `holders_from`: what the holders were read from (e.g. `UnifiedRadixCache`), empty
+  when no reader ran;
+- `notes`: what could not be read, one line each (an unknown cache class, a HiCache host
+  tier kvledger does not count, a family whose holders are unattributed), at most
+  `MAX_NOTES`;
+- `retracted_requests_total`: requests the engine retracted for lack of KV room;
+- `requests`: the running requests holding the most KV bytes (all families together),
+  at most `MAX_REQUESTS`, largest first (`RequestHeld`);
+- `running_requests`, `request_bytes_counts`, `request_bytes_sum`: the KV bytes of every
+  running request as a distribution over `REQUEST_BYTES_BUCKETS` (per-bucket counts, the
+  last one past every bound; not cumulative), what `/metrics` exports instead of ids.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_NOTES = 16
+MAX_NOTE = 512  # characters of one note
+MAX_REQUESTS = 20  # requests listed in a snapshot (and so in /debug/kv)
+MAX_RID = 128  # characters of a request id kept
+# Upper bounds (bytes) of the per-request KV bytes histogram: 1 MiB to 64 GiB, x4.
+REQUEST_BYTES_BUCKETS: tuple[int, ...] = tuple(1 << (20 + 2 * i) for i in range(9))
+
+
+@dataclass(frozen=True)
+class RequestHeld:
+    """One running request's KV footprint."""
+
+    rid: str  # the engine's request id (cut to MAX_RID characters)
+    tokens: int  # tokens it holds KV for (prompt and output so far)
+    age_seconds: float  # since the engine received it
+    bytes: int  # over all families
+    bytes_by_family: Mapping[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["bytes_by_family"] = dict(self.bytes_by_family)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RequestHeld:
+        return cls(
+            rid=d["rid"],
+            tokens=d["tokens"],
+            age_seconds=d["age_seconds"],
+            bytes=d["bytes"],
+            bytes_by_family=dict(d.get("bytes_by_family") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class EngineState:
+    holders_from: str = ""
+    notes: tuple[str, ...] = ()
+    retracted_requests_total: int = 0
+    running_requests: int = 0
+    request_bytes_sum: int = 0
+    request_bytes_counts: tuple[int, ...] = (0,) * (len(REQUEST_BYTES_BUCKETS) + 1)
+    requests: tuple[RequestHeld, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "holders_from": self.holders_from,
+            "notes": list(self.notes),
+            "retracted_requests_total": self.retracted_requests_total,
+            "running_requests": self.running_requests,
+            "request_bytes_sum": self.request_bytes_sum,
+            "request_bytes_counts": list(self.request_bytes_counts),
+            "requests": [r.to_dict() for r in self.requests],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EngineState:
+        return cls(
+            holders_from=d.get("holders_from", ""),
+            notes=tuple(d.get("notes") or ()),
+            retracted_requests_total=d.get("retracted_requests_total", 0),
+            running_requests=d.get("running_requests", 0),
+            request_bytes_sum=d.get("request_bytes_sum", 0),
+            request_bytes_counts=tuple(
+                d.get("request_bytes_counts") or (0,) * (len(REQUEST_BYTES_BUCKETS) + 1)
+            ),
+            requests=tuple(RequestHeld.from_dict(r) for r in d.get("requests") or ()),
+        )
+
+
+def engine_state(
+    *,
+    holders_from: str,
+    notes: Iterable[str] = (),
+    retracted_requests_total: int = 0,
+    requests: Iterable[RequestHeld] = (),
+) -> EngineState:
+    """An EngineState from every running request's footprint: the distribution over all of
+    them, the largest `MAX_REQUESTS` listed; notes cut to their bounds."""
+    everyone = list(requests)
+    counts = [0] * (len(REQUEST_BYTES_BUCKETS) + 1)
+    for r in everyone:
+        counts[bisect.bisect_left(REQUEST_BYTES_BUCKETS, r.bytes)] += 1
+    top = sorted(everyone, key=lambda r: (-r.bytes, r.rid))[:MAX_REQUESTS]
+    top = [
+        r
+        if len(r.rid) <= MAX_RID and math.isfinite(r.age_seconds)
+        else dataclasses.replace(
+            r,
+            rid=r.rid[:MAX_RID],
+            age_seconds=r.age_seconds if math.isfinite(r.age_seconds) else 0.0,
+        )
+        for r in top
+    ]
+    return EngineState(
+        holders_from=holders_from,
+        notes=tuple(n[:MAX_NOTE] for n in list(notes)[:MAX_NOTES]),
+        retracted_requests_total=retracted_requests_total,
+        running_requests=len(everyone),
+        request_bytes_sum=sum(r.bytes for r in everyone),
+        request_bytes_counts=tuple(counts),
+        requests=tuple(top),
+    )

@@ -1,0 +1,85 @@
+"""The production compaction policy (kvledger.sglang.bridge.compact_policy) on the fakes' rig:
+when it is due, what it passes on, and the switch (no sglang)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+
+from allocator.states import PageState
+from kvledger.sglang.bridge.compact_policy import MAX_MOVES_PER_STEP, CompactionPolicy
+from tests.kvledger.sglang.bridge.fakes import PolicyRig
+
+
+def _bridge(rig: PolicyRig, calls: list[int]) -> Any:
+    def compact(max_moves: int) -> int:
+        calls.append(max_moves)
+        return 3
+
+    return types.SimpleNamespace(
+        active=True, follower=rig.follower, store=rig.store, policy=rig.policy, compact=compact
+    )
+
+
+def _mapped(rig: PolicyRig) -> int:
+    return rig.store.state.count(PageState.MAPPED)
+
+
+def test_due_only_past_the_packing_bound_and_then_within_the_budget() -> None:
+    rig = PolicyRig(pages=64, max_spare_pages=1, batch=1)
+    try:
+        calls: list[int] = []
+        br = _bridge(rig, calls)
+        policy = CompactionPolicy()
+        held = [rig.alloc.alloc(1) for _ in range(40)]
+        assert policy.step(br) == 0 and calls == []  # packed: nothing to do
+        for t in held[::2]:  # every other row back: the pages stay in use, half empty
+            rig.alloc._release_page_ids(t)
+        rig.policy.flush(wait=True)
+        assert policy.excess(br) > 0
+        assert policy.step(br) == 3 and calls == [MAX_MOVES_PER_STEP]
+        assert policy.stats() == {
+            "compaction_steps": 2,
+            "compaction_runs": 1,
+            "compaction_rows_moved": 3,
+        }
+        off = CompactionPolicy(enabled=False)
+        assert off.step(br) == 0 and calls == [MAX_MOVES_PER_STEP]
+        assert "off" in off.describe()
+    finally:
+        rig.close()
+
+
+def test_the_rows_taken_since_the_last_replay_count_without_a_replay() -> None:
+    rig = PolicyRig(pages=64, max_spare_pages=1)
+    try:
+        rig.without_budget_replays()
+        br = _bridge(rig, [])
+        policy = CompactionPolicy()
+        f, store = rig.follower, rig.store
+
+        def bound(held: int) -> int:
+            packed = -(-((held + f.first_row) * f.row_bytes) // store.page_bytes)
+            return packed + store.max_spare_pages + 1
+
+        taken = rig.alloc.alloc(20)  # journaled, not replayed: the follower has not seen them
+        assert f.held_rows == 0
+        assert policy.excess(br) == _mapped(rig) - bound(20)
+        rig.alloc._release_page_ids(taken)  # given back, still not replayed
+        assert f.held_rows == 0
+        assert policy.excess(br) == _mapped(rig) - bound(0)
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize(("field", "bad"), [("excess_pages", -1), ("max_moves", 0)])
+def test_bad_settings_are_refused_naming_the_value(field: str, bad: int) -> None:
+    with pytest.raises(ValueError, match=f"{field}={bad}"):
+        CompactionPolicy(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_from_env_reads_the_switch() -> None:
+    assert CompactionPolicy.from_env({}).enabled
+    assert not CompactionPolicy.from_env({"KVLEDGER_SGLANG_DSV4_COMPACT": "0"}).enabled

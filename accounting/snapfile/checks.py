@@ -3,8 +3,7 @@
 Within the first line (`accounting.snapfile.head.load`): each family's slot figures
 are the sum of its accounts' (slots are counted per index space, bytes per buffer),
 the totals the sum of the families and within what one source can hold, VMM physical
-and mapped bytes whole pages, occupied bytes occupied slots times slot bytes (as far
-as the first line can tell), every relation an account breaks (recomputed by
+and mapped bytes whole pages, every relation an account breaks (recomputed by
 `accounting.relations.check_account`) is listed, and a family whose sums break a
 relation that holds buffer by buffer lists a violation of it. Between the two lines
 (`accounting.snapfile.buffermap`): the rollups and violations rebuilt from the buffer
@@ -98,44 +97,28 @@ def within_bounds(totals: Figures) -> None:
             )
 
 
-def pages_and_slots_agree(families: Sequence[FamilyRow], accounts: Sequence[AccountRow]) -> None:
-    """What the first line can check of each family without its buffer rows:
-    - VMM physical and mapped bytes are whole pages: each buffer holds handle (mapped)
-      pages of its account's `page_bytes`, so the family's sums are multiples of the
-      gcd of its accounts' page sizes;
-    - occupied bytes are occupied slots times slot bytes: none with no slot occupied,
-      and, for a family of one index space (one account), a whole multiple of its
-      occupied slots (every buffer's occupied bytes are its slot bytes times them)."""
-    by_family: dict[Key, list[AccountRow]] = {}
+def whole_pages(families: Sequence[FamilyRow], accounts: Sequence[AccountRow]) -> None:
+    """VMM physical and mapped bytes are whole pages: each buffer holds handle (mapped)
+    pages of its account's `page_bytes`, so a family's sums are multiples of the gcd of
+    its accounts' page sizes. (Occupied bytes are held to occupied slots times slot bytes
+    by `families_match_accounts`.)"""
+    pages: dict[Key, list[int]] = {}
     for a in accounts:
-        by_family.setdefault((a.family, a.owner), []).append(a)
+        pages.setdefault((a.family, a.owner), []).append(a.page_bytes)
     for row in families:
         key = (row.family, row.owner)
-        figs = row.figures
-        mine = by_family.get(key, [])
-        where = f"families {_name(key)}"
-        if row.owner is Owner.VMM and mine and all(a.page_bytes > 0 for a in mine):
-            page = math.gcd(*(a.page_bytes for a in mine))
-            for figure in ("physical_bytes", "mapped_bytes"):
-                value = getattr(figs, figure)
-                if value % page:
-                    raise fail(
-                        where,
-                        f"{figure}={value} is not a whole number of pages of {page} bytes "
-                        "(its accounts' page_bytes)",
-                    )
-        if figs.occupied_slots == 0 and figs.occupied_bytes:
-            raise fail(
-                where,
-                f"occupied_bytes={figs.occupied_bytes} with occupied_slots=0; expected "
-                "occupied_bytes = occupied_slots * slot_bytes",
-            )
-        if len(mine) == 1 and figs.occupied_slots and figs.occupied_bytes % figs.occupied_slots:
-            raise fail(
-                where,
-                f"occupied_bytes={figs.occupied_bytes} is not a multiple of occupied_slots="
-                f"{figs.occupied_slots}; expected occupied_bytes = occupied_slots * slot_bytes",
-            )
+        sizes = pages.get(key, [])
+        if row.owner is not Owner.VMM or not sizes or min(sizes) <= 0:
+            continue
+        page = math.gcd(*sizes)
+        for figure in ("physical_bytes", "mapped_bytes"):
+            value = getattr(row.figures, figure)
+            if value % page:
+                raise fail(
+                    f"families {_name(key)}",
+                    f"{figure}={value} is not a whole number of pages of {page} bytes "
+                    "(its accounts' page_bytes)",
+                )
 
 
 def account_may_break(a: AccountRow) -> bool:

@@ -112,7 +112,7 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
     totals = Figures.sum([f.figures for f in families])
     checks.totals_match(as_dict(get_field(snap, "totals", "snapshot"), "totals"), totals)
     checks.within_bounds(totals)
-    checks.pages_and_slots_agree(families, accounts)
+    checks.whole_pages(families, accounts)
     tp = schema.tp_status(snap.get("tp"))
     epoch = int_of(snap, "epoch", "snapshot")
     labels = labels_of(get_field(snap, "labels", "snapshot"))

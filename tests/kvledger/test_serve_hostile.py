@@ -483,7 +483,7 @@ def _many_families(snap: dict) -> None:
 
 LIES: dict[str, tuple[Callable[[dict], None], str]] = {
     "huge_headline": (_huge, "over the 1125899906842624 one source can hold"),
-    "occupied_bytes_without_slots": (_occupied_without_slots, "with occupied_slots=0"),
+    "occupied_bytes_without_slots": (_occupied_without_slots, "(occupied_slots x slot_bytes)"),
     "partial_pages": (_partial_page, "not a whole number of pages"),
     "4096_families": (_many_families, "expected at most 64"),
 }

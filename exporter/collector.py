@@ -35,6 +35,7 @@ from accounting.engine_state import REQUEST_BYTES_BUCKETS
 from accounting.figures import FIGURES, HOLDER_NAMES
 from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
+from accounting.snapfile.publish_errors import counts_of
 from accounting.tp_status import TP_COUNTERS
 from exporter import metrics as m
 from exporter import vllm
@@ -292,6 +293,10 @@ def _build(
             continue
         for name, value in zip(_SERVICE_METRICS, values, strict=True):
             top.add(name, labels, value)
+        for reason, n in v.published.publish_errors or _NO_ERRORS:
+            top.add("kvledger_publish_errors_total", {**labels, "reason": reason}, n)
+        if not v.up and v.last_error is not None:
+            top.add("kvledger_source_last_error", {**labels, "reason": v.last_error.reason}, 1)
         if engine is not None:
             top.extend(engine.by_name)
     if cache is not None:
@@ -299,11 +304,14 @@ def _build(
             del cache[source]
     top.add(m.BUILD_INFO, _BUILD_LABELS, 1)
     top.add("kvledger_sources_unreadable", {}, scan.files.unreadable)
+    top.add("kvledger_snapshot_dir_usable", {}, 0 if scan.files.directory_problem else 1)
     for reason, count in sorted(scan.files.error_counts.items()):
         top.add("kvledger_snapshot_file_errors_total", {"reason": reason}, count)
     errors = {**scan.source_errors, **failures.counts}
     for reason in m.SOURCE_ERROR_REASONS:
         top.add("kvledger_source_errors_total", {"reason": reason}, errors.get(reason, 0))
+    for reason, n in scan.connections_closed.items():
+        top.add("kvledger_connections_closed_total", {"reason": reason}, n)
     return top
 
 
@@ -320,6 +328,7 @@ def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> _So
     return part
 
 
+_NO_ERRORS = counts_of({})
 _SERVICE_METRICS = (
     "kvledger_up",
     "kvledger_snapshot_age_seconds",

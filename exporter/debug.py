@@ -190,6 +190,12 @@ class FamilyModel(BaseModel):
     figures: FiguresModel
 
 
+class LastErrorModel(BaseModel):
+    reason: str = Field(description="no_space, permission, directory or other")
+    detail: str
+    at: float = Field(description="Unix time")
+
+
 _HELD_DOC = (
     "Occupied slots or bytes by holder (accounting.figures.Held). "
     + HOLDER_PRECEDENCE[0].upper()
@@ -282,6 +288,16 @@ class SourceModel(BaseModel):
         None, description="where the GPU went, for a source whose truth is NVML"
     )
     tp: TpModel | None = Field(None, description="present for a pool under tensor parallelism")
+    publish_errors: dict[str, int] = Field(
+        default_factory=dict,
+        description="failed publishes per reason (no_space, permission, directory, other), as "
+        "the publisher counted them in its latest file",
+    )
+    last_error: LastErrorModel | None = Field(
+        None,
+        description="a down source's last publish error: its publisher's, or no_space when "
+        "the exporter finds no room for its file on the directory's filesystem",
+    )
     holders: list[HoldersModel] = Field(
         default_factory=list, description="who holds each family's occupied slots and bytes"
     )
@@ -500,6 +516,8 @@ def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceMo
         reconciliation=[ReconciliationModel(**r.to_dict()) for r in d.reconciliation],
         gpu=_gpu(d.reconciliation),
         tp=TpModel(**d.tp.to_dict()) if d.tp is not None else None,
+        publish_errors=dict(p.publish_errors),
+        last_error=LastErrorModel(**v.last_error.to_dict()) if v.last_error else None,
         holders=_holders(d, family),
         engine=EngineModel(**d.engine.to_dict()) if d.engine is not None else None,
         vllm=_vllm(v),

@@ -273,6 +273,25 @@ METRICS: tuple[MetricSpec, ...] = (
         ("source",),
     ),
     MetricSpec(
+        "kvledger_publish_errors_total",
+        "counter",
+        "Publishes of the source that failed, per reason (no_space, permission, directory, "
+        "other), as its publisher counted them in its latest file: a publisher failing now "
+        "and then, or one that recovered, shows here; while it cannot write at all see "
+        "kvledger_source_last_error.",
+        ("source", "reason"),
+    ),
+    MetricSpec(
+        "kvledger_source_last_error",
+        "gauge",
+        "1, with the reason (no_space, permission, directory, other), for a source that is "
+        "down and whose last publish error is known: from its publisher's latest file, or "
+        "no_space when the snapshot directory's filesystem has no room for the source's "
+        "file (seen by the exporter; a publisher that cannot write cannot say so). "
+        "/debug/kv has the detail.",
+        ("source", "reason"),
+    ),
+    MetricSpec(
         "kvledger_truth_available",
         "gauge",
         "1 when the device truth (host memfd, NVML) could be read for the latest snapshot, 0 "
@@ -438,6 +457,16 @@ METRICS: tuple[MetricSpec, ...] = (
         engine=False,
     ),
     MetricSpec(
+        "kvledger_snapshot_dir_usable",
+        "gauge",
+        "1 while the snapshot directory is open and meets the rules (docs/security.md); 0 "
+        "while it is missing, unreadable or refused (replaced by another user's, say): the "
+        "sources it served are then listed with kvledger_up 0, and /debug/kv and /readyz say "
+        "why. 1 for an exporter with no directory.",
+        (),
+        engine=False,
+    ),
+    MetricSpec(
         "kvledger_snapshot_file_errors_total",
         "counter",
         "Snapshot files refused since the exporter started, per reason (each version of a "
@@ -445,6 +474,18 @@ METRICS: tuple[MetricSpec, ...] = (
         "schema, too_many_files; buffers: a served file's buffer rows failed their checks when "
         "/debug/kv read them (its metrics, from the checked first line, are still served). "
         "/debug/kv names the files.",
+        ("reason",),
+        engine=False,
+    ),
+    MetricSpec(
+        "kvledger_connections_closed_total",
+        "counter",
+        "Client connections kvledger serve closed or refused since it started, per reason: "
+        "request_timeout (no complete request head in --request-timeout), evicted (closed to "
+        "make room past --max-connections, having waited longest), refused (503: past "
+        "--max-connections with every connection being answered), too_many_headers (431), "
+        "bad_request (400: malformed, or a head over --max-header-bytes). "
+        "Absent when the exporter runs inside an engine's server.",
         ("reason",),
         engine=False,
     ),

@@ -18,6 +18,8 @@ A source is down (`up` False, with `stale_reason`) when:
   metrics are keyed by). Neither is believed and both are listed with the reason,
   rather than one silently winning: a file that imitates an engine can then hide
   its figures (an alert fires) but never replace them.
+- its directory became unusable (replaced by one the rules refuse): every source
+  it served last is listed down with the directory's problem as the reason.
 A source that is down because its process is gone on this host, while a live
 source with the same engine labels has taken its place (a restart), is dropped
 at once and its file removed. A down source without a successor stays listed
@@ -40,14 +42,17 @@ from typing import Any
 
 from accounting.ledger import Ledger
 from accounting.snapfile.buffermap import buffer_map
+from accounting.snapfile.directory import TEMP_GRACE_S
 from accounting.snapfile.envelope import Envelope, source_id
 from accounting.snapfile.head import Head
 from accounting.snapfile.process import proc_stat
+from accounting.snapfile.publish_errors import LastError
 from accounting.snapfile.reader import FileScan, Ident, SnapshotFiles
 from accounting.snapfile.refusal import Refused
 from accounting.snapfile.summary import Summary, summary_of
 from accounting.snapshot import Snapshot
 from exporter.failures import SourceFailures
+from exporter.memory import release_free_memory
 from exporter.metrics import EngineKey, engine_key
 
 log = logging.getLogger(__name__)
@@ -56,6 +61,12 @@ log = logging.getLogger(__name__)
 # stale when the exporter is given no explicit bound.
 STALE_INTERVALS = 3.0
 STALE_GRACE_S = 1.0
+# The longest publish interval believed for staleness: a file claiming 3600 s would keep a
+# dead source up for hours. A publisher slower than this needs --stale-after.
+MAX_BELIEVED_INTERVAL_S = 60.0
+SCAN_LOG_EVERY_S = 60.0  # a failing background scan's log line, at most this often
+TRIM_AFTER_FILES = 256  # files gone from the directory before freed memory is given back
+NO_SPACE_MIN_BYTES = 4096  # less free than this (or than a source's file) is no space
 
 
 class BufferMapError(ValueError):
@@ -65,7 +76,7 @@ class BufferMapError(ValueError):
 _ENVELOPE_FIELDS = tuple(f.name for f in dataclasses.fields(Envelope))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Published(Envelope):
     """One source's latest snapshot: its publisher's envelope and the snapshot's `Summary`.
 
@@ -157,6 +168,8 @@ class SourceView:
     age_seconds: float  # now - snapshot.taken_at
     heartbeat_age_seconds: float  # now - published_at
     stale_reason: str | None
+    # A down source's last publish error: its publisher's, or the exporter's own no_space.
+    last_error: LastError | None = None
 
     @property
     def source(self) -> str:
@@ -183,6 +196,9 @@ class Scan:
     views: tuple[SourceView, ...] = ()
     files: FileScan[Published] = field(default_factory=FileScan)  # the directory's scan
     source_errors: Mapping[str, int] = field(default_factory=dict)  # ledgers left out so far
+    # Client connections the server closed, by reason (`exporter.connections`); empty when
+    # the exporter runs inside another server.
+    connections_closed: Mapping[str, int] = field(default_factory=dict)
 
 
 class Sources:
@@ -191,12 +207,15 @@ class Sources:
     in-process).
 
     `stale_after`: seconds a heartbeat may age before its source is stale; None means
-    STALE_INTERVALS publish intervals plus STALE_GRACE_S, per source.
+    STALE_INTERVALS publish intervals (at most MAX_BELIEVED_INTERVAL_S each) plus
+    STALE_GRACE_S, per source.
     `forget_after`: seconds after which a stale source is no longer listed (its file is
     left alone); None keeps listing it while its file exists.
     `create`: create the directory (0700) when missing; `group_writable`: accept a
     group-writable directory and files of its group (`accounting.snapfile.directory`). An
     existing directory that breaks the rules raises `SnapshotDirError` from there.
+    `temp_grace`: seconds after which a temporary file of a writer that is gone is removed
+    (`accounting.snapfile.directory.SnapshotDir.remove_stale_temporaries`).
     `close()` (idempotent) closes the directory.
     """
 
@@ -209,6 +228,7 @@ class Sources:
         clock: Callable[[], float] = time.time,
         create: bool = False,
         group_writable: bool = False,
+        temp_grace: float = TEMP_GRACE_S,
     ) -> None:
         for name, value in (("stale_after", stale_after), ("forget_after", forget_after)):
             if value is not None and not (
@@ -226,10 +246,20 @@ class Sources:
         self.files: SnapshotFiles[Published] | None = None
         if directory is not None:
             self.files = SnapshotFiles(
-                directory, self._published, create=create, group_writable=group_writable
+                directory,
+                self._published,
+                create=create,
+                group_writable=group_writable,
+                temp_grace=temp_grace,
             )
         self.directory = self.files.path if self.files is not None else None
         self.removed = 0  # files of dead sources removed after a restart took their place
+        self._known: dict[str, Published] = {}  # file sources of the last usable scan
+        # What the HTTP server closed, by reason (`kvledger serve` sets it to its
+        # `exporter.connections.ConnectionGuard`'s counts); read with each scan.
+        self.connection_counts: Callable[[], Mapping[str, int]] | None = None
+        self._forgotten_trimmed = 0
+        self._trims_due = 0
         self._failures = SourceFailures(("snapshot",), log)
         self._stop = threading.Event()
         self._scanner: threading.Thread | None = None
@@ -261,6 +291,7 @@ class Sources:
                 self.files.scan(now) if self.files is not None else FileScan()
             )
             published = [f.value for f in files.served]
+            unusable = self._keep_known(files)
             for name, ledger in self._ledgers.items():
                 try:
                     snap = ledger.snapshot()
@@ -273,14 +304,70 @@ class Sources:
                     self._failures.failed("snapshot", name, e)
             now = self._clock()
             views = [self._view(p, now) for p in published]
+            views += [
+                SourceView(p, False, max(0.0, now - p.taken_at), max(0.0, now - p.published_at), r)
+                for p, r in unusable
+            ]
             idents = {f.value.source: (f.name, f.ident) for f in files.served}
             views = self._settle(views, idents)
+            views = self._with_last_errors(views, idents, now)
             source_errors = dict(self._failures.counts)
         if self.forget_after is not None:
             limit = self.forget_after
             views = [v for v in views if v.up or v.heartbeat_age_seconds <= limit]
         views.sort(key=lambda v: v.source)
-        return Scan(tuple(views), files, source_errors)
+        self._release_memory()
+        closed = dict(self.connection_counts()) if self.connection_counts is not None else {}
+        return Scan(tuple(views), files, source_errors, closed)
+
+    def _release_memory(self) -> None:
+        """After many files are gone (TRIM_AFTER_FILES forgotten since the last time), give
+        the freed heap back to the OS, at this read and the next (by then a render has
+        dropped its own caches of them), so RSS does not stay at its peak."""
+        if self.files is None:
+            return
+        if self.files.forgotten - self._forgotten_trimmed >= TRIM_AFTER_FILES:
+            self._forgotten_trimmed = self.files.forgotten
+            self._trims_due = 2
+        if self._trims_due:
+            self._trims_due -= 1
+            release_free_memory()
+
+    def _keep_known(self, files: FileScan[Published]) -> list[tuple[Published, str]]:
+        """While the directory is usable, remember the sources it serves; while it is not
+        (replaced by one the rules refuse, unreadable), every source it served last is
+        listed down with the reason, until `forget_after`, rather than vanishing."""
+        if files.directory_problem is None:
+            self._known = {f.value.source: f.value for f in files.served}
+            return []
+        reason = f"snapshot directory not usable: {files.directory_problem}"
+        return [(p, reason) for p in self._known.values()]
+
+    def _with_last_errors(
+        self, views: list[SourceView], idents: dict[str, tuple[str, Ident]], now: float
+    ) -> list[SourceView]:
+        """Each down source with its last publish error: no_space when the directory's
+        filesystem has no room for its file now (a publisher that cannot write cannot say
+        so), else its publisher's own last error from the file."""
+        if all(v.up for v in views):
+            return views
+        free = self.files.free_bytes() if self.files is not None else None
+        out = []
+        for v in views:
+            if not v.up:
+                last = v.published.last_error
+                size = idents[v.source][1][2] if v.source in idents else 0
+                if free is not None and free < max(size, NO_SPACE_MIN_BYTES):
+                    last = LastError(
+                        "no_space",
+                        f"the snapshot directory's filesystem has {free} bytes free, less than "
+                        f"this source's file needs ({size} bytes): its publisher cannot write",
+                        now,
+                    )
+                if last is not None:
+                    v = dataclasses.replace(v, last_error=last)
+            out.append(v)
+        return out
 
     def _settle(
         self, views: list[SourceView], idents: dict[str, tuple[str, Ident]]
@@ -334,7 +421,7 @@ class Sources:
             bound = (
                 self.stale_after
                 if self.stale_after is not None
-                else STALE_INTERVALS * p.interval + STALE_GRACE_S
+                else STALE_INTERVALS * min(p.interval, MAX_BELIEVED_INTERVAL_S) + STALE_GRACE_S
             )
             reason = self._pid_gone(p)
             if reason is None and heartbeat_age > bound:
@@ -371,11 +458,26 @@ class Sources:
         self._scanner.start()
 
     def _scan_loop(self, interval: float) -> None:
+        logged, held = -SCAN_LOG_EVERY_S, 0
         while not self._stop.wait(interval):
             try:
                 self.read()
-            except Exception:  # a bug must not end the scanning; every read logs its own
-                log.exception("background scan of %s failed", self.directory)
+            except Exception as e:  # a bug, or the OS (EMFILE): the scanning goes on
+                now = time.monotonic()
+                if now - logged < SCAN_LOG_EVERY_S:
+                    held += 1
+                    continue
+                more = f" ({held} more since the last line)" if held else ""
+                log.error(
+                    "background scan of %s failed%s; retrying every %g s: %s: %s",
+                    self.directory,
+                    more,
+                    interval,
+                    type(e).__name__,
+                    e,
+                    exc_info=e if logged < 0 else None,
+                )
+                logged, held = now, 0
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -54,8 +54,9 @@ DAY = 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from accounting.snapfile.directory import default_snapshot_dir
+    from accounting.snapfile.directory import TEMP_GRACE_S, default_snapshot_dir
     from accounting.snapfile.envelope import MAX_INTERVAL_S, MIN_INTERVAL_S
+    from exporter import connections as conn
     from kvledger import demo
 
     one_line_errors(p)
@@ -95,6 +96,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow a non-loopback --host without a token (/debug/* open to the network)",
     )
+    lim = p.add_argument_group("client limits (what one local client may hold; docs/security.md)")
+    lim.add_argument(
+        "--max-connections",
+        type=number(int, 1, 1 << 20),
+        default=None,
+        help="client connections held at most; past it the one waiting longest for its "
+        "request is closed, or the new one refused with 503 when all are being answered "
+        f"(default: what the file-descriptor limit allows, at most {conn.DEFAULT_MAX_CONNECTIONS}; "
+        "the soft limit is raised to the hard one at start)",
+    )
+    lim.add_argument(
+        "--request-timeout",
+        type=number(float, 0, 3600, lo_open=True),
+        default=conn.DEFAULT_REQUEST_TIMEOUT_S,
+        help="seconds a connection has to send a complete request line and headers, from "
+        "its start or its previous response; then it is closed (default: %(default)g)",
+    )
+    lim.add_argument(
+        "--max-header-bytes",
+        type=size(1024, 1 << 24),
+        default=conn.DEFAULT_HEADER_BYTES,
+        help="bytes of request line and headers accepted; a larger head is answered 400 and "
+        f"closed (default: {format_size(conn.DEFAULT_HEADER_BYTES)})",
+    )
+    lim.add_argument(
+        "--max-headers",
+        type=number(int, 1, 10_000),
+        default=conn.DEFAULT_MAX_HEADERS,
+        help="header fields accepted; more are answered 431 and closed (default: %(default)s)",
+    )
+    lim.add_argument(
+        "--keep-alive",
+        type=number(int, 1, 3600),
+        default=conn.DEFAULT_KEEP_ALIVE_S,
+        help="seconds an idle kept-alive connection stays open (default: %(default)s)",
+    )
     net.add_argument(
         "--snapshot-dir",
         default=None,
@@ -119,6 +156,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=3600.0,
         help="seconds after which a stale source nothing replaced is no longer listed "
         "(default: %(default)g)",
+    )
+    net.add_argument(
+        "--temp-grace",
+        type=number(float, 0, DAY, lo_open=True),
+        default=TEMP_GRACE_S,
+        help="seconds after which a publisher's temporary file (.NAME.json.HEX.tmp, a "
+        "regular file of this user) is taken as left by a writer killed mid-write and "
+        "removed (default: %(default)g)",
     )
     net.add_argument(
         "--scan-interval",
@@ -193,7 +238,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--interval",
         type=number(float, MIN_INTERVAL_S, MAX_INTERVAL_S),
         default=1.0,
-        help="seconds between the demo's snapshots (default: %(default)g)",
+        help="seconds between the demo's snapshots; the exporter believes at most 60 s of a "
+        "source's interval, so a longer one needs --stale-after (default: %(default)g)",
     )
     wl = p.add_argument_group("built-in workload")
     wl.add_argument(
@@ -261,11 +307,13 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from accounting.snapfile.directory import default_snapshot_dir
+    from exporter import connections as conn
     from exporter import html
     from exporter.app import create_app
     from exporter.basicauth import BasicAuth
     from exporter.sources import Sources
     from kvledger import demo as demo_mod
+    from kvledger import lograte
     from kvledger.listen import bind, is_loopback
     from kvledger.token import ARGV_REFUSED, TokenError, load_token
     from kvledger.webconfig import FLAG
@@ -274,6 +322,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
+    log_limit = lograte.RateLimit()
+    lograte.install(log_limit)
     if args.token is not None:
         raise UsageError(ARGV_REFUSED)
     try:
@@ -283,6 +333,17 @@ def _serve(args: argparse.Namespace) -> int:
     web = _web_config(args.web_config_file, token)
     snapshot_dir = args.snapshot_dir or default_snapshot_dir()
     group = args.snapshot_dir_group_writable
+    soft, _ = conn.raise_fd_limit()
+    limits = conn.limits_from(
+        args.max_connections,
+        header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        request_timeout=args.request_timeout,
+        keep_alive=args.keep_alive,
+        soft_limit=soft,
+        in_use=conn.open_fds(),
+        error=UsageError,
+    )
     sock = bind(
         args.host,
         args.port,
@@ -305,6 +366,7 @@ def _serve(args: argparse.Namespace) -> int:
                 forget_after=args.forget_after,
                 create=True,
                 group_writable=group,
+                temp_grace=args.temp_grace,
             )
         except (ValueError, OSError) as e:
             raise UsageError(_one_line(e)) from None
@@ -346,7 +408,17 @@ def _serve(args: argparse.Namespace) -> int:
         app: Any = create_app(sources, token=token, debug_html=html.page)
         if web.users:
             app = BasicAuth(app, web.users)
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        guard = conn.ConnectionGuard(limits)
+        sources.connection_counts = guard.closed.copy
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            http=conn.guarded_protocol(guard),
+            **limits.uvicorn_settings(),
+        )
+        lograte.install(log_limit)  # uvicorn's handlers exist once its Config is made
         if web.tls is not None:
             config.load()
             config.ssl = web.tls  # the context loaded from the checked files (kvledger.webconfig)

@@ -44,6 +44,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -52,6 +53,7 @@ from accounting.engine_state import EngineState, RequestHeld, engine_state
 from allocator.errors import CapacityError
 
 log = logging.getLogger(__name__)
+LOG_EVERY_S = 60.0  # a failing step's log line, at most this often
 
 
 class RowAccount(Protocol):
@@ -440,12 +442,27 @@ class Workload:
         return self
 
     def _run(self) -> None:
+        logged, held = -LOG_EVERY_S, 0
         while not self._stop.wait(self.config.step_seconds):
             try:
                 self.step()
-            except Exception:
+            except Exception as e:
+                # Failing every step (a pool at the file-size limit) must not fill the log:
+                # the first failure with its traceback, then one line a minute at most.
                 self.counts["errors"] += 1
-                log.exception("workload step failed; continuing")
+                now = time.monotonic()
+                if now - logged < LOG_EVERY_S:
+                    held += 1
+                    continue
+                more = f" ({held} more since the last line)" if held else ""
+                log.error(
+                    "workload step failed%s; continuing: %s: %s",
+                    more,
+                    type(e).__name__,
+                    e,
+                    exc_info=e if logged < 0 else None,
+                )
+                logged, held = now, 0
 
     def close(self) -> None:
         """Stop stepping and free every slot and row still held. Idempotent."""

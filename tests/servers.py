@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,8 +169,14 @@ class ServeProcess(ServeChild):
     (`repo_env`): the bench's starter (`kvledger.bench.serve_child`) in the tests'
     environment. `.url`, `.proc`; `close()` returns the exit status."""
 
-    def __init__(self, args: list[str], *, stderr: Any = subprocess.DEVNULL) -> None:
-        super().__init__(args, stderr=stderr, env=repo_env())
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        stderr: Any = subprocess.DEVNULL,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(args, stderr=stderr, env=repo_env(), preexec_fn=preexec_fn)
 
 
 def stop(proc: subprocess.Popen[Any], timeout: float = 10) -> None:

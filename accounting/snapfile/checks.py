@@ -2,7 +2,8 @@
 
 Within the first line (`accounting.snapfile.head.load`): each family's slot figures
 are the sum of its accounts' (slots are counted per index space, bytes per buffer),
-the totals the sum of the families, every relation an account breaks (recomputed by
+the totals the sum of the families and within what one source can hold, VMM physical
+and mapped bytes whole pages, every relation an account breaks (recomputed by
 `accounting.relations.check_account`) is listed, and a family whose sums break a
 relation that holds buffer by buffer lists a violation of it. Between the two lines
 (`accounting.snapfile.buffermap`): the rollups and violations rebuilt from the buffer
@@ -12,6 +13,7 @@ relation and the figures that broke it.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +26,12 @@ from accounting.snapfile.summary import FamilyRow, Reconciliation, Summary
 from accounting.snapshot import AccountRow, parts_violations
 
 Key = tuple[str, Owner]
+
+# What one source (one rank's ledger) can hold, believed at most: 1 PiB of any byte figure
+# is more than any host or GPU node has (a 25,769,803,776 GiB headline is a lie), and
+# 2^48 slots more than any pool indexes.
+MAX_SOURCE_BYTES = 1 << 50
+MAX_SOURCE_SLOTS = 1 << 48
 
 
 def _name(key: Key) -> str:
@@ -76,6 +84,41 @@ def totals_match(claimed: dict[str, Any], totals: Figures) -> None:
             raise fail(
                 "totals", f"{figure}={claimed.get(figure)!r:.60}, but the families sum to {total}"
             )
+
+
+def within_bounds(totals: Figures) -> None:
+    """Every total at most what one source can hold (MAX_SOURCE_BYTES, MAX_SOURCE_SLOTS);
+    the families are summed to `totals`, so no family can exceed it either."""
+    for figure, value in zip(FIGURE_NAMES, totals.values(), strict=True):
+        cap = MAX_SOURCE_SLOTS if figure.endswith("_slots") else MAX_SOURCE_BYTES
+        if value > cap:
+            raise fail(
+                "totals", f"{figure}={value}, over the {cap} one source can hold; not believed"
+            )
+
+
+def whole_pages(families: Sequence[FamilyRow], accounts: Sequence[AccountRow]) -> None:
+    """VMM physical and mapped bytes are whole pages: each buffer holds handle (mapped)
+    pages of its account's `page_bytes`, so a family's sums are multiples of the gcd of
+    its accounts' page sizes. (Occupied bytes are held to occupied slots times slot bytes
+    by `families_match_accounts`.)"""
+    pages: dict[Key, list[int]] = {}
+    for a in accounts:
+        pages.setdefault((a.family, a.owner), []).append(a.page_bytes)
+    for row in families:
+        key = (row.family, row.owner)
+        sizes = pages.get(key, [])
+        if row.owner is not Owner.VMM or not sizes or min(sizes) <= 0:
+            continue
+        page = math.gcd(*sizes)
+        for figure in ("physical_bytes", "mapped_bytes"):
+            value = getattr(row.figures, figure)
+            if value % page:
+                raise fail(
+                    f"families {_name(key)}",
+                    f"{figure}={value} is not a whole number of pages of {page} bytes "
+                    "(its accounts' page_bytes)",
+                )
 
 
 def account_may_break(a: AccountRow) -> bool:

@@ -11,8 +11,13 @@ Rules, checked on the opened directory (never on a path that could be swapped):
 - not writable by group or others (mode & 0o022 == 0), unless `group_writable` is
   given, which allows group write (a group of engine users publishing into one
   directory) and still refuses write by others;
-- a real directory, not a symbolic link to one.
-A directory kvledger creates is created 0700 (0770 in group mode).
+- a real directory, not a symbolic link to one;
+- every directory above it owned by this user or root and writable by no one else,
+  unless its sticky bit is set (as `/tmp`'s is: others may create entries there but not
+  rename or remove ours); group write is allowed above it in group mode. Otherwise
+  another user could replace the directory, or a parent, after the checks.
+A directory kvledger creates is created 0700 (0770 in group mode); missing parents are
+created 0755, whatever the umask.
 
 `SnapshotDir` opens the directory once (O_DIRECTORY | O_NOFOLLOW) and does every
 operation relative to that descriptor (`dir_fd=`), so renaming or replacing the
@@ -30,15 +35,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
 import tempfile
 from collections.abc import Iterator
 
 DIR_MODE = 0o700
+PARENT_MODE = 0o755
 GROUP_DIR_MODE = 0o770
 FILE_MODE = 0o600
 GROUP_FILE_MODE = 0o640
+TEMP_GRACE_S = 60.0  # a temporary file this old has no live writer (a write takes ms)
+# `.<source>.json.<16 hex>.tmp`: the name `write_replace` draws for a file being written.
+_TEMP_NAME = re.compile(r"\.(?P<final>[^/\x00]+)\.[0-9a-f]{16}\.tmp")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | _O_CLOEXEC
 
@@ -92,6 +102,57 @@ def check_dir_stat(path: str, st: os.stat_result, *, group_writable: bool = Fals
         )
 
 
+def check_parents(path: str, *, group_writable: bool = False) -> None:
+    """Raise SnapshotDirError (one line) when a directory above `path` can be written by a
+    user other than this one and root (owned by one, or writable by group or others
+    without the sticky bit; group write is allowed in group mode)."""
+    parent = os.path.dirname(path)
+    while True:
+        try:
+            st = os.stat(parent)  # a link in the path (/var/run) is judged by what it names
+        except FileNotFoundError:
+            pass
+        else:
+            sticky = st.st_mode & stat.S_ISVTX
+            writable = st.st_mode & (0o002 if group_writable else 0o022)
+            if st.st_uid not in trusted_owners():
+                raise SnapshotDirError(
+                    f"snapshot directory {path}: parent {parent} is owned by uid {st.st_uid}; "
+                    f"expected parents of uid {os.geteuid()} (this user) or root (another user "
+                    "could replace the directory)"
+                )
+            if writable and not sticky:
+                raise SnapshotDirError(
+                    f"snapshot directory {path}: parent {parent} (mode "
+                    f"{stat.S_IMODE(st.st_mode):04o}) is writable by "
+                    f"{'others' if st.st_mode & 0o002 else 'its group'} without the sticky "
+                    "bit; another user could replace the directory: expected parents only "
+                    "this user or root can write (chmod go-w, or +t)"
+                )
+        up = os.path.dirname(parent)
+        if up == parent:
+            return
+        parent = up
+
+
+def make_parents(path: str) -> None:
+    """Create the missing directories above `path`, each 0755 whatever the umask."""
+    parent = os.path.dirname(path)
+    missing = []
+    while not os.path.isdir(parent):
+        missing.append(parent)
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, PARENT_MODE)
+        except FileExistsError:
+            continue  # made meanwhile: judged by check_parents like any other
+        os.chmod(d, PARENT_MODE, follow_symlinks=False)  # mkdir's mode went through the umask
+
+
 class SnapshotDir:
     """An open, checked snapshot directory; every operation is relative to its descriptor.
 
@@ -112,9 +173,9 @@ class SnapshotDir:
     def _open(self) -> int:
         created = False
         if self.create:
-            parent = os.path.dirname(self.path)
-            if not os.path.isdir(parent):
-                os.makedirs(parent, exist_ok=True)
+            make_parents(self.path)
+        check_parents(self.path, group_writable=self.group_writable)
+        if self.create:
             try:
                 os.mkdir(self.path, DIR_MODE)
                 created = True
@@ -196,6 +257,32 @@ class SnapshotDir:
                 os.unlink(tmp, dir_fd=self.fd)
             raise
         return st.st_dev, st.st_ino
+
+    def remove_stale_temporaries(
+        self, now: float, grace: float = TEMP_GRACE_S, final: str | None = None
+    ) -> int:
+        """Remove the temporary files of writers that are gone: names `write_replace` draws
+        (for `final` only, when given), regular files (lstat: a link or anything else is
+        left alone, never followed) of this process's user, last modified more than
+        `grace` seconds before `now` (wall clock). Returns how many were removed."""
+        removed = 0
+        uid = os.geteuid()
+        for entry in self.names():
+            m = _TEMP_NAME.fullmatch(entry.name)
+            if m is None or (final is not None and m["final"] != final):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime <= grace:
+                continue
+            try:
+                os.unlink(entry.name, dir_fd=self.fd)
+            except FileNotFoundError:
+                continue
+            removed += 1
+        return removed
 
     def remove_if(self, name: str, identity: tuple[int, int]) -> bool:
         """Remove `name` only if it is still the file `identity` names (so a closing

@@ -4,7 +4,8 @@ A file is `<directory>/<source>.json`, two JSON documents, one per line:
 
     {"kvledger_publish": 1, "source": str, "pid": int, "host": str,
      "process_start": int | null, "interval": float, "published_at": float,
-     "sequence": int, "snapshot": Snapshot.to_dict() without "buffers"}
+     "sequence": int, "publish_errors": {reason: int}, "last_error": {...} | null,
+     "snapshot": Snapshot.to_dict() without "buffers"}
     [Snapshot.to_dict()["buffers"]...]
 
 The keys between `kvledger_publish` and `snapshot` are the fields of `Envelope`,
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from accounting.snapfile.publish_errors import Counts, LastError
 from accounting.snapshot import Snapshot
 
 ENVELOPE_SCHEMA = 1
@@ -53,6 +55,10 @@ class Envelope:
     interval: float  # seconds between publishes; 0 for a ledger read in-process
     published_at: float  # the heartbeat (Unix time)
     sequence: int
+    # The publisher's failed publishes so far, per reason, and the last one
+    # (`accounting.snapfile.publish_errors`); optional in a file.
+    publish_errors: Counts = ()
+    last_error: LastError | None = None
 
 
 def check_interval(value: object, what: str) -> float:
@@ -97,7 +103,9 @@ def encode(envelope: Envelope, snap: Snapshot) -> bytes:
     the buffer rows."""
     body = snap.to_dict()
     buffers = body.pop("buffers")
-    head = {"kvledger_publish": ENVELOPE_SCHEMA, **dataclasses.asdict(envelope), "snapshot": body}
+    fields = dataclasses.asdict(envelope)
+    fields["publish_errors"] = {r: n for r, n in envelope.publish_errors if n}
+    head = {"kvledger_publish": ENVELOPE_SCHEMA, **fields, "snapshot": body}
     return (
         json.dumps(head, separators=(",", ":")).encode()
         + b"\n"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accounting.figures import Figures
-from accounting.snapfile import checks, schema
+from accounting.snapfile import checks, publish_errors, schema
 from accounting.snapfile.envelope import ENVELOPE_SCHEMA, SUFFIX, Envelope, check_interval
 from accounting.snapfile.refusal import Refused, fail
 from accounting.snapfile.schema import (
@@ -82,6 +82,7 @@ def _envelope(env: dict[str, Any], name: str, now: float) -> Envelope:
     host = env.get("host")
     if host is not None and (not isinstance(host, str) or len(host) > MAX_NAME):
         raise fail("envelope", "host: expected a short string or null")
+    errors, last_error = publish_errors.parse(env, "envelope")
     return Envelope(
         source=source,
         pid=opt_int_of(env, "pid", "envelope", lo=1),
@@ -90,6 +91,8 @@ def _envelope(env: dict[str, Any], name: str, now: float) -> Envelope:
         interval=interval,
         published_at=published_at,
         sequence=int_of(env, "sequence", "envelope"),
+        publish_errors=errors,
+        last_error=last_error,
     )
 
 
@@ -108,6 +111,8 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
     )
     totals = Figures.sum([f.figures for f in families])
     checks.totals_match(as_dict(get_field(snap, "totals", "snapshot"), "totals"), totals)
+    checks.within_bounds(totals)
+    checks.whole_pages(families, accounts)
     tp = schema.tp_status(snap.get("tp"))
     epoch = int_of(snap, "epoch", "snapshot")
     labels = labels_of(get_field(snap, "labels", "snapshot"))

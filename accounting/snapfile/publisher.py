@@ -8,7 +8,9 @@ created 0700); each file is written whole to a new file under an unpredictable
 name (O_CREAT | O_EXCL | O_NOFOLLOW) and renamed over the old one, all relative
 to the directory's descriptor, so a reader sees either the previous file or the
 next, never a torn one, and a planted link is never followed. `close()` removes
-the file only if it is still the one this publisher wrote.
+the file only if it is still the one this publisher wrote. A new publisher removes
+the temporary files an earlier one of its name left when it was killed mid-write
+(older than `temp_grace`; the exporter sweeps every name's too).
 
 Who publishes: while the engine allocates, the allocating thread itself, when a
 publish is due (the ledger's event hook checks a monotonic deadline every 64
@@ -28,7 +30,8 @@ import threading
 import time
 
 from accounting.ledger import Ledger
-from accounting.snapfile.directory import SnapshotDir
+from accounting.snapfile import publish_errors
+from accounting.snapfile.directory import TEMP_GRACE_S, SnapshotDir
 from accounting.snapfile.envelope import (
     SUFFIX,
     Envelope,
@@ -60,6 +63,7 @@ class Publisher:
         source: str | None = None,
         group_writable: bool = False,
         fsync: bool = False,
+        temp_grace: float = TEMP_GRACE_S,
     ) -> None:
         check_interval(interval, "Publisher: interval")
         self.ledger = ledger
@@ -72,10 +76,20 @@ class Publisher:
         self.name = self.source + SUFFIX
         self.path = os.path.join(self.directory, self.name)
         self._written: tuple[int, int] | None = None  # (st_dev, st_ino) of our file
+        # An earlier publisher of this name killed mid-write left its temporary file.
+        try:
+            self.temporaries_removed = self._dir.remove_stale_temporaries(
+                time.time(), temp_grace, final=self.name
+            )
+        except OSError as e:
+            self.temporaries_removed = 0
+            log.warning("publisher %s: removing stale temporary files: %s", self.source, e)
         self._host = socket.gethostname()
         self._process_start = process_start_ticks(self.pid)
         self.sequence = 0
         self.errors = 0
+        self.errors_by_reason: dict[str, int] = dict.fromkeys(publish_errors.REASONS, 0)
+        self.last_error: publish_errors.LastError | None = None
         self._failing = 0  # failures in a row
         self._failure_logged = 0.0
         self.last_snapshot: Snapshot | None = None
@@ -116,6 +130,11 @@ class Publisher:
         except Exception as e:
             self.errors += 1
             self._failing += 1
+            reason = publish_errors.reason_of(e)
+            self.errors_by_reason[reason] += 1
+            self.last_error = publish_errors.LastError(
+                reason, publish_errors.detail_of(e), time.time()
+            )
             self._next_due = time.monotonic() + self.interval
             now = time.monotonic()
             if self._failing == 1:
@@ -159,6 +178,8 @@ class Publisher:
                 interval=self.interval,
                 published_at=time.time(),
                 sequence=self.sequence,
+                publish_errors=publish_errors.counts_of(self.errors_by_reason),
+                last_error=self.last_error,
             )
             self._write(encode(envelope, snap))
             self.last_snapshot = snap

@@ -35,7 +35,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from accounting.snapfile.directory import SnapshotDir, SnapshotDirError, trusted_owners
+from accounting.snapfile.directory import (
+    TEMP_GRACE_S,
+    SnapshotDir,
+    SnapshotDirError,
+    trusted_owners,
+)
 from accounting.snapfile.envelope import SUFFIX
 from accounting.snapfile.head import Head, load
 from accounting.snapfile.refusal import REASONS, Refused
@@ -75,6 +80,7 @@ class FileScan(Generic[T]):
     unreadable: int = 0  # files in the directory not served now
     error_counts: Mapping[str, int] = field(default_factory=dict)  # refusals so far, by reason
     parses: int = 0  # files parsed so far
+    directory_problem: str | None = None  # why the directory is not usable now, if it is not
 
 
 _KIND = {
@@ -106,8 +112,15 @@ class SnapshotFiles(Generic[T]):
         max_files: int = MAX_FILES,
         max_parses: int = MAX_PARSES,
         max_bytes: int = MAX_FILE_BYTES,
+        temp_grace: float = TEMP_GRACE_S,
     ) -> None:
+        if not isinstance(temp_grace, (int, float)) or not 0 < temp_grace < float("inf"):
+            raise ValueError(f"SnapshotFiles: temp_grace={temp_grace!r}, expected seconds > 0")
         self.path = os.path.abspath(os.fspath(path))
+        self.temp_grace = float(temp_grace)
+        self.temporaries_removed = 0  # dead writers' temporary files removed so far
+        self.forgotten = 0  # cached files forgotten (gone from the directory) so far
+        self._next_sweep = 0.0
         self._make = make
         self._create = create
         self.group_writable = group_writable
@@ -157,12 +170,14 @@ class SnapshotFiles(Generic[T]):
             else:
                 assert self._dir is not None
                 served = self._scan(self._dir, now)
+                self._sweep(self._dir, now)
             return FileScan(
                 served=tuple(served),
                 problems=tuple(self._shown_problems()),
                 unreadable=len(self.problems),
                 error_counts=dict(self.error_counts),
                 parses=self.parses,
+                directory_problem=self.directory_problem,
             )
 
     def _scan(self, d: SnapshotDir, now: float) -> list[ServedFile[T]]:
@@ -194,10 +209,12 @@ class SnapshotFiles(Generic[T]):
             if cached[1] is not None:
                 out.append(ServedFile(name, ident, cached[1]))
         seen = set(names)
-        for name in set(self._cache) - seen:
+        gone = set(self._cache) - seen
+        for name in gone:
             del self._cache[name]
         for name in set(self.problems) - seen:
             del self.problems[name]
+        self.forgotten += len(gone)
         if skipped and not self.skipped:
             log.warning(
                 "snapshot directory %s: %d files past the first %d not read",
@@ -209,6 +226,26 @@ class SnapshotFiles(Generic[T]):
         self.skipped = skipped
         out.sort(key=lambda x: x.name)
         return out
+
+    def _sweep(self, d: SnapshotDir, now: float) -> None:
+        """Every few seconds, remove temporary files whose writer is gone (older than
+        `temp_grace`; `SnapshotDir.remove_stale_temporaries` says which are touched)."""
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + max(1.0, min(10.0, self.temp_grace / 4))
+        try:
+            n = d.remove_stale_temporaries(now, self.temp_grace)
+        except OSError as e:
+            log.warning("snapshot directory %s: removing stale temporary files: %s", self.path, e)
+            return
+        if n:
+            self.temporaries_removed += n
+            log.info(
+                "snapshot directory %s: removed %d temporary files of writers gone for over %g s",
+                self.path,
+                n,
+                self.temp_grace,
+            )
 
     def _served(self, name: str) -> bool:
         cached = self._cache.get(name)
@@ -306,6 +343,18 @@ class SnapshotFiles(Generic[T]):
             if removed:
                 self._cache.pop(name, None)
             return removed
+
+    def free_bytes(self) -> int | None:
+        """Bytes an unprivileged writer may still use on the directory's filesystem, or None
+        when the directory is not open."""
+        with self._lock:
+            if self._dir is None:
+                return None
+            try:
+                st = os.fstatvfs(self._dir.fd)
+            except OSError:
+                return None
+            return st.f_bavail * st.f_frsize
 
     def _shown_problems(self) -> list[FileProblem]:
         """Up to MAX_PROBLEMS_SHOWN problems, the directory's own first."""

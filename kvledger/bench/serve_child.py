@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any, TypeVar
 
 _URL_PREFIXES = ("kvledger serve: http://", "kvledger serve: https://")
@@ -20,7 +20,8 @@ class ServeChild:
     """`python -m kvledger serve ARGS`; `.url` is its base URL (no `/metrics`), `.proc` the child.
 
     `env`: the child's environment (default: this one, with the directory holding
-    `kvledger` first on PYTHONPATH). Raises RuntimeError, with what the child printed,
+    `kvledger` first on PYTHONPATH); `preexec_fn`: run in the child before it starts (a
+    lowered resource limit, say). Raises RuntimeError, with what the child printed,
     when it does not announce its URL. `close()` (idempotent, also the context
     manager's exit) sends SIGINT, waits, and kills it if it does not stop; it returns
     the exit status.
@@ -32,6 +33,7 @@ class ServeChild:
         *,
         stderr: int | IO[Any] | None = subprocess.DEVNULL,
         env: Mapping[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         if env is None:
             import kvledger
@@ -45,6 +47,7 @@ class ServeChild:
             stderr=stderr,
             text=True,
             env=dict(env),
+            preexec_fn=preexec_fn,
         )
         if self.proc.stdout is None:  # pragma: no cover - stdout=PIPE above
             raise RuntimeError("kvledger serve: no pipe to read its URL from")

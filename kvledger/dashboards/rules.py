@@ -322,6 +322,30 @@ ALERTS: tuple[Alert, ...] = (
         "failed and empty pages stay mapped until an unmap succeeds. The engine's log carries "
         "one line per interval with the count and the latest error.",
     ),
+    Alert(
+        "KvLedgerSnapshotDirUnusable",
+        f"{metric('kvledger_snapshot_dir_usable')} == 0",
+        "1m",
+        "critical",
+        "The kvledger snapshot directory on {{ $labels.instance }} is not usable",
+        "The exporter's snapshot directory is missing, unreadable or refused (replaced by a "
+        "directory another user controls, say): no engine's figures are read from it, and "
+        "every source it served is listed down. /debug/kv and /readyz on the exporter say "
+        "why.",
+    ),
+    Alert(
+        "KvLedgerConnectionsShed",
+        f'increase({metric("kvledger_connections_closed_total")}{{reason=~"evicted|refused"}}[5m])'
+        " > 0",
+        "0m",
+        "warning",
+        "The kvledger exporter on {{ $labels.instance }} is shedding client connections "
+        "({{ $labels.reason }})",
+        "More clients held connections than --max-connections allows in the last 5 minutes: "
+        "the ones waiting longest without a request were closed (evicted), or new ones "
+        "refused with 503. A local client is holding connections open; scrapes are still "
+        "answered.",
+    ),
 )
 
 # Names Prometheus itself writes for every scrape, usable in rules next to the exporter's.

@@ -115,8 +115,10 @@ def test_stale_source_exports_service_metrics_only():
             "kvledger_snapshot_age_seconds",
             "kvledger_snapshot_epoch",
             "kvledger_publish_interval_seconds",
+            "kvledger_publish_errors_total",
             "kvledger_build_info",
             "kvledger_sources_unreadable",
+            "kvledger_snapshot_dir_usable",
             "kvledger_source_errors_total",
         }
         up = [v for name, _, v in _samples(build_families(Scan((stale,)))) if name == "kvledger_up"]

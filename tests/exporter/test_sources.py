@@ -267,17 +267,25 @@ def test_an_existing_bad_directory_is_refused_at_once(tmp_path):
         Sources(tmp_path)
 
 
-def test_a_directory_replaced_later_serves_nothing_and_says_why(tmp_path):
+def test_a_directory_replaced_later_keeps_its_sources_listed_down_and_says_why(tmp_path):
     d = tmp_path / "snap"
     with Publisher(Ledger({"tp_rank": "0"}), d, interval=1000) as pub:
         src = Sources(d)
-        assert len(src.read().views) == 1
+        assert len(src.read().views) == 1 and src.read().files.directory_problem is None
         os.rename(d, tmp_path / "old")
         d.mkdir()
         os.chmod(d, 0o777)
         scan = src.read()
-        assert scan.views == ()
+        (view,) = scan.views  # still listed, down, with the directory's problem
+        assert not view.up and view.stale_reason is not None
+        assert view.stale_reason.startswith("snapshot directory not usable: ")
+        assert "writable by others" in view.stale_reason
         assert "writable by others" in scan.files.problems[0].detail
+        assert scan.files.directory_problem is not None
+        os.rmdir(d)
+        os.rename(tmp_path / "old", d)
+        (view,) = src.read().views
+        assert view.up
         pub.close()
     src.close()
     src.close()
@@ -327,3 +335,24 @@ def test_an_in_process_ledger_whose_snapshot_fails_is_left_out_named_and_counted
         assert scan.source_errors == {"snapshot": 3}
         lines = [r for r in caplog.records if "source bad left out" in r.getMessage()]
         assert len(lines) == 1 and "device gone" in lines[0].getMessage()  # rate-limited
+
+
+def test_a_background_scan_failing_every_time_logs_once_a_minute(tmp_path, caplog, monkeypatch):
+    """EMFILE on every scan (0.01 s apart): one line with the traceback, not fifty."""
+    import errno
+    import logging
+
+    src = Sources(tmp_path)
+    assert src.files is not None
+
+    def emfile(now: float) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(src.files, "scan", emfile)
+    with caplog.at_level(logging.ERROR, logger="exporter.sources"):
+        src.start_scanning(0.01)
+        time.sleep(0.5)
+        src.close()
+    lines = [r for r in caplog.records if "background scan" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert "Too many open files" in lines[0].getMessage() and lines[0].exc_info

@@ -436,3 +436,104 @@ def test_a_crashed_engine_is_down_until_its_restart_replaces_it(rig):
     finally:
         stop(first)
     wait_until(lambda: name2 not in up(), 10, "a clean stop removes its own file")
+
+
+# -- files that pass the schema but lie (a trusted writer: same user, root, the group) --------
+
+
+def _lying(rig: Rig, name: str, change: Callable[[dict], None]) -> bytes:
+    """The demo's file under `name` with its own engine labels, `change` applied to the
+    first line's snapshot, and the totals summed again from the families (so only the
+    relation `change` breaks can give it away)."""
+    envelope, rows = _demo_file(rig)
+    snap = json.loads(json.dumps(envelope["snapshot"]))
+    snap["labels"] = {**snap["labels"], "model_name": name.removesuffix(".json")}
+    change(snap)
+    for figure in snap["totals"]:
+        snap["totals"][figure] = sum(f[figure] for f in snap["families"])
+    envelope = {**envelope, "source": name.removesuffix(".json"), "snapshot": snap}
+    return json.dumps(envelope).encode() + b"\n" + rows
+
+
+def _huge(snap: dict) -> None:
+    for fam in snap["families"]:
+        fam["reserved_bytes"] = fam["physical_bytes"] = fam["mapped_bytes"] = 1 << 59
+
+
+def _occupied_without_slots(snap: dict) -> None:
+    fam = next(f for f in snap["families"] if f["owner"] == "vmm")
+    for a in snap["accounts"]:
+        if (a["family"], a["owner"]) == (fam["family"], fam["owner"]):
+            a["occupied_slots"] = 0
+    fam["occupied_slots"] = 0
+    fam["occupied_bytes"] = max(1, fam["mapped_bytes"] // 2)
+
+
+def _partial_page(snap: dict) -> None:
+    fam = next(f for f in snap["families"] if f["owner"] == "vmm")
+    fam["physical_bytes"] += 1
+
+
+def _many_families(snap: dict) -> None:
+    zero = {k: 0 for k in snap["totals"]}
+    snap["families"] += [
+        {"family": f"lie{i}", "owner": "torch", **zero} for i in range(4096 - len(snap["families"]))
+    ]
+
+
+LIES: dict[str, tuple[Callable[[dict], None], str]] = {
+    "huge_headline": (_huge, "over the 1125899906842624 one source can hold"),
+    "occupied_bytes_without_slots": (_occupied_without_slots, "(occupied_slots x slot_bytes)"),
+    "partial_pages": (_partial_page, "not a whole number of pages"),
+    "4096_families": (_many_families, "expected at most 64"),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+def test_a_first_line_that_lies_is_refused_with_the_reason(rig, lie):
+    change, detail = LIES[lie]
+    name = f"lie-{lie.replace('_', '-')}.json"
+    before = rig.sequences()
+    path = _plant(rig, name, _lying(rig, name, change))
+    try:
+        wait_until(lambda: rig.refused().get(name) == "schema", 10, f"{lie} refused")
+        (problem,) = [p for p in rig.debug()["files_not_served"] if p["name"] == name]
+        assert detail in problem["detail"], problem
+        wait_until(
+            lambda: all(rig.sequences().get(k, -1) > v for k, v in before.items()),
+            10,
+            "both good sources published again",
+        )
+        heads = rig.headlines()
+        assert set(heads) == {GOOD, DEMO} and heads[DEMO] < 1.0
+    finally:
+        path.unlink()
+
+
+def test_an_interval_is_believed_only_up_to_the_maximum(rig):
+    """A file claiming a 3600 s interval, silent for 5 minutes, its pid on another host (so
+    only the heartbeat can tell): down after 3 x 60 s + 1 s, not up for 3 hours."""
+    name = "slow.json"
+    envelope, rows = _demo_file(rig)
+    snap = {**envelope["snapshot"], "labels": {"model_name": "slow-model", "tp_rank": "0"}}
+    old = time.time() - 300
+    data = json.dumps(
+        {
+            **envelope,
+            "source": "slow",
+            "host": "elsewhere",
+            "interval": 3600.0,
+            "published_at": old,
+            "snapshot": {**snap, "taken_at": old},
+        }
+    ).encode()
+    path = _plant(rig, name, data + b"\n" + rows)
+    try:
+        views = lambda: {s["source"]: s for s in rig.debug()["sources"]}  # noqa: E731
+        wait_until(lambda: "slow" in views(), 10, "the slow file is read")
+        slow = views()["slow"]
+        assert not slow["up"] and "over the bound of 181.0 s" in slow["stale_reason"], slow
+        assert slow["interval_seconds"] == 3600.0
+        assert "slow-model" not in rig.headlines()
+    finally:
+        path.unlink()

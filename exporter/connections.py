@@ -1,0 +1,270 @@
+"""Connection limits for `kvledger serve`: what a local client may hold, and for how long.
+
+uvicorn's own settings do most of it, and are used where they exist:
+`h11_max_incomplete_event_size` caps a request's head (request line and headers),
+`limit_concurrency` answers 503 when too many requests are in flight,
+`timeout_keep_alive` closes a kept-alive connection that sends nothing more, and
+`backlog` bounds how many connections the kernel queues for one accept. What
+uvicorn has no setting for is done here, in `guarded_protocol` (a subclass of
+uvicorn's h11 protocol, the one foreign API this module speaks):
+
+- a request head not complete within `request_timeout` seconds of the connection
+  (or of the previous response) closes the connection, however slowly its bytes
+  come; a client sending one byte at a time is closed like one sending nothing;
+- at most `max_connections` connections are held, a number kept below the process's
+  file-descriptor limit (`fd_budget`), so accepting a connection never fails with
+  EMFILE and nothing else in the process (the directory scan) runs out of
+  descriptors. A connection past the cap closes the one that has waited longest
+  without a complete request (an idle client gives way to a scraper that sends its
+  request at once); when every held connection is being answered, the new one is
+  refused with 503 and closed. A client over a cap is refused, never served late;
+- a request with more than `max_headers` header fields is answered 431 and closed.
+
+`ConnectionGuard` counts what it closed, by reason (`CLOSE_REASONS`; `bad_request`: a
+malformed request or a head over the size cap, answered 400 by uvicorn), for
+`kvledger_connections_closed_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+CLOSE_REASONS = ("request_timeout", "evicted", "refused", "too_many_headers", "bad_request")
+
+DEFAULT_HEADER_BYTES = 16 * 1024  # h11's own default; node's and Go's are 16 KiB and 1 MiB
+DEFAULT_MAX_HEADERS = 100  # as node's http server
+DEFAULT_REQUEST_TIMEOUT_S = 10.0
+DEFAULT_KEEP_ALIVE_S = 5  # uvicorn's default
+DEFAULT_MAX_CONNECTIONS = 1024
+BACKLOG = 64  # connections the kernel queues; also the most one accept round takes
+# Descriptors kept free for everything but client connections: the directory scan's
+# reads, worker threads, the log, the demo's files. Beyond the ones open at start.
+FD_RESERVE = 2 * BACKLOG + 128
+MIN_CONNECTIONS = 8
+LOG_EVERY_S = 60.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client may hold. `max_connections` counts open client connections."""
+
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_bytes: int = DEFAULT_HEADER_BYTES
+    max_headers: int = DEFAULT_MAX_HEADERS
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+    keep_alive: int = DEFAULT_KEEP_ALIVE_S
+
+    def __post_init__(self) -> None:
+        for name, lo in (
+            ("max_connections", 1),
+            ("header_bytes", 1024),
+            ("max_headers", 1),
+            ("keep_alive", 1),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+                raise ValueError(f"Limits: {name}={value!r}, expected an integer >= {lo}")
+        t = self.request_timeout
+        if not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"Limits: request_timeout={t!r}, expected seconds > 0")
+
+    def uvicorn_settings(self) -> dict[str, Any]:
+        """uvicorn.Config keyword arguments for these limits (with `guarded_protocol`)."""
+        return {
+            "h11_max_incomplete_event_size": self.header_bytes,
+            "timeout_keep_alive": self.keep_alive,
+            # In-flight requests; connections past max_connections are handled here first,
+            # so uvicorn's check (which counts connections too) only sees the few a burst of
+            # accepts holds before they are settled.
+            "limit_concurrency": self.max_connections + 2 * BACKLOG,
+            "backlog": BACKLOG,
+        }
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit where allowed; returns (soft, hard)
+    as they are afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft, hard
+
+
+def open_fds() -> int:
+    """Descriptors open in this process now (Linux /proc; a guess of 64 elsewhere)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 64
+
+
+def fd_budget(soft_limit: int, in_use: int) -> int:
+    """The most client connections that fit under `soft_limit` with `in_use` descriptors
+    open and FD_RESERVE kept free."""
+    if soft_limit == resource.RLIM_INFINITY:
+        soft_limit = 1 << 20
+    return soft_limit - in_use - FD_RESERVE
+
+
+class ConnectionGuard:
+    """The shared state of one server's connections: those waiting for a complete request
+    head, oldest first, and the counts of connections closed by reason."""
+
+    def __init__(self, limits: Limits, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.waiting: OrderedDict[Any, asyncio.TimerHandle] = OrderedDict()
+        self.closed: dict[str, int] = dict.fromkeys(CLOSE_REASONS, 0)
+        self.open = 0
+        self._clock = clock
+        self._logged = -LOG_EVERY_S
+
+    def count(self, reason: str) -> None:
+        """Count a connection closed for `reason`; one log line per LOG_EVERY_S at most."""
+        self.closed[reason] += 1
+        now = self._clock()
+        if now - self._logged >= LOG_EVERY_S:
+            self._logged = now
+            log.warning(
+                "closed a client connection (%s); closed so far: %s (next line in %g s at most)",
+                reason,
+                ", ".join(f"{k} {v}" for k, v in self.closed.items() if v),
+                LOG_EVERY_S,
+            )
+
+
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\ncontent-length: 21\r\n\r\ntoo many connections\n"
+)
+_TOO_MANY_HEADERS = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8"
+    b"\r\nconnection: close\r\ncontent-length: 18\r\n\r\ntoo many headers.\n"
+)
+
+
+def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
+    """uvicorn's h11 protocol held to `guard`'s limits (pass as `uvicorn.Config(http=...)`,
+    with `guard.limits.uvicorn_settings()`)."""
+    limits = guard.limits
+    waiting = guard.waiting
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            guard.open += 1
+            self._arm()
+            if guard.open > limits.max_connections:
+                victim = next((c for c in waiting if c is not self), None)
+                if victim is not None:
+                    victim._drop("evicted")
+                else:
+                    self._disarm()
+                    transport.write(_REFUSED)
+                    transport.close()
+                    guard.count("refused")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            guard.open -= 1
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:  # a request head came in: it is answered now
+                self._disarm()
+                if len(self.headers) > limits.max_headers and not self.transport.is_closing():
+                    # Its task has started; it finds the transport closed and sends nothing.
+                    self.cycle.disconnected = True
+                    self.transport.write(_TOO_MANY_HEADERS)
+                    self.transport.close()
+                    guard.count("too_many_headers")
+
+        def send_400_response(self, msg: str) -> None:
+            # A malformed request, or a head over --max-header-bytes (h11's cap).
+            self._disarm()
+            super().send_400_response(msg)
+            guard.count("bad_request")
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and (
+                self.cycle is None or self.cycle.response_complete
+            ):
+                self._arm()  # the next request's head must come in time too
+
+        def _arm(self) -> None:
+            self._disarm()
+            waiting[self] = self.loop.call_later(
+                limits.request_timeout, self._drop, "request_timeout"
+            )
+
+        def _disarm(self) -> None:
+            timer = waiting.pop(self, None)
+            if timer is not None:
+                timer.cancel()
+
+        def _drop(self, reason: str) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                self.transport.abort()
+                guard.count(reason)
+
+    return GuardedH11Protocol
+
+
+def limits_from(
+    max_connections: int | None,
+    *,
+    header_bytes: int,
+    max_headers: int,
+    request_timeout: float,
+    keep_alive: int,
+    soft_limit: int,
+    in_use: int,
+    error: Callable[[str], Exception],
+) -> Limits:
+    """The Limits for `kvledger serve`'s flags: `max_connections` None means as many as
+    the descriptors allow, at most DEFAULT_MAX_CONNECTIONS; an explicit number over what
+    they allow raises `error(one line)`."""
+    budget = fd_budget(soft_limit, in_use)
+    if max_connections is None:
+        n = min(DEFAULT_MAX_CONNECTIONS, budget)
+        if n < MIN_CONNECTIONS:
+            raise error(
+                f"file-descriptor limit {soft_limit} with {in_use} in use leaves {budget} "
+                f"for client connections; expected at least {MIN_CONNECTIONS} "
+                "(raise `ulimit -n`)"
+            )
+    else:
+        if max_connections > budget:
+            raise error(
+                f"--max-connections {max_connections}: over what the file-descriptor limit "
+                f"allows (soft limit {soft_limit}, {in_use} in use, {FD_RESERVE} kept free); "
+                f"expected at most {budget}"
+            )
+        n = max_connections
+    return Limits(
+        max_connections=n,
+        header_bytes=header_bytes,
+        max_headers=max_headers,
+        request_timeout=request_timeout,
+        keep_alive=keep_alive,
+    )

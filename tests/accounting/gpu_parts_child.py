@@ -138,7 +138,7 @@ def main() -> None:
 
     check(driver.cuInit(0), "cuInit")
     ctx = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if not int(ctx):  # torch's primary context, made current on this thread
+    if not int(ctx):  # type: ignore[call-overload]  # torch's primary context, current here
         dev = check(driver.cuDeviceGet(torch.cuda.current_device()), "cuDeviceGet")
         ctx = check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="attr-defined"
 """Holders (accounting.figures.Held): occupied slots split by who holds them, disjoint, adding
 up to occupied_slots in the ledger, in a snapshot, and in a published file read back."""
 

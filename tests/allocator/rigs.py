@@ -133,6 +133,9 @@ class FailingBackend:
         self._count("create")
         return int(self.inner.create(size))
 
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
     def release(self, handle: int) -> None:
         self._count("release")
         self.inner.release(handle)

@@ -55,7 +55,7 @@ def _joins() -> list[str]:
     text = DOCS.read_text(encoding="utf-8").split("## Joining dcgm-exporter", 1)[1]
     block = re.search(r"```promql\n(.*?)```", text, re.S)
     assert block, "docs/metrics.md: no PromQL block under 'Joining dcgm-exporter'"
-    queries, current = [], []
+    queries, current = [], []  # type: ignore[var-annotated]
     for line in block.group(1).splitlines():
         if line.startswith("#") or not line.strip():
             if current:

@@ -76,7 +76,7 @@ def test_missing_parents_are_created_0755_whatever_the_umask(tmp_path):
     snap = tmp_path / "a" / "b" / "snap"
     server = ServeProcess(
         ["--port", "0", "--no-demo", "--snapshot-dir", str(snap)],
-        preexec_fn=lambda: os.umask(0),
+        preexec_fn=lambda: os.umask(0),  # type: ignore[arg-type]
     )
     try:
         for d in (tmp_path / "a", tmp_path / "a" / "b"):

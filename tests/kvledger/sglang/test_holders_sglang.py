@@ -1,3 +1,4 @@
+# mypy: disable-error-code="union-attr"
 """Holders read from SGLang 0.5.23's real tree cache, allocator and request pool (marker `sglang`).
 
 A trace of requests sharing prefixes runs through SGLang's UnifiedRadixCache over its

@@ -224,7 +224,7 @@ def _shape(ratios: Ratios) -> Dsv4Shape:
     if ratios == V41:
         return v41()
     s = flash()
-    return s if ratios is None else s.with_ratios(ratios)
+    return s if ratios is None else s.with_ratios(ratios)  # type: ignore[arg-type]
 
 
 def _case(ratios: Ratios, knobs: Knobs, size: dict[str, int], build: bool) -> dict[str, Any]:

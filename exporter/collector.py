@@ -431,36 +431,37 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
 _V = m.VLLM_PREFIX
 
 
+# The series of a vLLM source, each the attribute of exporter.vllm's view it is read from:
+# a worker's storage and each group's bytes, an engine core's blocks and each group's slots.
+_VLLM_WORKER = ("physical_bytes", "blocks", "block_bytes")
+_VLLM_WORKER_NAMES = ("kv_cache_physical_bytes", "kv_cache_blocks", "kv_block_bytes")
+_VLLM_WORKER_GROUP = (
+    "tensor_bytes", "reserved_bytes", "physical_bytes", "slot_bytes", "block_size", "layers"
+)  # fmt: skip
+_VLLM_ENGINE = ("blocks", "occupied_blocks", "evictable_blocks", "free_blocks")
+_VLLM_ENGINE_GROUP = ("capacity_slots", "occupied_slots", "evictable_slots", "free_slots")
+
+
 def _add_vllm_series(fam: _SeriesSet, v: SourceView, role: str) -> None:
     """A vLLM source's series (exporter.vllm): a worker's bytes, an engine core's blocks,
     under vLLM's labels; none of SGLang's names."""
+    names: tuple[str, ...]
+    fields: tuple[str, ...]
+    group_fields: tuple[str, ...]
     if role == vllm.WORKER:
-        w = vllm.worker_of(v.published)
+        view: Any = vllm.worker_of(v.published)
         labels = vllm.worker_labels(v.summary.labels)
-        fam.add(_V + "kv_cache_physical_bytes", labels, w.physical_bytes)
-        fam.add(_V + "kv_cache_blocks", labels, w.blocks)
-        fam.add(_V + "kv_block_bytes", labels, w.block_bytes)
-        for wg in w.groups:
-            gl = {**labels, "group": str(wg.group), "kind": wg.kind}
-            fam.add(_V + "group_tensor_bytes", gl, wg.tensor_bytes)
-            fam.add(_V + "group_reserved_bytes", gl, wg.reserved_bytes)
-            fam.add(_V + "group_physical_bytes", gl, wg.physical_bytes)
-            fam.add(_V + "group_slot_bytes", gl, wg.slot_bytes)
-            fam.add(_V + "group_block_size", gl, wg.block_size)
-            fam.add(_V + "group_layers", gl, wg.layers)
-        return
-    e = vllm.engine_view(v.summary)
-    labels = vllm.engine_labels(v.summary.labels)
-    fam.add(_V + "blocks", labels, e.blocks)
-    fam.add(_V + "occupied_blocks", labels, e.occupied_blocks)
-    fam.add(_V + "evictable_blocks", labels, e.evictable_blocks)
-    fam.add(_V + "free_blocks", labels, e.free_blocks)
-    for g in e.groups:
+        names, fields, group_fields = _VLLM_WORKER_NAMES, _VLLM_WORKER, _VLLM_WORKER_GROUP
+    else:
+        view = vllm.engine_view(v.summary)
+        labels = vllm.engine_labels(v.summary.labels)
+        names, fields, group_fields = _VLLM_ENGINE, _VLLM_ENGINE, _VLLM_ENGINE_GROUP
+    for name, field in zip(names, fields, strict=True):
+        fam.add(_V + name, labels, getattr(view, field))
+    for g in view.groups:
         gl = {**labels, "group": str(g.group), "kind": g.kind}
-        fam.add(_V + "group_capacity_slots", gl, g.capacity_slots)
-        fam.add(_V + "group_occupied_slots", gl, g.occupied_slots)
-        fam.add(_V + "group_evictable_slots", gl, g.evictable_slots)
-        fam.add(_V + "group_free_slots", gl, g.free_slots)
+        for field in group_fields:
+            fam.add(_V + "group_" + field, gl, getattr(g, field))
 
 
 def _add_histogram(

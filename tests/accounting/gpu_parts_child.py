@@ -64,6 +64,14 @@ def check(rc: object, what: str) -> object:
     return rc[1] if isinstance(rc, tuple) and len(rc) > 1 else None
 
 
+def _segments() -> list[tuple[int, int, str, int]]:
+    """(address, size, pool id, stream) of every segment torch's caching allocator holds."""
+    return [
+        (s["address"], s["total_size"], str(s.get("segment_pool_id")), s["stream"])
+        for s in torch.cuda.memory_snapshot()
+    ]
+
+
 def main() -> None:
     torch.ones(1, device=DEV).add_(1).item()  # the context and torch's first kernel
     model = TiedMLP().to(DEV).eval()
@@ -121,18 +129,34 @@ def main() -> None:
             model(tokens)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    # The capture's stream gets a small-block segment of the default pool before the
+    # measure: capture_begin allocates the generator's graph-safe seed and offset tensors
+    # (a few bytes, outside the capture) on the capture stream, and the caching allocator
+    # keeps blocks per stream, so without this they would open a 2 MiB segment of the
+    # default pool during the capture (live bytes and slack, not the graph's pool) and the
+    # reserved growth would over-count the pool by that segment.
+    capture = torch.cuda.Stream()
+    with torch.cuda.stream(capture):
+        keep = torch.empty(1, device=DEV)
     # torch.cuda.graph() empties the cache on entry (gc.collect(); empty_cache()): do it
     # first, so that the growth of reserved bytes across the capture is the graph's pool
     gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(0)
+    segments_before = _segments()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
+    with torch.cuda.graph(graph, stream=capture), torch.no_grad():
         out = model(tokens)
     torch.cuda.synchronize()
     graph_pool = torch.cuda.memory_reserved(0) - before
+    new_segments = sorted(set(_segments()) - set(segments_before))  # said, not asserted
     graph.replay()
-    step("graph", graph_pool=graph_pool, out_bytes=out.numel() * out.element_size())
+    step(
+        "graph",
+        graph_pool=graph_pool,
+        out_bytes=out.numel() * out.element_size(),
+        new_segments=new_segments,
+    )
     named = truth.rebaseline(ledger.snapshot(reconcile=False), "after CUDA graph capture")
     step("rebaselined", named=named)
 
@@ -161,7 +185,7 @@ def main() -> None:
     step("second process gone")
     check(driver.cuMemFree(ptr), "cuMemFree")
     step("cuMemFree")
-    del graph, out
+    del graph, out, keep
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     step("graph released")

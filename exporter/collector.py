@@ -20,10 +20,11 @@ logged by name and counted (`exporter.failures`); the other sources are served.
 from __future__ import annotations
 
 import logging
+import operator
 import platform
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -81,6 +82,18 @@ class _SeriesSet(Protocol):
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None: ...
 
+    def add_row(
+        self, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
+    ) -> None:
+        """One series of each metric in `names`, all under `labels`, valued `values`."""
+
+
+def _add_each(
+    fam: _SeriesSet, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
+) -> None:
+    for name, value in zip(names, values, strict=True):
+        fam.add(name, labels, value)
+
 
 class _MetricFamilies:
     """A whole scrape as prometheus-client Metric families, one per table entry (collect())."""
@@ -92,6 +105,11 @@ class _MetricFamilies:
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
         self._by_name[name].samples.append(Sample(sample or name, labels, float(value), None, None))
+
+    def add_row(
+        self, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
+    ) -> None:
+        _add_each(self, names, labels, values)
 
     def extend(self, series: dict[str, list[Any]]) -> None:
         for name, samples in series.items():
@@ -114,6 +132,11 @@ class _SourceSeries:
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
         raise NotImplementedError
+
+    def add_row(
+        self, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
+    ) -> None:
+        _add_each(self, names, labels, values)
 
     def done(self) -> None:
         """Called once every series was added."""
@@ -167,13 +190,23 @@ class _SampleLines(_SourceSeries):
 
 
 _EXACT = 2**53  # ints below this are written as they are (exposition.number)
-Shape = list[tuple[str, "str | None", dict[str, str]]]  # (metric, sample name, labels) per series
-Layout = tuple[list[str], tuple[tuple[str, list[int]], ...]]  # line prefixes, indices per metric
+# What was added, in order: (metric names, sample name of a lone metric or None, labels).
+Shape = list[tuple[tuple[str, ...], "str | None", dict[str, str]]]
+
+
+class Layout(NamedTuple):
+    """How a shape's values become lines: the series ordered by metric (each metric's in the
+    order added), their line prefixes (name and label string) in that order, `pick` taking
+    the values into it, and each metric's span of the lines."""
+
+    prefixes: list[str]
+    pick: Callable[[Sequence[float]], Sequence[float]]
+    spans: tuple[tuple[str, int, int], ...]
 
 
 class _LayoutLines(_SourceSeries):
     """One source's engine series as sample lines (render()), in two steps: while
-    `_add_engine_series` adds them, each series' name and labels (the shape) and its value
+    `_add_engine_series` adds them, each row's names and labels (the shape) and its values
     are recorded; at `done()` each line is its prefix (name and label string, the layout)
     and its value. The layout is written once and reused while the shape is the one of the
     source's previous snapshot, the usual case (a new snapshot of a rank changes values,
@@ -187,13 +220,21 @@ class _LayoutLines(_SourceSeries):
         self._previous = previous if isinstance(previous, _LayoutLines) else None
         self.shape: Shape = []
         self._values: list[float] = []
-        self.layout: Layout = ([], ())
+        self.layout = _NO_LAYOUT
 
     def add(
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
     ) -> None:
-        self.shape.append((name, sample, labels))
+        self.shape.append(((name,), sample, labels))
         self._values.append(value)
+
+    def add_row(
+        self, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
+    ) -> None:
+        if len(names) != len(values):
+            raise ValueError(f"{names[:1]}...: {len(values)} values for {len(names)} metrics")
+        self.shape.append((names, None, labels))
+        self._values.extend(values)
 
     def done(self) -> None:
         previous, self._previous = self._previous, None
@@ -201,22 +242,41 @@ class _LayoutLines(_SourceSeries):
             self.layout = previous.layout
         else:
             self.layout = _layout(self.shape, self._label_str)
-        prefixes, groups = self.layout
+        prefixes, pick, spans = self.layout
         # Most values are small ints, written as str() writes them (number() says the same).
         lines = [
             f"{p}{v}\n" if type(v) is int and -_EXACT < v < _EXACT else f"{p}{number(v)}\n"
-            for p, v in zip(prefixes, self._values, strict=True)
+            for p, v in zip(prefixes, pick(self._values), strict=True)
         ]
         self._values = []
-        self.by_name = {name: [lines[i] for i in where] for name, where in groups}
+        self.by_name = {name: lines[start:end] for name, start, end in spans}
 
 
 def _layout(shape: Shape, label_str: LabelMemo) -> Layout:
-    prefixes = [f"{sample or name}{label_str(labels)} " for name, sample, labels in shape]
-    groups: dict[str, list[int]] = {}
-    for i, (name, _, _) in enumerate(shape):
-        groups.setdefault(name, []).append(i)
-    return prefixes, tuple(groups.items())
+    by_metric: dict[str, list[int]] = {}
+    series: list[str] = []  # each series' line prefix, in the order added
+    for names, sample, labels in shape:
+        text = label_str(labels)
+        for name in names:
+            by_metric.setdefault(name, []).append(len(series))
+            series.append(f"{sample or name}{text} ")
+    order = [i for where in by_metric.values() for i in where]
+    spans, start = [], 0
+    for name, where in by_metric.items():
+        spans.append((name, start, start + len(where)))
+        start += len(where)
+    # zero or one series: already in order (an itemgetter of one index returns no tuple)
+    pick: Callable[[Sequence[float]], Sequence[float]] = (
+        operator.itemgetter(*order) if len(order) > 1 else _as_is
+    )
+    return Layout([series[i] for i in order], pick, tuple(spans))
+
+
+def _as_is(values: Sequence[float]) -> Sequence[float]:
+    return values
+
+
+_NO_LAYOUT = Layout([], _as_is, ())
 
 
 EngineCache = dict[str, tuple[Published, _SourceSeries]]
@@ -348,6 +408,34 @@ def _service_values(v: SourceView) -> tuple[dict[str, str], tuple[float, ...]]:
     return labels, (1 if v.up else 0, v.age_seconds, v.summary.epoch, v.published.interval)
 
 
+# Series written a row at a time: the metrics of one label set, each read from the
+# attribute of the same place.
+_HELD_METRICS = (m.HELD_SLOTS, m.HELD_BYTES)
+_EVICTED = {
+    "sglang:kv_cache_evicted_slots_total": "evicted_slots_total",
+    "sglang:kv_cache_evicted_bytes_total": "evicted_bytes_total",
+    "sglang:kv_cache_window_evicted_slots_total": "window_evicted_slots_total",
+    "sglang:kv_cache_window_evicted_bytes_total": "window_evicted_bytes_total",
+}
+_EVICTED_METRICS = tuple(_EVICTED)
+_evicted_values = operator.attrgetter(*_EVICTED.values())
+_TP_METRICS = tuple(f"kvledger_tp_{key}" for key in TP_COUNTERS)
+_tp_values = operator.attrgetter(*TP_COUNTERS)
+_VMM_ACCOUNT = {
+    "kvledger_pages_mapped_total": "pages_mapped_total",
+    "kvledger_pages_unmapped_total": "pages_unmapped_total",
+    "kvledger_map_calls_total": "map_calls",
+    "kvledger_map_seconds_total": "map_seconds_total",
+    "kvledger_unmap_seconds_total": "unmap_seconds_total",
+    "kvledger_allocator_failures_total": "driver_failures_total",
+    "kvledger_handle_pages": "handle_pages",
+    "kvledger_mapped_pages": "mapped_pages",
+    "kvledger_peak_handle_pages": "peak_handle_pages",
+}
+_VMM_ACCOUNT_METRICS = tuple(_VMM_ACCOUNT)
+_vmm_account_values = operator.attrgetter(*_VMM_ACCOUNT.values())
+
+
 def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     s = v.summary
@@ -360,24 +448,14 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     fam.add(m.HEADLINE, eng, s.totals.physical_bytes / GIB)
     for row in sorted(s.families, key=lambda r: (r.family, r.owner.value)):
         labels = {**eng, "family": row.family, "owner": row.owner.value}
-        for metric, value in zip(_FIGURE_METRICS, row.figures.values(), strict=True):
-            fam.add(metric, labels, value)
+        fam.add_row(_FIGURE_METRICS, labels, row.figures.values())
     for held in s.holders:
         labels = {**eng, "family": held.family, "owner": held.owner.value}
         for holder, slots, nbytes in zip(
             HOLDER_NAMES, held.slots.values(), held.bytes.values(), strict=True
         ):
-            hl = {**labels, "holder": holder}
-            fam.add(m.HELD_SLOTS, hl, slots)
-            fam.add(m.HELD_BYTES, hl, nbytes)
-        fam.add("sglang:kv_cache_evicted_slots_total", labels, held.evicted_slots_total)
-        fam.add("sglang:kv_cache_evicted_bytes_total", labels, held.evicted_bytes_total)
-        fam.add(
-            "sglang:kv_cache_window_evicted_slots_total", labels, held.window_evicted_slots_total
-        )
-        fam.add(
-            "sglang:kv_cache_window_evicted_bytes_total", labels, held.window_evicted_bytes_total
-        )
+            fam.add_row(_HELD_METRICS, {**labels, "holder": holder}, (slots, nbytes))
+        fam.add_row(_EVICTED_METRICS, labels, _evicted_values(held))
     engine = s.engine
     if engine is not None:
         fam.add("sglang:kv_cache_retracted_requests_total", eng, engine.retracted_requests_total)
@@ -392,8 +470,7 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     fam.add("kvledger_relation_violations", eng, len(s.violations))
     tp = s.tp
     if tp is not None:
-        for key in TP_COUNTERS:
-            fam.add(f"kvledger_tp_{key}", eng, getattr(tp, key))
+        fam.add_row(_TP_METRICS, eng, _tp_values(tp))
     for r in s.reconciliation:
         labels = {**eng, "truth": r.source}
         fam.add("kvledger_truth_available", labels, 1 if r.available else 0)
@@ -412,15 +489,7 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         fam.add("kvledger_peak_occupied_slots", labels, acc.peak_occupied_slots)
         if acc.owner is not Owner.VMM:
             continue
-        fam.add("kvledger_pages_mapped_total", labels, acc.pages_mapped_total)
-        fam.add("kvledger_pages_unmapped_total", labels, acc.pages_unmapped_total)
-        fam.add("kvledger_map_calls_total", labels, acc.map_calls)
-        fam.add("kvledger_map_seconds_total", labels, acc.map_seconds_total)
-        fam.add("kvledger_unmap_seconds_total", labels, acc.unmap_seconds_total)
-        fam.add("kvledger_allocator_failures_total", labels, acc.driver_failures_total)
-        fam.add("kvledger_handle_pages", labels, acc.handle_pages)
-        fam.add("kvledger_mapped_pages", labels, acc.mapped_pages)
-        fam.add("kvledger_peak_handle_pages", labels, acc.peak_handle_pages)
+        fam.add_row(_VMM_ACCOUNT_METRICS, labels, _vmm_account_values(acc))
         # Each page id observes its operation's seconds / page ids: the observations add up
         # to map_seconds_total (accounting.ledger.MAP_SECONDS_BUCKETS).
         _add_histogram(

@@ -18,7 +18,7 @@ deeper than the schema is a "schema" refusal.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.figures import Figures
@@ -49,18 +49,25 @@ class Head:
 
     envelope: Envelope
     summary: Summary
-    rows: bytes  # the second line, unparsed
+    data: bytes = field(repr=False)  # the whole file
+    end: int = 0  # where the first line ends (its newline) in `data`
+
+    @property
+    def rows(self) -> bytes:
+        """The second line, unparsed (cut from the file's bytes when asked: a scrape never
+        asks, so a new version of a file costs no copy of its buffer rows)."""
+        return self.data[self.end + 1 :]
 
 
 def load(data: bytes, name: str, now: float) -> Head:
     """The checked first line of file `name`'s bytes; the buffer rows are kept unparsed."""
-    head, sep, rest = data.partition(b"\n")
-    if not sep:
+    end = data.find(b"\n")
+    if end < 0:
         raise Refused("parse", "one line; expected the envelope, a newline, the buffer rows")
-    env = as_dict(parse_json(head), "envelope")
+    env = as_dict(parse_json(data[:end]), "envelope")
     envelope = _envelope(env, name, now)
     snap = as_dict(get_field(env, "snapshot", "envelope"), "snapshot")
-    return Head(envelope, _summary(snap, now), rest)
+    return Head(envelope, _summary(snap, now), data, end)
 
 
 def _envelope(env: dict[str, Any], name: str, now: float) -> Envelope:

@@ -14,6 +14,7 @@ reconciliation result.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from accounting.buffers import Owner
 from accounting.engine_state import EngineState
 from accounting.figures import Figures, Held
+from accounting.records import record_maker
 from accounting.relations import Violation
 from accounting.snapshot import AccountRow, Snapshot
 from accounting.tp_status import TpStatus
@@ -51,25 +53,43 @@ class FamilyHeld:
     window_evicted_bytes_total: int = 0
 
 
+_held_counts = operator.attrgetter(
+    "held_tree_protected",
+    "held_tree_evictable",
+    "held_request_only",
+    "held_unattributed",
+    "evicted_slots_total",
+    "window_evicted_slots_total",
+)
+_make_held = record_maker(Held)
+_make_family_held = record_maker(FamilyHeld)
+
+
 def family_held(accounts: Iterable[AccountRow]) -> tuple[FamilyHeld, ...]:
-    """The holders per (family, owner) of `accounts`, sorted."""
-    rows: dict[tuple[str, Owner], list[AccountRow]] = {}
+    """The holders per (family, owner) of `accounts`, sorted. Built on every new version of
+    a file, so summed as plain columns: per account its four holders' slots and its two
+    eviction counters, then each of those times the account's slot_bytes."""
+    sums: dict[tuple[str, Owner], tuple[int, ...]] = {}
     for a in accounts:
-        rows.setdefault((a.family, a.owner), []).append(a)
+        counts = _held_counts(a)
+        per = a.slot_bytes
+        row = (*counts, *[c * per for c in counts])
+        key = (a.family, a.owner)
+        s = sums.get(key)
+        sums[key] = row if s is None else tuple(map(operator.add, s, row))
     out = []
-    for (family, owner), accs in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
+    for (family, owner), row in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
+        p, e, r, u, evicted, window, p_b, e_b, r_b, u_b, evicted_b, window_b = row
         out.append(
-            FamilyHeld(
+            _make_family_held(
                 family,
                 owner,
-                slots=Held.sum(a.held for a in accs),
-                bytes=Held.sum(a.held.times(a.slot_bytes) for a in accs),
-                evicted_slots_total=sum(a.evicted_slots_total for a in accs),
-                evicted_bytes_total=sum(a.evicted_slots_total * a.slot_bytes for a in accs),
-                window_evicted_slots_total=sum(a.window_evicted_slots_total for a in accs),
-                window_evicted_bytes_total=sum(
-                    a.window_evicted_slots_total * a.slot_bytes for a in accs
-                ),
+                _make_held(p, e, r, u),
+                _make_held(p_b, e_b, r_b, u_b),
+                evicted,
+                evicted_b,
+                window,
+                window_b,
             )
         )
     return tuple(out)

@@ -14,7 +14,9 @@ evictable and protected tokens (`full_evictable_size`, `full_protected_size`,
 inserts, locks and evicts; never a walk of the tree), the allocator's free counts
 (`full_available_size`, `swa_available_size`: a length and a product) and the
 request pool's (`available_size`). That is O(families); the per-request footprints add
-O(running requests), never O(tokens).
+O(running requests), never O(tokens) (`kvledger.sglang.footprints`: a few attribute reads
+and integer operations per request, the per-family split only for the `MAX_REQUESTS`
+listed). What a read costs: `kvledger bench sglang --part holders` (docs/benchmarks.md).
 
 Each family of the pool counts its slots in one of three spaces, converted from
 SGLang's tokens (`Units`): the full-token space (c4_kv and c4_indexer one row per 4

@@ -95,20 +95,47 @@ class EngineState:
         )
 
 
+@dataclass(frozen=True)
+class RequestBytes:
+    """Every running request's KV bytes as a distribution: how many (`running`), their sum
+    and per-bucket counts over `REQUEST_BYTES_BUCKETS` (the last past every bound)."""
+
+    running: int = 0
+    total: int = 0
+    counts: tuple[int, ...] = (0,) * (len(REQUEST_BYTES_BUCKETS) + 1)
+
+    @classmethod
+    def of(cls, per_request: Iterable[int]) -> RequestBytes:
+        counts = [0] * (len(REQUEST_BYTES_BUCKETS) + 1)
+        running = total = 0
+        for b in per_request:
+            counts[bisect.bisect_left(REQUEST_BYTES_BUCKETS, b)] += 1
+            running += 1
+            total += b
+        return cls(running, total, tuple(counts))
+
+
 def engine_state(
     *,
     holders_from: str,
     notes: Iterable[str] = (),
     retracted_requests_total: int = 0,
     requests: Iterable[RequestHeld] = (),
+    distribution: RequestBytes | None = None,
 ) -> EngineState:
-    """An EngineState from every running request's footprint: the distribution over all of
-    them, the largest `MAX_REQUESTS` listed; notes cut to their bounds."""
-    everyone = list(requests)
-    counts = [0] * (len(REQUEST_BYTES_BUCKETS) + 1)
-    for r in everyone:
-        counts[bisect.bisect_left(REQUEST_BYTES_BUCKETS, r.bytes)] += 1
-    top = sorted(everyone, key=lambda r: (-r.bytes, r.rid))[:MAX_REQUESTS]
+    """An EngineState from the running requests' footprints, the largest `MAX_REQUESTS`
+    listed; notes cut to their bounds. Without `distribution`, `requests` is every running
+    request and the distribution is theirs; with it (of every running request, taken by
+    the caller), `requests` need only hold those that may be listed (at least the
+    `MAX_REQUESTS` largest)."""
+    listed = list(requests)
+    dist = RequestBytes.of(r.bytes for r in listed) if distribution is None else distribution
+    if len(listed) > dist.running:
+        raise ValueError(
+            f"engine_state: {len(listed)} requests listed, expected at most the "
+            f"distribution's running={dist.running}"
+        )
+    top = sorted(listed, key=lambda r: (-r.bytes, r.rid))[:MAX_REQUESTS]
     top = [
         r
         if len(r.rid) <= MAX_RID and math.isfinite(r.age_seconds)
@@ -123,8 +150,8 @@ def engine_state(
         holders_from=holders_from,
         notes=tuple(n[:MAX_NOTE] for n in list(notes)[:MAX_NOTES]),
         retracted_requests_total=retracted_requests_total,
-        running_requests=len(everyone),
-        request_bytes_sum=sum(r.bytes for r in everyone),
-        request_bytes_counts=tuple(counts),
+        running_requests=dist.running,
+        request_bytes_sum=dist.total,
+        request_bytes_counts=dist.counts,
         requests=tuple(top),
     )

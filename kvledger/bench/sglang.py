@@ -53,6 +53,11 @@ row 0| - page ids mapped at the start (a lower bound for the rows SGLang chose).
 
 Allocations that waited on a driver call are read from `Bridge.stats()`
 (`waited_allocs`) when the bridge counts them; otherwise "n/a".
+
+`--part` picks what runs: `allocator` (the cases above), `holders` (what reading the
+holders costs beside SGLang's allocator work of a decode step, one engine with a
+UnifiedRadixCache: `kvledger.bench.sglang_holders`, `--holders-requests` running
+requests) or `all` (both, the default).
 """
 
 from __future__ import annotations
@@ -74,8 +79,25 @@ MAPS_SLACK = 1.10
 CI_WIDTH = 0.02
 
 
+PARTS = ("all", "allocator", "holders")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--part",
+        choices=PARTS,
+        default="all",
+        help="allocator: the four native/control/bridged cases; holders: what reading the "
+        "holders costs beside a decode step (kvledger.bench.sglang_holders); all: both (all)",
+    )
+    p.add_argument(
+        "--holders-requests", type=_positive, default=16, help="holders: running requests (16)"
+    )
+    p.add_argument("--holders-rounds", type=_positive, default=9, help="holders: rounds (9)")
+    p.add_argument(
+        "--holders-steps", type=_positive, default=20, help="holders: steps and reads per round"
+    )
     p.add_argument("--requests", type=_positive, default=256, help="running requests (256)")
     p.add_argument("--prompt", type=_positive, default=1000, help="prompt tokens (1000)")
     p.add_argument("--decode-tokens", type=_positive, default=256, help="decode tokens (256)")
@@ -183,13 +205,27 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    results = cases.run_all(
-        args,
-        threads=torch.get_num_threads(),
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
-    )
-    for line in report(results):
-        print(line)
+    results: dict[str, Any] = {}
+    if args.part in ("all", "allocator"):
+        results = cases.run_all(
+            args,
+            threads=torch.get_num_threads(),
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+        for line in report(results):
+            print(line)
+    if args.part in ("all", "holders"):
+        from kvledger.bench import sglang_holders
+
+        results["holders"] = sglang_holders.holders_cost(
+            layers=args.layers,
+            requests=args.holders_requests,
+            rounds=args.holders_rounds,
+            steps=args.holders_steps,
+            device=args.device,
+        )
+        for line in sglang_holders.report(results["holders"]):
+            print(line)
     if args.json:
         print(json.dumps(results, indent=2))
     gc.collect()

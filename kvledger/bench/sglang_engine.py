@@ -20,6 +20,7 @@ import sglang when called.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,9 +79,13 @@ class RequestKv:
         self._evicted[component_type] = length
 
 
+_RIDS = itertools.count()
+
+
 @dataclass
 class Request:
     kv: RequestKv = field(default_factory=RequestKv)
+    rid: str = field(default_factory=lambda: f"bench-{next(_RIDS)}")  # as SGLang's Req has
     seq_len: int = 0
     decoded: int = 0
 

@@ -1,6 +1,7 @@
 """What reading the holders costs against a decode step, on SGLang 0.5.23's own objects.
 
     .venv-sglang/bin/python -m kvledger.bench.sglang_holders [--device cuda] [--rounds 9]
+    .venv-sglang/bin/python -m kvledger bench sglang --part holders   # the same, in the bench
 
 Builds SGLang's DeepSeek-V4 pool, request pool and SWA allocator (`kvledger.bench.
 sglang_engine.Engine`) with a UnifiedRadixCache over them holding a shared prefix, admits
@@ -9,9 +10,17 @@ running request (SGLang's `alloc_decode`, the request-to-token writes, window ev
 and `steps` reads of the holders (`HolderReader.read`, what each snapshot runs first),
 interleaved so that what drifts between rounds hits both. Reported: the median, min and
 max of each over the rounds (per step, per read), and the per-round ratio read / step,
-its median, min and max and the number of rounds. The target is a ratio of at most 1 %
-(a read runs once per publish, a step many times a second, so the share of the engine's
-time is smaller still). torch is pinned to one intra-op thread.
+its median, min and max and the number of rounds, and the read's share of the engine's
+time at one read per publish interval (read / interval, per round: the plugin reads once
+per snapshot, every `KVLEDGER_PUBLISH_INTERVAL` seconds, 1 by default). torch is pinned to
+one intra-op thread.
+
+What the ratio is against: the step timed here is SGLang's allocator work of a decode
+step only, no model forward; a real decode step is that plus the forward (milliseconds on
+a GPU), which this bench does not run, so read / step here is an upper bound of read /
+real step, and the issue's target (<= 1 % of a decode step) is judged against that bound.
+The read's cost grows with the running requests (`kvledger.sglang.footprints`), never
+with tokens or the tree.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ import argparse
 import statistics
 import time
 from typing import Any
+
+from kvledger.sglang.switches import DEFAULT_PUBLISH_INTERVAL
 
 TARGET_RATIO = 0.01
 
@@ -35,8 +46,12 @@ def holders_cost(
     rounds: int = 9,
     steps: int = 20,
     device: str = "cpu",
+    publish_interval: float = DEFAULT_PUBLISH_INTERVAL,
 ) -> dict[str, Any]:
-    """Seconds per decode step and per holder read, and their per-round ratio."""
+    """Seconds per decode step and per holder read, their per-round ratio, and the read's
+    share of the engine's time at one read per `publish_interval` seconds."""
+    if not publish_interval > 0:
+        raise ValueError(f"publish_interval={publish_interval!r}, expected seconds > 0")
     import torch
 
     from accounting.ledger import Ledger
@@ -133,6 +148,8 @@ def holders_cost(
         "core_read": _stats(core_s),
         "ratio": _stats(ratios),
         "core_ratio": _stats(core_ratios),
+        "publish_interval": publish_interval,
+        "share": _stats([r / publish_interval for r in read_s]),
     }
 
 
@@ -143,24 +160,27 @@ def report(r: dict[str, Any]) -> list[str]:
             f"max {s['max'] * 1e6:9.1f}  ({s['n']} rounds)"
         )
 
-    q, c = r["ratio"], r["core_ratio"]
+    q, c, sh = r["ratio"], r["core_ratio"], r["share"]
     ok = q["median"] <= TARGET_RATIO
-    per_s = r["holder_read"]["median"]  # one read per publish, 1 s apart by default
     return [
         f"holders read vs decode step ({r['device']}, {r['layers']} layers, "
         f"{r['requests']} running requests, {r['steps_per_round']} of each per round, "
         "interleaved, torch 1 thread)",
-        f"  decode step  {us(r['decode_step'])}",
-        f"  holder read  {us(r['holder_read'])}  (holders and per-request footprints)",
-        f"  holders only {us(r['core_read'])}",
-        f"  holders only / step  median {c['median'] * 100:.3f} %  min {c['min'] * 100:.3f} %  "
-        f"max {c['max'] * 100:.3f} %",
-        f"  read / step  median {q['median'] * 100:.3f} %  min {q['min'] * 100:.3f} %  "
-        f"max {q['max'] * 100:.3f} %  ({q['n']} rounds)  target <= {TARGET_RATIO:.0%}: "
+        f"  allocator step {us(r['decode_step'])}  (SGLang's allocator work of a decode "
+        "step: no model forward)",
+        f"  holder read    {us(r['holder_read'])}  (holders and per-request footprints)",
+        f"  holders only   {us(r['core_read'])}",
+        f"  holders only / allocator step  median {c['median'] * 100:.3f} %  "
+        f"min {c['min'] * 100:.3f} %  max {c['max'] * 100:.3f} %",
+        f"  read / allocator step  median {q['median'] * 100:.3f} %  min {q['min'] * 100:.3f} %"
+        f"  max {q['max'] * 100:.3f} %  ({q['n']} rounds)  target <= {TARGET_RATIO:.0%} of a "
+        "decode step, against this forward-less step (an upper bound of read / real step): "
         + ("met" if ok else "NOT met"),
-        f"  at one read per 1 s publish: {per_s * 100:.4f} % of the engine's time",
-        "  (the step here is SGLang's allocator work of a decode step, no model forward: a "
-        "real decode step is that plus the forward)",
+        f"  share of the engine's time at one read per {r['publish_interval']:g} s publish "
+        f"interval  median {sh['median'] * 100:.4f} %  min {sh['min'] * 100:.4f} %  "
+        f"max {sh['max'] * 100:.4f} %  ({sh['n']} rounds)",
+        "  (a real decode step is the allocator step plus the model forward, not run here: "
+        "read / real step is smaller than read / allocator step by that forward)",
     ]
 
 
@@ -171,9 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--publish-interval",
+        type=float,
+        default=DEFAULT_PUBLISH_INTERVAL,
+        help="seconds between reads, for the share of the engine's time (the plugin's "
+        f"default, {DEFAULT_PUBLISH_INTERVAL:g})",
+    )
     a = p.parse_args(argv)
     r = holders_cost(
-        layers=a.layers, requests=a.requests, rounds=a.rounds, steps=a.steps, device=a.device
+        layers=a.layers,
+        requests=a.requests,
+        rounds=a.rounds,
+        steps=a.steps,
+        device=a.device,
+        publish_interval=a.publish_interval,
     )
     print("\n".join(report(r)))
     return 0

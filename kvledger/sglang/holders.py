@@ -14,7 +14,9 @@ evictable and protected tokens (`full_evictable_size`, `full_protected_size`,
 inserts, locks and evicts; never a walk of the tree), the allocator's free counts
 (`full_available_size`, `swa_available_size`: a length and a product) and the
 request pool's (`available_size`). That is O(families); the per-request footprints add
-O(running requests), never O(tokens).
+O(running requests), never O(tokens) (`kvledger.sglang.footprints`: a few attribute reads
+and integer operations per request, the per-family split only for the `MAX_REQUESTS`
+listed). What a read costs: `kvledger bench sglang --part holders` (docs/benchmarks.md).
 
 Each family of the pool counts its slots in one of three spaces, converted from
 SGLang's tokens (`Units`): the full-token space (c4_kv and c4_indexer one row per 4
@@ -51,67 +53,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from accounting.engine_state import EngineState, RequestHeld, engine_state
+from accounting.engine_state import EngineState, engine_state
 from accounting.ledger import Account, Ledger
+from kvledger.sglang.footprints import Footprints
+from kvledger.sglang.units import (  # noqa: F401 - re-exported: the reader's public names
+    FULL,
+    GENERIC_UNITS,
+    REQ,
+    SWA,
+    Units,
+    dsv4_units,
+)
 
 log = logging.getLogger(__name__)
 
-FULL, SWA, REQ = "full", "swa", "req"
 # Tree cache classes of SGLang 0.5.23 whose sizes are read, by class name (any in the MRO).
 KNOWN_TREES = ("UnifiedRadixCache", "RadixCache", "PureSWARadixCache", "ChunkCache")
 _NO_TREE = ("ChunkCache",)  # classes that keep no prefix tree: every slot request_only
-
-
-@dataclass(frozen=True)
-class Units:
-    """A family's slots from SGLang's counts in `space`: slots = count * num // den."""
-
-    space: str  # FULL (tokens of the full space), SWA (SWA tokens) or REQ (request slots)
-    num: int = 1
-    den: int = 1
-
-    def of(self, count: int) -> int:
-        return count * self.num // self.den
-
-
-def dsv4_units(pool: Any) -> dict[str, Units]:
-    """The DeepSeek-V4 families' units, from the pool's ring sizes and layout
-    (docs/background.md#the-families)."""
-    page = int(getattr(pool, "swa_page_size", None) or getattr(pool, "page_size", None) or 256)
-    ring4 = _ring(pool, 4, 8)
-    ring128 = _ring(pool, 128, 128)
-    unified = bool(getattr(pool, "_unified_kv", False))
-    c4_state = Units(REQ, ring4) if unified else Units(SWA, ring4, page)
-    return {
-        "swa_kv": Units(SWA),
-        "c4_kv": Units(FULL, 1, 4),
-        "c4_indexer": Units(FULL, 1, 4),
-        "c128_kv": Units(FULL, 1, 128),
-        "c4_attn_state": c4_state,
-        "c4_indexer_state": c4_state,
-        "c128_state": Units(REQ, ring128),
-    }
-
-
-GENERIC_UNITS = {
-    "k": Units(FULL),
-    "v": Units(FULL),
-    "kv": Units(FULL),
-    "swa_k": Units(SWA),
-    "swa_v": Units(SWA),
-    "swa_kv": Units(SWA),
-}
-
-
-def _ring(pool: Any, ratio: int, default: int) -> int:
-    get = getattr(pool, "get_ring_size", None)
-    try:
-        return int(get(ratio)) if callable(get) else default
-    except Exception:
-        return default
 
 
 class Pressure:
@@ -181,25 +141,29 @@ class HolderReader:
         self.sync = sync  # brings the bridged families' counts up to SGLang's first
         self._lock = threading.Lock()
         self._state = EngineState(holders_from=tree_class(tree))
-        self._evicted_seen: dict[str, tuple[int, int]] = {}  # family -> (tree, window) slots
-        self._first_seen: dict[str, float] = {}
+        self._evicted_seen: dict[str, tuple[int, int]] = {}  # account -> (tree, window) slots
         self._failed = ""
         self._closed = False
+        self._known_tree = None if tree is None else _known(tree)  # its class never changes
         self.static_notes = self._static_notes()
-        self._per_slot = tuple(
-            (
-                f,
-                u.space,
-                u.num,
-                u.den,
-                sum(b.slot_bytes for a in self.family_accounts[f] for b in a.buffers),
-            )
-            for f, u in self.units.items()
+        # (account, its family's units or None, whether this reader sets its occupancy),
+        # every account of every family: what each read walks (O(families))
+        self._plan: tuple[tuple[Account, Any, bool], ...] = tuple(
+            (account, self.units.get(f), f in self.units and f not in self.bridged)
+            for f, accs in self.family_accounts.items()
+            for account in accs
         )
-        self._swa_component = _swa_component()
-        for family, u in self.units.items():  # evictions from now on
-            for account in self.family_accounts[family]:
+        self.footprints = Footprints(
+            [
+                (f, u, sum(b.slot_bytes for a in self.family_accounts[f] for b in a.buffers))
+                for f, u in self.units.items()
+            ],
+            swa_component=_swa_component(),
+        )
+        for account, u, _ in self._plan:  # evictions from now on
+            if u is not None:
                 self._evicted_seen[account.key] = self._evicted_now(u)
+        self._pressure_seen = self._pressure_now()
         ledger.add_probe(self.read)
         ledger.set_engine_state(self.state)
 
@@ -207,7 +171,7 @@ class HolderReader:
     def _static_notes(self) -> list[str]:
         notes = []
         tree = self.tree
-        known = None if tree is None else _known(tree)
+        known = self._known_tree
         if tree is None:
             notes.append("no tree cache: every occupied slot is held by requests only")
         elif known is None:
@@ -232,7 +196,7 @@ class HolderReader:
         tree = self.tree
         if tree is None:
             return "none"
-        known = _known(tree)
+        known = self._known_tree
         if known is None:
             return "unknown"
         if known in _NO_TREE or getattr(tree, "disable", False):
@@ -266,31 +230,32 @@ class HolderReader:
         if self.sync is not None and self.bridged:
             self.sync()
         counts = self._counts()
-        for family, accounts in self.family_accounts.items():  # occupancy first: known
-            units = self.units.get(family)  # even if the tree's sizes then fail
-            if units is not None and family not in self.bridged:
+        for account, units, own in self._plan:  # occupancy first: known even if the
+            if own:  # tree's sizes then fail
                 occupied = units.of(counts[units.space])
-                for account in accounts:
-                    account.on_slots(occupied, max(occupied, account.peak_occupied_slots))
+                account.on_slots(occupied, max(occupied, account.peak_occupied_slots))
+        self._count_evicted()
         mode = self._tree_mode()
         tree = self._tree_tokens() if mode == "tree" else None
-        for family, accounts in self.family_accounts.items():
-            units = self.units.get(family)
-            for account in accounts:
-                if units is None or mode == "unknown":
-                    account.clear_holders()
-                elif tree is None or units.space == REQ:
-                    account.set_holders(0, 0)
-                else:
-                    protected, evictable = tree[units.space]
-                    account.set_holders(units.of(protected), units.of(evictable))
-                if units is not None:
-                    self._count_evicted(account, units)
+        for account, units, _ in self._plan:
+            if units is None or mode == "unknown":
+                account.clear_holders()
+            elif tree is None or units.space == REQ:
+                account.set_holders(0, 0)
+            else:
+                protected, evictable = tree[units.space]
+                account.set_holders(units.of(protected), units.of(evictable))
+        listed, distribution = (
+            self.footprints.read(self.running(), time.time())
+            if self.running is not None
+            else ([], None)
+        )
         self._state = engine_state(
             holders_from=tree_class(self.tree),
             notes=self.static_notes,
             retracted_requests_total=self.pressure.retracted_requests,
-            requests=self._requests(),
+            requests=listed,
+            distribution=distribution,
         )
 
     def _counts(self) -> dict[str, int]:
@@ -315,6 +280,10 @@ class HolderReader:
             swa = (int(t.swa_protected_size()), int(t.swa_evictable_size()))
         return {FULL: full, SWA: swa}
 
+    def _pressure_now(self) -> tuple[int, int, int]:
+        p = self.pressure
+        return (p.tree_full_tokens, p.tree_swa_tokens, p.window_swa_tokens)
+
     def _evicted_now(self, units: Units) -> tuple[int, int]:
         """(tree, window) evicted slots of a family of `units` since the process started."""
         p = self.pressure
@@ -324,46 +293,21 @@ class HolderReader:
             return (units.of(p.tree_swa_tokens), units.of(p.window_swa_tokens))
         return (0, 0)
 
-    def _count_evicted(self, account: Account, units: Units) -> None:
-        now = self._evicted_now(units)
-        seen = self._evicted_seen.setdefault(account.key, now)
-        account.count_evicted(now[0] - seen[0])
-        account.count_evicted(now[1] - seen[1], window=True)
-        self._evicted_seen[account.key] = now
-
-    # -- per request --------------------------------------------------------------------
-    def _requests(self) -> list[RequestHeld]:
-        if self.running is None:
-            return []
-        now = time.time()
-        out = []
-        seen: dict[str, float] = {}
-        first_seen = self._first_seen
-        per_slot = self._per_slot
-        swa_ct = self._swa_component
-        for req in self.running():
-            kv = getattr(req, "kv", req)
-            if getattr(kv, "req_pool_idx", None) is None:
+    def _count_evicted(self) -> None:
+        """Add to each account what was evicted since the last read; nothing to do (one
+        comparison) when the pressure totals have not moved."""
+        pressure = self._pressure_now()
+        if pressure == self._pressure_seen:
+            return
+        for account, units, _ in self._plan:
+            if units is None:
                 continue
-            rid = str(getattr(req, "rid", kv.req_pool_idx))
-            tokens = int(getattr(kv, "kv_allocated_len", 0) or getattr(req, "seq_len", 0) or 0)
-            swa_tokens = tokens
-            if swa_ct is not None:
-                get = getattr(kv, "get_evicted_seqlen", None)
-                if get is not None:
-                    swa_tokens = max(tokens - int(get(swa_ct)), 0)
-            count = {FULL: tokens, SWA: swa_tokens, REQ: 1}
-            by_family = {
-                family: count[space] * num // den * slot_bytes
-                for family, space, num, den, slot_bytes in per_slot
-            }
-            first = first_seen.get(rid, now)
-            seen[rid] = first
-            out.append(
-                RequestHeld(rid, tokens, max(now - first, 0.0), sum(by_family.values()), by_family)
-            )
-        self._first_seen = seen
-        return out
+            now = self._evicted_now(units)
+            seen = self._evicted_seen.setdefault(account.key, now)
+            account.count_evicted(now[0] - seen[0])
+            account.count_evicted(now[1] - seen[1], window=True)
+            self._evicted_seen[account.key] = now
+        self._pressure_seen = pressure  # only once every account has its share
 
     def _all(self) -> Iterable[Account]:
         return (a for accs in self.family_accounts.values() for a in accs)

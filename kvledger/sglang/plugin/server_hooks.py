@@ -48,7 +48,7 @@ import os
 import threading
 from typing import Any
 
-from kvledger.sglang.switches import PUBLISH_INTERVAL, plugin_required
+from kvledger.sglang.switches import DEFAULT_PUBLISH_INTERVAL, PUBLISH_INTERVAL, plugin_required
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +306,7 @@ def _new_rank() -> Any:
     from kvledger.sglang.plugin.rank import RankLedger
     from kvledger.sglang.plugin.snapdir import snapshot_dir
 
-    raw = os.environ.get(PUBLISH_INTERVAL, "") or "1"
+    raw = os.environ.get(PUBLISH_INTERVAL, "") or str(DEFAULT_PUBLISH_INTERVAL)
     try:
         interval = float(raw)
     except ValueError:

@@ -9,7 +9,8 @@
   accounts over real tensors of the planned shapes and dtypes, on the CPU (host
   backend) or on the GPU (CUDA backend), whose rows the workload occupies and
   releases;
-- device truth for reconciliation (host memfd blocks, or NVML);
+- device truth for reconciliation (host memfd blocks, read with the SWA pool's page store
+  held quiescent so that both are of one instant, or NVML);
 - a `Publisher` writing the ledger to the snapshot directory, and the built-in
   `Workload`.
 
@@ -113,6 +114,14 @@ class DemoSource:
         for s in specs:
             by_family.setdefault(s.family, []).append(s)
         self.pool = self._swa_pool(by_family.pop("swa_kv"))
+        if o.backend == "host":
+            # Held quiescent across the ledger's copy and the memfd read: the background
+            # mapper makes a page id's handle set (a granule per layer) and maps it off the
+            # store's lock, so a truth read at once could land between the two and see the
+            # memfd up to a page id ahead of the ledger (accounting.reconcile.HostMemfdTruth).
+            self.ledger.add_truth(
+                host_memfd_truth(self.backend.physical_bytes, self.pool.store.quiescent)
+            )
         self.mapper = BackgroundMapper(self.pool)
         self._stack.callback(self.mapper.close)
         self.runtime_tensors = self._runtime_tensors(o, by_family)
@@ -190,8 +199,8 @@ class DemoSource:
             backend: Any = self._stack.enter_context(CudaBackend(o.device))
             self.ledger.add_truth(truth)
         else:
+            # its truth is added with the SWA pool, whose store it holds quiescent (_build)
             backend = self._stack.enter_context(HostBackend(o.host_granularity))
-            self.ledger.add_truth(host_memfd_truth(backend.physical_bytes))
         return backend
 
     def _swa_pool(self, specs: list[BufferSpec]) -> SwaPool:

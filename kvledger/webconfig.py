@@ -17,10 +17,10 @@ Either section may be left out. A key kvledger does not implement (cipher_suites
 curve_preferences, http_server_config.headers, client auth types Python's ssl cannot
 do) is refused by name rather than ignored, as exporter-toolkit refuses unknown keys.
 
-Read as the token file is (`kvledger.token`): every file (the config, certificates,
-key) must be a regular file of this user or root that neither its group nor others
-can write, read with a bound; the private key must not be readable by others either
-(mode 0600 or 0640). Links are followed, as a mounted secret is often one. The TLS
+Read by `kvledger.private_file`, as the token file is (`kvledger.token`): every file
+(the config, certificates, key) must be a regular file of this user or root that neither
+its group nor others can write, read with a bound; the private key must not be readable by
+others either (mode 0600 or 0640). Links are followed, as a mounted secret is often one. The TLS
 context is loaded from the descriptor that was checked (`/proc/self/fd/N`), so the
 file checked is the file loaded. Every refusal is a `WebConfigError`, one line naming
 the file and the rule. Nothing secret is ever taken from the command line.
@@ -31,15 +31,14 @@ from __future__ import annotations
 import os
 import re
 import ssl
-import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from accounting.snapfile.directory import trusted_owners
+from kvledger import private_file
+from kvledger.private_file import ModeRule
 
 FLAG = "--web.config.file"
 MAX_CONFIG_BYTES = 64 << 10
@@ -80,8 +79,22 @@ _TLS_KEYS = {
 }
 
 
+# Every file: nobody but its owner writes it. The private key: nor do others read it.
+WRITE_RULE = ModeRule(0o022, "lets its group or others write it", "none to", "go-w")
+KEY_RULE = ModeRule(0o004, "lets others read a private key", "0600 or 0640", "600")
+
+
 class WebConfigError(ValueError):
     pass
+
+
+def _checked(
+    path: str, where: str, limit: int, *, secret: bool
+) -> AbstractContextManager[tuple[bytes, int]]:
+    """`kvledger.private_file.opened` under the web config's rules (and the key's if
+    `secret`): (the file's bytes, its open descriptor), closed on exit."""
+    modes = (WRITE_RULE, KEY_RULE) if secret else (WRITE_RULE,)
+    return private_file.opened(path, where, limit=limit, modes=modes, error=WebConfigError)
 
 
 @dataclass(frozen=True)
@@ -262,39 +275,3 @@ def _http(value: Any, where: str) -> None:
         if not isinstance(v, bool):
             raise WebConfigError(f"{where}: http_server_config.http2 must be true or false")
         # kvledger serves HTTP/1.1 only: http2 true or false, the answer is the same.
-
-
-@contextmanager
-def _checked(path: str, where: str, limit: int, *, secret: bool) -> Iterator[tuple[bytes, int]]:
-    """(the file's bytes, its open descriptor) once it passed the rules; closed on exit."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise WebConfigError(f"{where}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise WebConfigError(f"{where}: not a regular file")
-        if st.st_uid not in trusted_owners():
-            raise WebConfigError(
-                f"{where}: owned by uid {st.st_uid}, expected uid {os.geteuid()} (this user) or root"
-            )
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o022:
-            raise WebConfigError(
-                f"{where}: mode {mode:04o} lets its group or others write it; expected none to: "
-                f"chmod go-w {path}"
-            )
-        if secret and mode & 0o004:
-            raise WebConfigError(
-                f"{where}: mode {mode:04o} lets others read a private key; expected 0600 or "
-                f"0640: chmod 600 {path}"
-            )
-        if st.st_size > limit:
-            raise WebConfigError(f"{where}: {st.st_size} bytes, expected at most {limit}")
-        data = os.pread(fd, limit + 1, 0)
-        if len(data) > limit:
-            raise WebConfigError(f"{where}: more than {limit} bytes")
-        yield data, fd
-    finally:
-        os.close(fd)

@@ -11,37 +11,13 @@ context), beside a hog child running bf16 matmuls.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.allocator.cuda_busy_probe import PROBE, beside_a_hog
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[2]
-PROBE = "tests.allocator.cuda_busy_probe"
-
 
 def test_close_beside_a_gpu_hog_unmaps_after_the_queued_copy_back() -> None:
-    hog = subprocess.Popen(
-        [sys.executable, "-m", PROBE, "hog", "120"], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert hog.stdout is not None and hog.stdout.readline().strip() == "hog ready"
-        run = subprocess.run(
-            [sys.executable, "-m", PROBE, "close", "--rounds", "20"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert hog.poll() is None, "the hog stopped before the probe ended"
-    finally:
-        hog.kill()
-        hog.wait()
-    print(run.stdout, run.stderr[-2000:])
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = beside_a_hog([PROBE, "close", "--rounds", "20"], hog_seconds=120, timeout=240)
     assert got == {"rounds": 20, "wanted": 20, "wrong_bytes": 0, "error": "", "drain": True}

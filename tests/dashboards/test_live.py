@@ -170,20 +170,37 @@ def test_alerts_load_and_stay_quiet_on_the_healthy_demo(stack):
 
 def test_truth_panel_compares_the_figure_the_truth_is_reconciled_with(stack):
     """Both lines of "Device truth vs ledger ..." are the same quantity on the healthy demo:
-    truth minus the ledger line is the exported unattributed bytes (0 here, whole pages at
-    most while a map is in flight), never the runtime-owned families' bytes."""
+    truth minus the ledger line is the exported unattributed bytes, 0 (the demo reads its
+    host truth with the page store quiescent: tests/kvledger/test_demo_truth.py), never the
+    runtime-owned families' bytes. The two lines are compared inside one query, so both are
+    the samples of one scrape: two queries, each evaluated at its own "now", could straddle a
+    scrape and compare snapshots taken a second apart, a page id or more apart."""
     serve, prom = stack
     [(title, truth_expr), (_, ledger_expr)] = [
         (t, e) for t, e in names.panel_queries() if t.startswith("Device truth vs ledger")
     ]
     values = {**_concrete(prom, serve), "family": ".*"}
-    truth = prom.query_at(substitute(truth_expr, values))
-    ledger = prom.query_at(substitute(ledger_expr, values))
+    truth_q, ledger_q = substitute(truth_expr, values), substitute(ledger_expr, values)
+    on = "on(instance, model_name, tp_rank)"
+    unattributed_q = substitute('kvledger_unattributed_bytes{instance="$instance"}', values)
+    # one result series per instant: truth, ledger, truth - ledger, the exported gap
+    both = prom.query_at(
+        f'label_replace({truth_q}, "line", "truth", "", "")'
+        f' or label_replace({ledger_q}, "line", "ledger", "", "")'
+        f' or label_replace(({truth_q}) - {on} ({ledger_q}), "line", "gap", "", "")'
+        f" or label_replace(sum by (instance, model_name, tp_rank) ({unattributed_q}),"
+        ' "line", "unattributed", "", "")'
+    )
+    lines = {s["metric"]["line"]: float(s["value"][1]) for s in both}
+    assert len(both) == len(lines) == 4, (title, both)
+    assert lines["gap"] == lines["truth"] - lines["ledger"], lines
+    assert lines["gap"] == lines["unattributed"] == 0, (
+        f"{title}: truth {lines['truth']:.0f} B, ledger {lines['ledger']:.0f} B, "
+        f"{lines['gap'] / DEFAULT_HOST_GRANULARITY:+.0f} granules, "
+        f"exported unattributed {lines['unattributed']:.0f} B; expected 0"
+    )
+    # ... while all families' physical bytes are far more than the truth sees
     all_physical = prom.query_at(
         f'sum(sglang:kv_cache_physical_bytes{{instance="{serve.target}"}})'
     )
-    assert len(truth) == len(ledger) == 1, (title, truth, ledger)
-    gap = float(truth[0]["value"][1]) - float(ledger[0]["value"][1])
-    assert abs(gap) % DEFAULT_HOST_GRANULARITY == 0 and abs(gap) <= 4 * DEFAULT_HOST_GRANULARITY
-    # ... while all families' physical bytes are far more than the truth sees
-    assert float(all_physical[0]["value"][1]) > float(truth[0]["value"][1]) + 8 * (1 << 20)
+    assert float(all_physical[0]["value"][1]) > lines["truth"] + 8 * (1 << 20)

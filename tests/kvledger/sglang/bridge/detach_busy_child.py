@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import sys
 
+from tests.allocator.cuda_busy_probe import busy_stream, fault_text, rounds_arg, undrained
+
 EXACT = {"max_spare_pages": 0, "handle_pool_pages": 0, "unmap_grace_s": 0.0, "map_ahead": False}
 
 
@@ -23,12 +25,11 @@ def rounds(n: int, drain: bool, dev: str) -> dict[str, object]:
     import torch
 
     from accounting.ledger import Ledger
-    from allocator.store import PageStore
     from kvledger.bench.sglang_engine import Engine, Shape, published
     from kvledger.sglang.bridge import ENV_ENABLE, attach
 
     if not drain:
-        PageStore._drain_device = lambda self: None  # type: ignore[method-assign]
+        undrained()
     shape = Shape(layers=4, swa_pages=96, full_pages=192, requests=8, max_context=4096)
     done = wrong = 0
     error = ""
@@ -58,24 +59,20 @@ def rounds(n: int, drain: bool, dev: str) -> dict[str, object]:
                     want.append(pat)
                 cuda = dev.startswith("cuda")
                 if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda._sleep(50_000_000)  # the stream busy: detach's copies wait
-                    y = x
-                    for _ in range(8):
-                        y = y @ x
+                    busy_stream(x)  # detach's copies wait behind it
                 br.detach()  # copies queued, then the store closes
                 if cuda:
                     torch.cuda.synchronize()
                 got = [t[rows] for t in e.pool.swa_kv_pool.kv_buffer]
                 wrong += sum(int((g != w).sum()) for g, w in zip(got, want, strict=True))
                 done += 1
-        except Exception as ex:  # a faulted context: cudaErrorIllegalAddress and the like
-            error = f"{type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}"
+        except Exception as ex:  # a faulted context
+            error = fault_text(ex)
     return {"rounds": done, "wanted": n, "wrong_bytes": wrong, "error": error, "drain": drain}
 
 
 def main(argv: list[str]) -> int:
-    n = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 5
+    n = rounds_arg(argv, 5)
     dev = "cpu" if "--cpu" in argv else "cuda:0"
     print(json.dumps(rounds(n, drain="--no-drain" not in argv, dev=dev)), flush=True)
     return 0

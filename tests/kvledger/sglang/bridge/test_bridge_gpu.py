@@ -289,27 +289,9 @@ def test_detach_beside_a_gpu_hog_carries_every_row_back() -> None:
         # what it catches, without the drain (expect an error or wrong bytes):
         python -m tests.kvledger.sglang.bridge.detach_busy_child --no-drain
     """
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.allocator.cuda_busy_probe import beside_a_hog
 
-    root = Path(__file__).resolve().parents[4]
-    hog = subprocess.Popen(
-        [sys.executable, "-m", "tests.allocator.cuda_busy_probe", "hog", "200"],
-        cwd=root, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert hog.stdout is not None and hog.stdout.readline().strip() == "hog ready"
-        run = subprocess.run(
-            [sys.executable, "-m", "tests.kvledger.sglang.bridge.detach_busy_child"],
-            cwd=root, capture_output=True, text=True, timeout=200,
-        )  # fmt: skip
-        assert hog.poll() is None, "the hog stopped before the child ended"
-    finally:
-        hog.kill()
-        hog.wait()
-    print(run.stdout, run.stderr[-2000:])
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = beside_a_hog(
+        ["tests.kvledger.sglang.bridge.detach_busy_child"], hog_seconds=200, timeout=200
+    )
     assert got == {"rounds": 5, "wanted": 5, "wrong_bytes": 0, "error": "", "drain": True}

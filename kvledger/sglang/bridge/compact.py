@@ -120,8 +120,7 @@ def _move(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list
     dev = mapping.device
     src = torch.tensor(sources, dtype=torch.int64, device=dev)
     dst = torch.tensor(targets, dtype=torch.int64, device=dev)
-    for t in bridge.tensors:
-        t.index_copy_(0, dst, t.index_select(0, src))
+    _copy_rows(bridge.tensors, sources, targets, src, dst)
     rows = bridge.follower.rows
     page = int(sub.page_size)
     # Token ids of the moved rows to their new ones, the rest to themselves: one gather over
@@ -130,7 +129,28 @@ def _move(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list
     to_new = torch.arange(rows * page, dtype=mapping.dtype, device=dev).view(rows, page)
     to_new[src] = to_new[dst].clone()
     body = mapping[:-1]
-    body.copy_(to_new.view(-1)[body])
+    # index_select, not `to_new.view(-1)[body]`: the same gather at half the cost on the
+    # host (0.9 ms against 1.9 ms for the bench's 335,104 entries on one thread)
+    body.copy_(torch.index_select(to_new.view(-1), 0, body))
     swap = torch.arange(rows, dtype=torch.int64, device=dev)
     swap[dst] = src  # the free list: each target's id replaced by its source's
     sub.free_pages = swap[sub.free_pages].to(sub.free_pages.dtype)
+
+
+def _copy_rows(
+    tensors: list[Any], sources: list[int], targets: list[int], src: Any, dst: Any
+) -> None:
+    """Row `sources[i]` copied to row `targets[i]` in every layer tensor (the two sets are
+    disjoint: targets were free, sources held). On the host one `copy_` per row: a row is
+    contiguous, so each runs at memcpy speed, where `index_select` + `index_copy_` over uint8
+    rows move them byte by byte (6 rows of 146 KiB: 0.65 ms against 0.05 ms on one thread
+    here, docs/benchmarks.md). On a device one gather and one scatter per layer (a launch
+    per row would cost more than the copy)."""
+    if src.device.type == "cpu":
+        pairs = list(zip(sources, targets, strict=True))
+        for t in tensors:
+            for s, d in pairs:
+                t[d].copy_(t[s])
+        return
+    for t in tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))

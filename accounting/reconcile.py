@@ -83,7 +83,7 @@ class HostMemfdTruth:
     read at once, as before."""
 
     def __init__(
-        self, physical_bytes: Callable[[], int], quiesce: Callable[[], Any] | None = None
+        self, physical_bytes: Callable[[], int], quiesce: Callable[[], Any] | None
     ) -> None:
         self.physical_bytes = physical_bytes
         self.quiesce = quiesce
@@ -110,8 +110,10 @@ class HostMemfdTruth:
 
 
 def host_memfd_truth(
-    physical_bytes: Callable[[], int], quiesce: Callable[[], Any] | None = None
+    physical_bytes: Callable[[], int], quiesce: Callable[[], Any] | None
 ) -> HostMemfdTruth:
     """Truth reader for the host backend (`HostMemfdTruth`); `quiesce`: a context manager
-    factory during which no driver call is in flight (`PageStore.quiescent`)."""
+    factory during which no driver call is in flight (`PageStore.quiescent`). Required, so
+    that every caller decides: None only where no driver call runs off the store's lock
+    (no background mapper, no reaper whose frees the ledger has counted already)."""
     return HostMemfdTruth(physical_bytes, quiesce)

@@ -411,14 +411,15 @@ def _service_values(v: SourceView) -> tuple[dict[str, str], tuple[float, ...]]:
 # Series written a row at a time: the metrics of one label set, each read from the
 # attribute of the same place.
 _HELD_METRICS = (m.HELD_SLOTS, m.HELD_BYTES)
-_EVICTED = {
-    "sglang:kv_cache_evicted_slots_total": "evicted_slots_total",
-    "sglang:kv_cache_evicted_bytes_total": "evicted_bytes_total",
-    "sglang:kv_cache_window_evicted_slots_total": "window_evicted_slots_total",
-    "sglang:kv_cache_window_evicted_bytes_total": "window_evicted_bytes_total",
-}
-_EVICTED_METRICS = tuple(_EVICTED)
-_evicted_values = operator.attrgetter(*_EVICTED.values())
+# each `sglang:kv_cache_<field>`, read from FamilyHeld's field of that name
+_EVICTED = (
+    "evicted_slots_total",
+    "evicted_bytes_total",
+    "window_evicted_slots_total",
+    "window_evicted_bytes_total",
+)
+_EVICTED_METRICS = tuple(f"sglang:kv_cache_{field}" for field in _EVICTED)
+_evicted_values = operator.attrgetter(*_EVICTED)
 _TP_METRICS = tuple(f"kvledger_tp_{key}" for key in TP_COUNTERS)
 _tp_values = operator.attrgetter(*TP_COUNTERS)
 _VMM_ACCOUNT = {

@@ -67,7 +67,7 @@ def small_ledger(
     )
     specs = vmm_layer_specs(layout, layers, null_slot=False)
     swa = ledger.add_account(specs, page_bytes=PAGE, capacity_slots=slots - 1)
-    ledger.add_truth(host_memfd_truth(backend.physical_bytes))
+    ledger.add_truth(host_memfd_truth(backend.physical_bytes, None))  # no background mapper
     pool = stack.enter_context(
         SwaPool(backend, layers=layers, layout=layout, observer=swa, max_spare_pages=1)
     )

@@ -49,7 +49,7 @@ class Rig:
         self.account = self.ledger.add_account(
             specs, page_bytes=GRAN, capacity_slots=ROWS * PAGE_TOKENS, slots_per_count=PAGE_TOKENS
         )
-        self.ledger.add_truth(host_memfd_truth(self.backend.physical_bytes))
+        self.ledger.add_truth(host_memfd_truth(self.backend.physical_bytes, None))  # no mapper
         self.pool = PageStore(
             self.backend,
             layers=LAYERS,

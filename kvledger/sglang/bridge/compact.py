@@ -25,6 +25,7 @@ from typing import Any
 
 from allocator.errors import CapacityError, DriverError
 from allocator.rows import compaction, packing
+from kvledger.sglang.bridge import remap
 
 MAX_MOVES = 512  # rows moved by one call at most
 
@@ -122,16 +123,7 @@ def _move(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list
     dst = torch.tensor(targets, dtype=torch.int64, device=dev)
     _copy_rows(bridge.tensors, sources, targets, src, dst)
     rows = bridge.follower.rows
-    page = int(sub.page_size)
-    # Token ids of the moved rows to their new ones, the rest to themselves: one gather over
-    # the mapping. Its last entry is SGLang's -1 (what a last_loc of -1 reads); every other
-    # entry is an SWA token id or 0.
-    to_new = torch.arange(rows * page, dtype=mapping.dtype, device=dev).view(rows, page)
-    to_new[src] = to_new[dst].clone()
-    body = mapping[:-1]
-    # index_select, not `to_new.view(-1)[body]`: the same gather at half the cost on the
-    # host (0.9 ms against 1.9 ms for the bench's 335,104 entries on one thread)
-    body.copy_(torch.index_select(to_new.view(-1), 0, body))
+    remap.rewrite(mapping, int(sub.page_size), rows, src, dst)
     swap = torch.arange(rows, dtype=torch.int64, device=dev)
     swap[dst] = src  # the free list: each target's id replaced by its source's
     sub.free_pages = swap[sub.free_pages].to(sub.free_pages.dtype)

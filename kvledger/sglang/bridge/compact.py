@@ -69,13 +69,15 @@ def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]
     # the trims below: wait for it, or it leaves a spare over the bound behind this call.
     while store.busy and not store.closed:
         store.cond.wait(timeout=1.0)
-    if not packing.fragmented(f):  # within ceil(held / rows per page) + spares + 1 already
+    # within ceil(held / rows per page) + spares + 1 already, and still once the mapper has
+    # mapped the spares it may map ahead
+    if not packing.over_bound_soon(f):
         return [], []
     if store.fences:  # no batch in flight: the device is idle, waiting costs nothing
         for fence in {id(x): x for x in store.fences.values()}.values():
             fence.wait()
         store.trim_locked()  # spares freed by finishes, over the watermark
-        if not packing.fragmented(f):
+        if not packing.over_bound_soon(f):
             return [], []
     sources, targets = compaction.plan(f, max_moves=max_moves)
     if not sources and compaction.in_use_beyond_packed(f) > 1:

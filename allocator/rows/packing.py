@@ -36,10 +36,14 @@ def fragmented(f: RowFollower) -> bool:
 
 def spares_to_come(f: RowFollower) -> int:
     """The spares the background mapper may still map ahead: up to the watermark
-    (`max_spare_pages`) from the spares mapped now. A page it is mapping now counts here, not
-    as mapped."""
-    store = f.store
-    return max(0, store.policy.max_spare_pages - len(store.spares))
+    (`max_spare_pages`) from the spares mapped now; at the watermark, one while a page wanted
+    ahead may take a stale spare's place (mapped first, the stale one trimmed after its
+    grace: allocator.spares). A page it is mapping now counts here, not as mapped."""
+    policy = f.store.policy
+    n, watermark = len(f.store.spares), policy.max_spare_pages
+    if n < watermark:
+        return watermark - n
+    return int(n == watermark and policy.map_target() is not None)
 
 
 def over_bound_soon(f: RowFollower) -> bool:

@@ -79,6 +79,16 @@ def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]
         store.trim_locked()  # spares freed by finishes, over the watermark
         if not packing.over_bound_soon(f):
             return [], []
+    # Over only by the page the mapper may map ahead in a stale spare's place: the stale one
+    # goes now (it would after its grace), and no row moves.
+    at_watermark = len(store.spares) == store.policy.max_spare_pages
+    if (
+        at_watermark
+        and not packing.fragmented(f)
+        and _trim_stale_spare(store)
+        and not packing.over_bound_soon(f)
+    ):
+        return [], []
     sources, targets = compaction.plan(f, max_moves=max_moves)
     if not sources and compaction.in_use_beyond_packed(f) > 1:
         # no page empties into the others: held rows scattered one page apart, each
@@ -94,6 +104,17 @@ def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]
     except (CapacityError, DriverError):  # counted by the store; nothing moves
         return [], []
     return sources, targets
+
+
+def _trim_stale_spare(store: Any) -> bool:
+    """Unmap a spare neither pinned nor wanted ahead whose fence is done (lock held); False
+    when there is none or the unmap failed."""
+    policy = store.policy
+    for p in reversed(store.spares):
+        fence = policy.fences.get(p)
+        if policy.stale(p) and (fence is None or fence.done()):
+            return bool(store.unmap_spare_locked(p))
+    return False
 
 
 def _apply(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list[int]) -> None:

@@ -90,3 +90,18 @@ def test_over_bound_soon_is_fragmented_once_the_spares_are_mapped(host: HostBack
         assert not packing.fragmented(f) and not packing.over_bound_soon(f)
         f.take([16])  # page 6: one more in use, within the bound, but not with a spare
         assert not packing.fragmented(f) and packing.over_bound_soon(f)
+
+
+def test_at_the_watermark_a_stale_spare_leaves_room_for_one_mapped_ahead(host: HostBackend) -> None:
+    """A stale spare at the watermark: the mapper may map a page wanted ahead in its place
+    before trimming it, one spare beyond the watermark meanwhile; counted as to come."""
+    store, f = make(host, max_spare_pages=1)
+    with store:
+        f.take([8, 9, 10])
+        with store.lock:
+            store.map_locked([20])  # a spare, stale: neither pinned nor wanted ahead
+            assert packing.spares_to_come(f) == 0
+            store.set_ahead([22])  # a page wanted ahead, not mapped: it may take 20's place
+            assert packing.spares_to_come(f) == 1
+            store.pin([20])  # pinned, 20 is not stale: no room for 22
+            assert packing.spares_to_come(f) == 0

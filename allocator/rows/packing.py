@@ -24,10 +24,35 @@ def packed_pages(f: RowFollower) -> int:
     return -(-((f.held_rows + f.first_row) * f.row_bytes) // f.store.page_bytes)
 
 
+def packing_bound(f: RowFollower) -> int:
+    """The page ids the held rows may keep mapped: packed, plus the spares kept, plus one."""
+    return packed_pages(f) + f.store.policy.max_spare_pages + 1
+
+
 def fragmented(f: RowFollower) -> bool:
     """More page ids mapped than the held rows need packed, beyond the spares and one."""
-    store = f.store
-    return store.state.count(PageState.MAPPED) > packed_pages(f) + store.policy.max_spare_pages + 1
+    return f.store.state.count(PageState.MAPPED) > packing_bound(f)
+
+
+def spares_to_come(f: RowFollower) -> int:
+    """The spares the background mapper may still map ahead: up to the watermark
+    (`max_spare_pages`) from the spares mapped now; at the watermark, one while a page wanted
+    ahead may take a stale spare's place (mapped first, the stale one trimmed after its
+    grace: allocator.spares). A page it is mapping now counts here, not as mapped."""
+    policy = f.store.policy
+    n, watermark = len(f.store.spares), policy.max_spare_pages
+    if n < watermark:
+        return watermark - n
+    return int(n == watermark and policy.map_target() is not None)
+
+
+def over_bound_soon(f: RowFollower) -> bool:
+    """`fragmented` once the mapper has mapped ahead all the spares the watermark allows: the
+    pages in use beyond packed leave no room for them. Checked alone, `fragmented` lets the
+    pages in use sit two beyond packed while few spares are mapped, and a map ahead right
+    after the check takes the mapped page ids over the bound (docs/benchmarks.md)."""
+    mapped = f.store.state.count(PageState.MAPPED)
+    return mapped + spares_to_come(f) > packing_bound(f)
 
 
 def _mapped(f: RowFollower) -> np.ndarray:

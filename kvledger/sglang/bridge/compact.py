@@ -25,6 +25,7 @@ from typing import Any
 
 from allocator.errors import CapacityError, DriverError
 from allocator.rows import compaction, packing
+from kvledger.sglang.bridge import remap
 
 MAX_MOVES = 512  # rows moved by one call at most
 
@@ -68,14 +69,26 @@ def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]
     # the trims below: wait for it, or it leaves a spare over the bound behind this call.
     while store.busy and not store.closed:
         store.cond.wait(timeout=1.0)
-    if not packing.fragmented(f):  # within ceil(held / rows per page) + spares + 1 already
+    # within ceil(held / rows per page) + spares + 1 already, and still once the mapper has
+    # mapped the spares it may map ahead
+    if not packing.over_bound_soon(f):
         return [], []
     if store.fences:  # no batch in flight: the device is idle, waiting costs nothing
         for fence in {id(x): x for x in store.fences.values()}.values():
             fence.wait()
         store.trim_locked()  # spares freed by finishes, over the watermark
-        if not packing.fragmented(f):
+        if not packing.over_bound_soon(f):
             return [], []
+    # Over only by the page the mapper may map ahead in a stale spare's place: the stale one
+    # goes now (it would after its grace), and no row moves.
+    at_watermark = len(store.spares) == store.policy.max_spare_pages
+    if (
+        at_watermark
+        and not packing.fragmented(f)
+        and _trim_stale_spare(store)
+        and not packing.over_bound_soon(f)
+    ):
+        return [], []
     sources, targets = compaction.plan(f, max_moves=max_moves)
     if not sources and compaction.in_use_beyond_packed(f) > 1:
         # no page empties into the others: held rows scattered one page apart, each
@@ -91,6 +104,17 @@ def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]
     except (CapacityError, DriverError):  # counted by the store; nothing moves
         return [], []
     return sources, targets
+
+
+def _trim_stale_spare(store: Any) -> bool:
+    """Unmap a spare neither pinned nor wanted ahead whose fence is done (lock held); False
+    when there is none or the unmap failed."""
+    policy = store.policy
+    for p in reversed(store.spares):
+        fence = policy.fences.get(p)
+        if policy.stale(p) and (fence is None or fence.done()):
+            return bool(store.unmap_spare_locked(p))
+    return False
 
 
 def _apply(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list[int]) -> None:
@@ -122,16 +146,7 @@ def _move(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list
     dst = torch.tensor(targets, dtype=torch.int64, device=dev)
     _copy_rows(bridge.tensors, sources, targets, src, dst)
     rows = bridge.follower.rows
-    page = int(sub.page_size)
-    # Token ids of the moved rows to their new ones, the rest to themselves: one gather over
-    # the mapping. Its last entry is SGLang's -1 (what a last_loc of -1 reads); every other
-    # entry is an SWA token id or 0.
-    to_new = torch.arange(rows * page, dtype=mapping.dtype, device=dev).view(rows, page)
-    to_new[src] = to_new[dst].clone()
-    body = mapping[:-1]
-    # index_select, not `to_new.view(-1)[body]`: the same gather at half the cost on the
-    # host (0.9 ms against 1.9 ms for the bench's 335,104 entries on one thread)
-    body.copy_(torch.index_select(to_new.view(-1), 0, body))
+    remap.rewrite(mapping, int(sub.page_size), rows, src, dst)
     swap = torch.arange(rows, dtype=torch.int64, device=dev)
     swap[dst] = src  # the free list: each target's id replaced by its source's
     sub.free_pages = swap[sub.free_pages].to(sub.free_pages.dtype)

@@ -4,9 +4,10 @@ sglang` both run (docs/sglang-bridge.md#compaction-in-a-server).
 `CompactionPolicy.step(bridge)` is called at the points where SGLang has no batch in flight
 (the plugin: after each batch's result in SGLang's normal loop, and when the scheduler is
 idle in either loop; the bench: after each churn event). It costs a count of the store's
-mapped pages unless compaction is due, which is when the page ids mapped exceed the packing
-bound (the held rows packed, plus the spares the store keeps, plus one: the bound
-`allocator.rows.packing.fragmented` checks, with the rows SGLang took or gave back since
+mapped pages unless compaction is due, which is when the page ids mapped, with the spares
+the background mapper may still map ahead up to the watermark counted as mapped, exceed the
+packing bound (the held rows packed, plus the spares the store keeps, plus one: the bound
+`allocator.rows.packing.over_bound_soon` checks, with the rows SGLang took or gave back since
 the journal's last replay counted from the hooks' records, so the check replays nothing) by more than `excess_pages`. Then `Bridge.compact`
 moves at most `max_moves` rows: a budget per step, so that one call costs at most
 `max_moves` row copies in every layer (128 rows of DeepSeek-V4's 43 layers: about 0.8 GB
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from allocator.checks import check_count
+from allocator.rows import packing
 from allocator.states import PageState
 
 EXCESS_PAGES = 0  # compact as soon as the mapped page ids exceed the packing bound
@@ -32,8 +34,9 @@ MAX_MOVES_PER_STEP = 128  # rows moved by one step at most
 
 @dataclass
 class CompactionPolicy:
-    """Compact a bridged pool when its mapped page ids exceed the packing bound by more than
-    `excess_pages`, moving at most `max_moves` rows a step. `enabled=False`: never."""
+    """Compact a bridged pool when its mapped page ids (with the spares the mapper may still
+    map ahead) exceed the packing bound by more than `excess_pages`, moving at most
+    `max_moves` rows a step. `enabled=False`: never."""
 
     excess_pages: int = EXCESS_PAGES
     max_moves: int = MAX_MOVES_PER_STEP
@@ -54,7 +57,9 @@ class CompactionPolicy:
         return cls(enabled=compaction_enabled(env))
 
     def excess(self, bridge: Any) -> int:
-        """Page ids mapped beyond the packing bound now (0 when the bridge is not active).
+        """Page ids mapped beyond the packing bound now, counting as mapped the spares the
+        background mapper may still map ahead (up to the watermark; 0 when the bridge is not
+        active).
         The held rows are the follower's plus the net rows SGLang's allocator took since the
         journal's last replay (counts the hooks recorded: nothing replayed or read from the
         device; a release staged for a merge counts once the merge is replayed)."""
@@ -65,7 +70,10 @@ class CompactionPolicy:
         held = max(0, f.held_rows + j.net - j.replayed_net)
         packed = -(-((held + f.first_row) * f.row_bytes) // store.page_bytes)
         bound = packed + store.policy.max_spare_pages + 1
-        return store.state.count(PageState.MAPPED) - bound
+        # The spares the mapper may still map ahead count as mapped: checked without them, a
+        # step leaves the pages in use two beyond packed while few spares are mapped, and the
+        # mapper's next maps ahead take the page ids over the bound before the next step.
+        return store.state.count(PageState.MAPPED) + packing.spares_to_come(f) - bound
 
     def due(self, bridge: Any) -> bool:
         return self.enabled and self.excess(bridge) > self.excess_pages
@@ -85,7 +93,8 @@ class CompactionPolicy:
         if not self.enabled:
             return "off (KVLEDGER_SGLANG_DSV4_COMPACT=0)"
         return (
-            f"when mapped page ids exceed the packing bound by more than {self.excess_pages}, "
+            "when mapped page ids (with the spares still to be mapped ahead) exceed the "
+            f"packing bound by more than {self.excess_pages}, "
             f"at most {self.max_moves} rows a step"
         )
 

@@ -59,3 +59,49 @@ def test_mapped_free_rows_counts_free_rows_whose_pages_are_all_mapped(host: Host
         assert packing.mapped_free_rows(f) == len(mapped_rows) - 2
         f.give_back([2])  # page 1 stays mapped (a spare): row 2 still counts
         assert packing.mapped_free_rows(f) == len(mapped_rows) - 1
+
+
+def test_over_bound_soon_counts_the_spares_the_mapper_may_still_map(host: HostBackend) -> None:
+    """Pages in use two beyond packed and no spare mapped: within the bound now, over it once
+    the mapper maps the two spares the watermark allows, which `over_bound_soon` says first."""
+    store, f = make(host, max_spare_pages=2)
+    with store:
+        # rows 8, 16, 40 alone in pages 3, 6, 15; the padding row in page 0: four pages in
+        # use for rows packed into two
+        f.take([8, 16, 40])
+        assert packing.packed_pages(f) == 2 and packing.packing_bound(f) == 5
+        assert len(mapped(store)) == 4 and not store.spares
+        assert packing.spares_to_come(f) == 2
+        assert not packing.fragmented(f)
+        assert packing.over_bound_soon(f)
+        with store.lock:
+            store.map_locked([20, 21])  # what the mapper maps ahead next
+        assert packing.spares_to_come(f) == 0
+        assert packing.fragmented(f) and packing.over_bound_soon(f)
+        f.give_back([40])  # page 15 a spare: three spares, one over the watermark
+        assert packing.spares_to_come(f) == 0
+        assert packing.fragmented(f) == packing.over_bound_soon(f)
+
+
+def test_over_bound_soon_is_fragmented_once_the_spares_are_mapped(host: HostBackend) -> None:
+    store, f = make(host, max_spare_pages=1)
+    with store:
+        f.take([8, 9, 10])  # pages 0, 3, 4 in use for rows packed into two
+        assert not packing.fragmented(f) and not packing.over_bound_soon(f)
+        f.take([16])  # page 6: one more in use, within the bound, but not with a spare
+        assert not packing.fragmented(f) and packing.over_bound_soon(f)
+
+
+def test_at_the_watermark_a_stale_spare_leaves_room_for_one_mapped_ahead(host: HostBackend) -> None:
+    """A stale spare at the watermark: the mapper may map a page wanted ahead in its place
+    before trimming it, one spare beyond the watermark meanwhile; counted as to come."""
+    store, f = make(host, max_spare_pages=1)
+    with store:
+        f.take([8, 9, 10])
+        with store.lock:
+            store.map_locked([20])  # a spare, stale: neither pinned nor wanted ahead
+            assert packing.spares_to_come(f) == 0
+            store.set_ahead([22])  # a page wanted ahead, not mapped: it may take 20's place
+            assert packing.spares_to_come(f) == 1
+            store.pin([20])  # pinned, 20 is not stale: no room for 22
+            assert packing.spares_to_come(f) == 0

@@ -64,12 +64,42 @@ def test_the_rows_taken_since_the_last_replay_count_without_a_replay() -> None:
             packed = -(-((held + f.first_row) * f.row_bytes) // store.page_bytes)
             return packed + store.max_spare_pages + 1
 
+        def to_come() -> int:  # the spares the mapper may still map ahead
+            return max(0, store.max_spare_pages - len(store.spares))
+
         taken = rig.alloc.alloc(20)  # journaled, not replayed: the follower has not seen them
         assert f.held_rows == 0
-        assert policy.excess(br) == _mapped(rig) - bound(20)
+        assert policy.excess(br) == _mapped(rig) + to_come() - bound(20)
         rig.alloc._release_page_ids(taken)  # given back, still not replayed
         assert f.held_rows == 0
-        assert policy.excess(br) == _mapped(rig) - bound(0)
+        assert policy.excess(br) == _mapped(rig) + to_come() - bound(0)
+    finally:
+        rig.close()
+
+
+def test_due_when_the_spares_still_to_map_would_take_it_over_the_bound() -> None:
+    """Within the bound now, with no spare mapped: the mapper's maps ahead would take it over
+    before the next step, so the step compacts now."""
+    rig = PolicyRig(pages=64, max_spare_pages=2, batch=1)
+    try:
+        calls: list[int] = []
+        br = _bridge(rig, calls)
+        policy = CompactionPolicy()
+        f, store = rig.follower, rig.store
+        held = [rig.alloc.alloc(1) for _ in range(40)]  # rows 1..40, packed
+        for t in held[5:8]:  # rows 6..8 back: the pages of rows 5 and 9 stay in use around
+            # the hole, two more than the 37 rows need packed
+            rig.alloc._release_page_ids(t)
+        rig.policy.flush(wait=True)
+        with store.lock:
+            while store.spares:  # no spare mapped: only the pages in use
+                store.unmap_spare_locked(next(iter(store.spares)))
+        packed = -(-((f.held_rows + f.first_row) * f.row_bytes) // store.page_bytes)
+        bound = packed + store.max_spare_pages + 1
+        assert store.in_use.count(1) == packed + 2 == _mapped(rig)
+        assert _mapped(rig) <= bound < _mapped(rig) + store.max_spare_pages
+        assert policy.excess(br) == _mapped(rig) + store.max_spare_pages - bound > 0
+        assert policy.step(br) == 3 and calls == [MAX_MOVES_PER_STEP]
     finally:
         rig.close()
 

@@ -17,8 +17,7 @@ reached `net - net_then` rows deep into the list as it was then, or less: releas
 are taken first. The front policy bounds that depth by the rows it pinned.
 
 `drain` turns everything recorded since the last drain into one *batch*: the taken slices,
-the released tensors (those of consecutive releases concatenated into one) and the first
-rows of the free list as it is at that moment (the
+the released tensors and the first rows of the free list as it is at that moment (the
 front), all read with one `reader.read_many` (on CPU the tensors' values; on CUDA one
 device-side concatenation, one pinned non-blocking copy and one event). `replay` takes the
 batches whose values are there (all of them with `wait`), in order, and nets them: a row's
@@ -94,24 +93,20 @@ class Journal:
         del self.raw[:n]  # only what was read goes: the hooks may append meanwhile
         items: list[tuple[Any, int | None]] = []  # (tensor, first n or all)
         moves: list[tuple[int, int]] = []  # (is_take, index in items)
-        released: list[Any] = []  # the id tensors of the releases since the last take
         releases = 0
         peak: int | None = None
         for e in entries:
             if e[0] == TAKE:
-                if released:
-                    _add_released(items, moves, released)
-                    released = []
                 moves.append((1, len(items)))
                 items.append((e[1], e[2]))
                 self._drained_net = e[3]
                 peak = e[3] if peak is None else max(peak, e[3])
             elif e[0] == RELEASE:
                 releases += 1
-                released.extend(e[1])
+                for t in e[1]:
+                    moves.append((0, len(items)))
+                    items.append((t, None))
                 self._drained_net = e[2]
-        if released:
-            _add_released(items, moves, released)
         items.append(front)
         read = self.reader.read_many(items)
         batch = Batch(read, moves, self._drained_net, peak, releases)
@@ -145,20 +140,3 @@ class Journal:
         self.raw.clear()
         self._queue.clear()
         self.replayed_net = self._drained_net = self.net
-
-
-def _add_released(
-    items: list[tuple[Any, int | None]], moves: list[tuple[int, int]], released: list[Any]
-) -> None:
-    """One item (and one move) for the id tensors of consecutive releases: their rows in
-    order, as one tensor (`torch.cat` on their device). Replayed as one move it nets the same
-    as one move per tensor, and the read handles one tensor instead of dozens (a decode step
-    releases a tensor per request leaving the window)."""
-    if len(released) == 1:
-        t = released[0]
-    else:
-        import torch
-
-        t = torch.cat([r.reshape(-1) for r in released])
-    moves.append((0, len(items)))
-    items.append((t, None))

@@ -110,32 +110,3 @@ def test_clear_forgets_what_was_recorded() -> None:
     s.take(j, 1)
     j.clear()
     assert len(j) == 0 and j.peak() is None and j.replayed_net == j.net == 3
-
-
-class ItemsReader(HostReader):
-    def __init__(self) -> None:
-        self.items: list[int] = []
-
-    def read_many(self, items: list[tuple[Any, int | None]]) -> Any:
-        self.items.append(len(items))
-        return super().read_many(items)
-
-
-def test_consecutive_releases_are_read_as_one_item_and_net_the_same() -> None:
-    reader = ItemsReader()
-    j, s = Journal(reader), Stack(32)
-    held = {1, 2, 3, 4, 5}
-    s.free = torch.arange(6, 32, dtype=torch.int64)
-    s.release(j, [1, 2])  # three releases in a row (two ids tensors in the last) ...
-    s.release(j, [3])
-    ids = (torch.tensor([4], dtype=torch.int64), torch.tensor([[5]], dtype=torch.int64))
-    j.net -= 2
-    j.raw.append((RELEASE, ids, j.net))
-    s.free = torch.cat((torch.tensor([5, 4]), s.free))
-    again = s.take(j, 2)  # ... then a take of two of them back
-    assert again == [5, 4]
-    s.release(j, [5])  # and one more release after the take
-    j.drain((s.free, 4))
-    assert reader.items == [4]  # the run of releases, the take, the last release, the front
-    take, give, releases, _ = j.replay(wait=True, held=held_flags(32, held))
-    assert take == [] and sorted(give) == [1, 2, 3, 5] and releases == 4

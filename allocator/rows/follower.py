@@ -93,7 +93,6 @@ class RowFollower:
         self._held = np.frombuffer(self._held_b, dtype=np.bool_)
         self._count_a = array("q", bytes(8 * store.num_pages))
         self._count = np.frombuffer(self._count_a, dtype=np.int64)
-        self._state = np.frombuffer(store.state, dtype=np.uint8)  # the store's, shared
         self.held_rows = 0
         self.divergences = 0
         self.takes = 0  # take calls that handed out at least one row
@@ -311,7 +310,9 @@ class RowFollower:
     def _ensure_mapped(self, pages: list[int], *, count: bool) -> None:
         """Map what is not mapped yet; a take that had to (or waited for the mapper to
         finish one) waited on the driver and is counted (the padding row's is not)."""
-        store, state = self.store, self._state
+        # The store's bytearray, not a numpy view: a numpy scalar compared with a PageState
+        # member takes numpy's generic path, about 7 us a comparison here against 0.05 us.
+        store, state = self.store, self.store.state
         mapped, busy = PageState.MAPPED, PageState.BUSY
         waited = False
         try:

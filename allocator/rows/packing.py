@@ -57,9 +57,11 @@ def over_bound_soon(f: RowFollower) -> bool:
 
 def _mapped(f: RowFollower) -> np.ndarray:
     """Per row, whether both its pages are mapped."""
-    state = np.frombuffer(f.store.state, np.uint8)
+    # Per page first (a few dozen), then gathered per row; against the int, not the
+    # PageState member, which numpy compares through its generic path (several us a call).
+    mapped = np.frombuffer(f.store.state, np.uint8) == int(PageState.MAPPED)
     p = f.row_pages
-    return (state[p[:, 0]] == PageState.MAPPED) & (state[p[:, 1]] == PageState.MAPPED)
+    return mapped[p[:, 0]] & mapped[p[:, 1]]
 
 
 def mapped_free_rows(f: RowFollower) -> int:

@@ -6,7 +6,11 @@
   `grace_pages` of them may wait out the grace: a free that leaves more unmaps the rest at
   once (on the freeing thread; fenced ones by the background mapper, which is woken). The
   most recently emptied go first. A pinned spare (`pin`) stays; a spare wanted ahead goes
-  last, and not while a stale one (neither pinned nor wanted) waits for its fence; a spare
+  last, and not while a stale one (neither pinned nor wanted) waits for its fence; the grace
+  itself unmaps stale spares only: a spare wanted ahead stays mapped past it (within
+  `max_spare_pages + grace_pages`), since the take it is wanted for would have it mapped
+  again (a pause longer than the grace between two wide allocations would otherwise cost a
+  map and an unmap each time, the map during the next one's step); a spare
   whose fence has not signalled (the GPU work that last used it, on CUDA) is not unmapped
   at all until it has.
 - Map ahead: pages a follower hands out next (`set_ahead`) while spares are fewer than
@@ -157,16 +161,17 @@ class SparePolicy:
         if store.mapper is not None:
             store.cond.notify_all()  # only now: waking it costs the freeing thread the GIL
         else:
-            self.trim_locked()
+            self.trim_locked(wanted=False)  # the grace's trim: stale spares only
 
-    def trim_locked(self, keep: int | None = None) -> None:
+    def trim_locked(self, keep: int | None = None, *, wanted: bool = True) -> None:
         """Unmap spares beyond `keep` (default max_spare_pages) now, on this thread, the most
-        recently emptied first; fenced and pinned spares stay. A failed unmap stops it (the
-        next release retries after `retry_after_s`)."""
+        recently emptied first; fenced and pinned spares stay, and so do spares wanted ahead
+        unless `wanted`. A failed unmap stops it (the next release retries after
+        `retry_after_s`)."""
         store = self.store
         keep = self.max_spare_pages if keep is None else keep
         while len(store.spares) > keep:
-            p = self.trim_candidate()
+            p = self.trim_candidate(wanted=wanted)
             if p is None:
                 return
             if not store.unmap_spare_locked(p):
@@ -175,12 +180,16 @@ class SparePolicy:
         if len(store.spares) <= self.max_spare_pages:
             self._over_since = None
 
-    def trim_candidate(self) -> int | None:
+    def trim_candidate(self, *, wanted: bool | None = None) -> int | None:
         """The spare to unmap next: pinned pages stay, fenced pages wait, pages wanted ahead
         go last, and not at all while a stale spare (neither pinned nor wanted) waits for its
         fence: that one goes when the fence signals. Trimming the wanted page instead would
         have the mapper map it again at once in the stale one's place, in a loop for as long
-        as the fence takes (docs/allocator.md#map-ahead)."""
+        as the fence takes (docs/allocator.md#map-ahead). `wanted`: whether a page wanted
+        ahead may go at all; by default only beyond what the grace may keep
+        (`max_spare_pages + grace_pages`): within it the grace trims stale spares only."""
+        if wanted is None:
+            wanted = len(self.store.spares) > self.max_spare_pages + self.grace_pages
         later = None
         stale_fenced = False
         for p in reversed(self.store.spares):
@@ -192,7 +201,8 @@ class SparePolicy:
                 continue
             if self.stale(p):
                 return p
-            later = p if later is None else later
+            if wanted and later is None:
+                later = p
         return None if stale_fenced else later
 
     def stale(self, p: int) -> bool:

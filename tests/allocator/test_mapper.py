@@ -266,3 +266,33 @@ def test_a_spare_a_map_puts_over_the_watermark_goes_after_the_grace_with_no_rele
                 time.sleep(0.01)
             assert len(store.spares) == 1
             assert mapper.errors == 0
+
+
+def test_the_grace_keeps_a_spare_wanted_ahead_and_trims_it_once_it_is_not() -> None:
+    """Within max_spare_pages + grace_pages, the grace unmaps stale spares only: a spare a
+    follower wants ahead stays mapped past it (its take would map it again: a pause longer
+    than the grace between two wide allocations cost a map and an unmap each time). Once it
+    is no longer wanted, the grace trims it; beyond the cap a wanted spare still goes."""
+    from allocator.store import PageStore
+
+    with HostBackend(PAGE) as be:
+        store = PageStore(
+            be, layers=1, page_bytes=PAGE, num_pages=8, max_spare_pages=1, unmap_grace_s=0.02
+        )
+        with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:
+            with store.lock:
+                store.map_locked([1, 2])  # one over the watermark, within grace_pages (1)
+                store.policy.set_ahead([1, 2])
+            time.sleep(0.1)  # five graces
+            assert mapper.wait_idle()
+            assert sorted(store.spares) == [1, 2]  # both wanted: both stay
+            with store.lock:
+                store.policy.set_ahead([1])  # page 2 stale now
+            assert mapper.wait_idle()
+            assert list(store.spares) == [1]
+            with store.lock:
+                store.map_locked([2, 3])
+                store.policy.set_ahead([1, 2, 3])  # two over the watermark: past the cap
+            assert mapper.wait_idle()
+            assert len(store.spares) == 2  # the cap (1 + grace_pages) holds for wanted ones
+            assert mapper.errors == 0

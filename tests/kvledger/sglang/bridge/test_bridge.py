@@ -107,7 +107,11 @@ def check(rg: Rig) -> Any:
     sp = br.store
     mapped = {p for p in range(sp.num_pages) if sp.is_mapped(p)}
     assert need <= mapped
-    assert len(mapped - need) <= sp.max_spare_pages
+    # Idle, spares beyond the watermark are only pages wanted ahead, grace_pages at most.
+    extra = mapped - need
+    assert len(extra) <= sp.max_spare_pages + sp.policy.grace_pages
+    if len(extra) > sp.max_spare_pages:
+        assert len(extra - set(sp.policy.ahead) - set(sp.policy.pinned)) <= sp.max_spare_pages
     snap = rg.ledger.snapshot()
     assert snap.violations == ()
     swa = snap.rollup("family", "owner")[("swa_kv", "vmm")]

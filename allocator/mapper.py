@@ -91,6 +91,8 @@ class BackgroundMapper:
             self._unmap(spare)
         elif fence is not None:
             fence.wait()  # the fenced spares may go at the next step
+            with store.cond:
+                store.cond.notify_all()  # what `wait_idle` waits on may have changed
         return True
 
     def _map(self, jobs: list[Any]) -> None:

@@ -222,11 +222,19 @@ class SparePolicy:
         return since is not None and time.monotonic() - since >= self.unmap_grace_s
 
     def pending_fence(self) -> Fence | None:
-        """A fence of a spare not pinned that is not done yet (the mapper waits for it), or
-        None."""
-        for p in reversed(self.store.spares):
+        """The fence, not done yet, of a spare the trim would take once it is (the mapper
+        waits for it), or None. A spare the grace keeps (pinned, or wanted ahead within
+        `max_spare_pages + grace_pages`) is no work: its fence is not waited for. Waiting for
+        it anyway made the mapper look busy for as long as the fence was not asked about; a
+        device-wide fence (`done()` true only once someone waited) then was never done, and
+        `wait_idle` ran to its timeout after every round of the bench's round trip on CUDA."""
+        spares = self.store.spares
+        wanted = len(spares) > self.max_spare_pages + self.grace_pages
+        for p in reversed(spares):
+            if p in self.pinned:
+                continue
             f = self.fences.get(p)
-            if f is not None and not f.done() and p not in self.pinned:
+            if f is not None and not f.done() and (wanted or self.stale(p)):
                 return f
         return None
 

@@ -296,3 +296,50 @@ def test_the_grace_keeps_a_spare_wanted_ahead_and_trims_it_once_it_is_not() -> N
             assert mapper.wait_idle()
             assert len(store.spares) == 2  # the cap (1 + grace_pages) holds for wanted ones
             assert mapper.errors == 0
+
+
+class _AskedFence:
+    """Done only once someone waited for it, as the bridge's device-wide fence on CUDA
+    (`readback.DeviceFence`: a synchronisation, never polled)."""
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def done(self) -> bool:
+        return self.waited > 0
+
+    def wait(self) -> None:
+        self.waited += 1
+
+
+def test_a_fenced_spare_the_grace_keeps_is_no_work_for_the_mapper() -> None:
+    """A spare wanted ahead, kept past the grace within max_spare_pages + grace_pages, with a
+    fence that is done only once waited for: the mapper is idle at once (it has nothing to
+    unmap, so nothing to wait for) and never waits for that fence. Once the page is stale, its
+    fence is waited for and the page unmapped. (Counting such a fence as work left
+    `wait_idle` to its timeout after every round of the bench's 4096 round trip on CUDA.)"""
+    from allocator.store import PageStore
+
+    with HostBackend(PAGE) as be:
+        store = PageStore(
+            be, layers=1, page_bytes=PAGE, num_pages=8, max_spare_pages=1, unmap_grace_s=0.02
+        )
+        fence = _AskedFence()
+        with store, BackgroundMapper(store, idle_seconds=0.01) as mapper:
+            with store.lock:
+                store.map_locked([1, 2])  # one over the watermark, within grace_pages (1)
+                store.policy.set_ahead([1, 2])
+                store.policy.fence([1, 2], fence)
+            time.sleep(0.1)  # five graces
+            t0 = time.monotonic()
+            assert mapper.wait_idle(timeout=2.0)
+            assert time.monotonic() - t0 < 1.0
+            assert sorted(store.spares) == [1, 2]
+            assert fence.waited == 0
+            with store.lock:
+                store.policy.set_ahead([1])  # page 2 stale: the trim's, once its fence is done
+                store.cond.notify_all()
+            assert mapper.wait_idle(timeout=2.0)
+            assert list(store.spares) == [1]
+            assert fence.waited == 1
+            assert mapper.errors == 0

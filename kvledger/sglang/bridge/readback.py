@@ -4,7 +4,8 @@ The journal (journal.py) reads page-id tensors in batches (`read_many`: many ten
 On CPU the ids are host memory already: `HostReader` reads their values at once. On CUDA
 they are device tensors; reading one with `.tolist()` would wait for the whole stream.
 `CudaReader` instead concatenates them on the device and copies the result into pinned
-host memory with `non_blocking=True`, recording a CUDA event after the copy: the values are
+host memory (a buffer it keeps and reuses) with `non_blocking=True`, recording a CUDA event
+after the copy: the values are
 read when the event has completed (`CudaRead.lists`), normally long before they are needed,
 since the scheduler does host work between two replays. When they are needed sooner, the
 read waits on that event (only for the copy and the small kernels before it) and `waits`
@@ -50,9 +51,10 @@ class HostRead:
 class CudaRead:
     """Device tensors being copied to pinned host memory; `event` says when they are there."""
 
-    __slots__ = ("_host", "_lists", "_sizes", "event", "reader")
+    __slots__ = ("_buffer", "_host", "_lists", "_sizes", "event", "reader")
 
-    def __init__(self, host: Any, sizes: list[int], event: Any, reader: Any) -> None:
+    def __init__(self, buffer: Any, host: Any, sizes: list[int], event: Any, reader: Any) -> None:
+        self._buffer = buffer  # the reader's pinned buffer `host` is a view of
         self._host = host
         self._sizes = sizes
         self.event = event
@@ -64,7 +66,7 @@ class CudaRead:
 
     def lists(self) -> list[list[int]]:
         """Each tensor's values; waits for the copy (counted in the reader's `waits`) when
-        it has not landed yet."""
+        it has not landed yet. The pinned buffer goes back to the reader once read."""
         if self._lists is None:
             if not self.event.query():
                 self.reader.waits += 1
@@ -75,6 +77,9 @@ class CudaRead:
                 out.append(flat[k : k + n])
                 k += n
             self._lists = out
+            self._host = None
+            self.reader.give_back(self._buffer, self.event)
+            self._buffer = None
         return self._lists
 
 
@@ -132,7 +137,14 @@ class HostReader:
 
 
 class CudaReader:
-    """CUDA tensors: a pinned, non-blocking copy and an event per read."""
+    """CUDA tensors: a non-blocking copy into pinned host memory and an event per read.
+
+    The pinned buffers and events are kept and reused (a buffer goes back once its read has
+    been read, so its copy is done and its values copied out): allocating pinned memory and
+    an event for every read cost about as much as the read itself (`docs/benchmarks.md`)."""
+
+    KEEP = 8  # pinned buffers kept for reuse at most
+    LEAST = 1024  # values a new buffer holds at least
 
     def __init__(self, device: Any) -> None:
         import torch
@@ -140,11 +152,13 @@ class CudaReader:
         self._torch = torch
         self.device = device
         self.waits = 0  # reads that had to wait for their copy
+        self._free: list[Any] = []  # pinned buffers whose read has been read
+        self._events: list[Any] = []  # events whose read has been read
 
     def read_many(self, items: list[tuple[Any, int | None]]) -> CudaRead:
-        """The values of each (tensor, n): its first `n` (all with None). One concatenation on
-        the device, one pinned non-blocking copy and one event, whatever the number of
-        tensors."""
+        """The values of each (tensor, n): its first `n` (all with None). One copy to the
+        host and one event, whatever the number of tensors (several are concatenated on the
+        device first)."""
         torch = self._torch
         flat = []
         for t, n in items:
@@ -153,11 +167,28 @@ class CudaReader:
             flat.append(t[:n] if n is not None else t)
         sizes = [int(f.shape[0]) for f in flat]
         one = flat[0] if len(flat) == 1 else torch.cat(flat)
-        host = torch.empty(one.shape, dtype=one.dtype, pin_memory=True)
+        buffer = self._buffer(sum(sizes), one.dtype)
+        host = buffer[: sum(sizes)]
         host.copy_(one, non_blocking=True)
-        event = torch.cuda.Event()
+        event = self._events.pop() if self._events else torch.cuda.Event()
         event.record(torch.cuda.current_stream(one.device))
-        return CudaRead(host, sizes, event, self)
+        return CudaRead(buffer, host, sizes, event, self)
+
+    def _buffer(self, n: int, dtype: Any) -> Any:
+        free = self._free
+        for i in range(len(free) - 1, -1, -1):
+            b = free[i]
+            if b.dtype == dtype and b.shape[0] >= n:
+                return free.pop(i)
+        size = max(self.LEAST, 1 << max(0, n - 1).bit_length())
+        return self._torch.empty(size, dtype=dtype, pin_memory=True)
+
+    def give_back(self, buffer: Any, event: Any) -> None:
+        """A read's buffer and event, its values read (so its copy has landed): reused."""
+        if len(self._free) < self.KEEP:
+            self._free.append(buffer)
+        if len(self._events) < self.KEEP:
+            self._events.append(event)
 
     def fence_now(self) -> Any:
         """A fence that is done once every kernel queued so far, on any stream, has run."""

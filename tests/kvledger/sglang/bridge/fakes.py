@@ -109,6 +109,7 @@ class LateReader:
         self.rng = rng
         self.waits = 0
         self.events: list[FakeEvent] = []
+        self.given_back = 0
         self._pending: list[tuple[int, FakeEvent]] = []  # (reads left, event) with `rng`
 
     def read_many(self, items: list[tuple[Any, int | None]]) -> CudaRead:
@@ -122,7 +123,10 @@ class LateReader:
         self.events.append(ev)
         lists = [t.reshape(-1)[:n].tolist() for t, n in items]  # copied now, read later
         flat = torch.tensor([x for one in lists for x in one], dtype=torch.int64)
-        return CudaRead(flat, [len(x) for x in lists], ev, self)
+        return CudaRead(flat, flat, [len(x) for x in lists], ev, self)
+
+    def give_back(self, buffer: Any, event: Any) -> None:
+        self.given_back += 1  # CudaRead.lists gives each read's buffer back once
 
     def land_all(self) -> None:
         for ev in self.events:

@@ -43,7 +43,10 @@ Workload (`--requests` running requests of `--prompt` tokens, each decoding
   every event past the warm-up, the bridge's mapped page ids are checked against
   ceil(held rows / rows per VMM page) + max spare pages + 1, and the swa_kv family's
   physical bytes are held against the occupied and the native bytes
-  (`kvledger.bench.sglang_memory`: mean and max).
+  (`kvledger.bench.sglang_memory`: mean and max). Events follow each other back to
+  back unless `--churn-gap-ms` asks for an untimed pause after each (on every engine),
+  standing in for the forward a server runs between two scheduler steps: the background
+  mapper then has time to map ahead, as it has in a server.
 
 Maps are page ids (one VMM page in every layer), from the `swa_kv` account of the
 bridge's ledger. The fewest maps a fill/drain cycle can make: every VMM page that
@@ -69,6 +72,7 @@ import sys
 import warnings
 from typing import Any
 
+from kvledger.argtypes import number
 from kvledger.bench import bootstrap
 from kvledger.bench import sglang_cases as cases
 from kvledger.bench.sglang_memory import report_line as memory_line
@@ -119,6 +123,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--churn-events", type=_positive, default=2000, help="least churn events")
     p.add_argument("--churn-round", type=_positive, default=50, help="churn events per round")
     p.add_argument("--churn-warmup", type=int, default=200, help="churn events not checked")
+    p.add_argument(
+        "--churn-gap-ms",
+        type=number(float, 0, 1000),
+        default=0.0,
+        help="an untimed pause (ms) after each churn event on every engine, standing in for the "
+        "forward a server runs between two scheduler steps (0: back to back, the default)",
+    )
     p.add_argument(
         "--ci-width",
         type=_fraction,
@@ -349,7 +360,12 @@ def report(r: dict[str, Any]) -> list[str]:
         f"occupancy {ch['occupancy_min']:.0%}..{ch['occupancy_max']:.0%}; bound = ceil(held rows "
         f"/ rows per VMM page) + max spare pages ({c['max_spare_pages']}) + 1, held rows with "
         f"row 0; checked after event {ch['warmup']}; after every event the bridge takes a step "
-        f"of the production compaction policy ({ch['rows_moved']} rows moved)"
+        f"of the production compaction policy ({ch['rows_moved']} rows moved); "
+        + (
+            f"an untimed {c['churn_gap_ms']:g} ms pause after each event"
+            if c.get("churn_gap_ms")
+            else "events back to back"
+        )
     )
     out.append(memory_line(ch["swa_memory"], ch["compaction"]))
     out.append(

@@ -431,6 +431,7 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
     events past the warm-up (untimed) its mapped page ids are checked against the bound."""
     rb, gran = geometry
     per_round = args.churn_round
+    gap = args.churn_gap_ms / 1000
     state = {v.name: Churn(args.seed, args.swa_pages) for v in vs}
     kinds = {"admit": 0, "finish": 0}
     occ: list[float] = []
@@ -452,6 +453,8 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
             kind = churn.event(e)
             compact_between_events(v, policy)
             seconds += time.perf_counter() - t0
+            if gap:
+                time.sleep(gap)  # untimed: the forward between two scheduler steps
             if v.bridge is None:
                 continue
             kinds[kind] += 1
@@ -541,6 +544,7 @@ def run_all(
                 "steps": args.steps,
                 "trips": args.trips,
                 "churn_round": args.churn_round,
+                "churn_gap_ms": args.churn_gap_ms,
                 "ci_width": args.ci_width,
                 "rounds": args.rounds,
                 "max_rounds": args.max_rounds,

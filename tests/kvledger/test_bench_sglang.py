@@ -62,8 +62,12 @@ def test_a_negative_spare_count_is_refused_naming_the_value(
 def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     from kvledger.bench.sglang_cases import interval_of, run_all
 
-    args = _args(SMALL)
+    args = _args([*SMALL, "--churn-gap-ms", "5"])
+    assert _args(SMALL).churn_gap_ms == 0  # back to back unless asked
     r = run_all(args, threads=1)
+    # The pause after each churn event is not timed: 40 events a round would be 200 ms.
+    assert r["config"]["churn_gap_ms"] == 5
+    assert r["churn_event"]["native"]["median"] < 40 * 0.005
     for key in ("decode_step", "round_trip_4096", "fill_drain", "churn_event"):
         # whole rounds: 3 of each engine (--rounds = --max-rounds 3; churn: 120 / 40 events)
         assert r[key]["native"]["n"] == r[key]["control"]["n"] == r[key]["bridged"]["n"] == 3
@@ -135,6 +139,7 @@ def test_a_small_run_of_every_case(capsys: pytest.CaptureFixture[str]) -> None:
         assert sum(by_case.values()) <= r["driver_waits"]
         assert f"(decode_step {by_case['decode_step']}, round_trip_4096 " in text
     assert "churn mapped <= bound" in text
+    assert "an untimed 5 ms pause after each event" in text
     if r["driver_waits"] is None:
         assert "waited on a driver call: n/a" in text
     else:

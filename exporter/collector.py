@@ -222,6 +222,7 @@ class _LayoutLines(_SourceSeries):
         self.shape: Shape = []
         self._values: list[float] = []
         self.layout = _NO_LAYOUT
+        self._picked: Sequence[float] | None = None  # the values written, in line order
         # What decides the shape (`engine_values.shape_key`), when the layout can take values
         # read from the columns; None when it cannot (a vLLM source, or values that differ).
         self.key: Hashable | None = None
@@ -246,18 +247,31 @@ class _LayoutLines(_SourceSeries):
             self.layout = previous.layout
         else:
             self.layout = _layout(self.shape, self._label_str)
-        self.write(self._values)
+        self.write(self._values, previous)
         self._values = []
 
-    def write(self, values: Sequence[float]) -> None:
-        """The lines of `values` (in the order added) under this part's layout."""
+    def write(self, values: Sequence[float], previous: _LayoutLines | None = None) -> None:
+        """The lines of `values` (in the order added) under this part's layout. A metric
+        whose values are those of `previous` (the source's last snapshot, same layout) keeps
+        its lines: equal values are written alike (`exposition.number`: 1 and 1.0 both "1"),
+        and a republished rank changes the values of a few metrics, not of all."""
         prefixes, pick, spans = self.layout
-        # Most values are small ints, written as str() writes them (number() says the same).
-        lines = [
-            f"{p}{v}\n" if type(v) is int and -_EXACT < v < _EXACT else f"{p}{number(v)}\n"
-            for p, v in zip(prefixes, pick(values), strict=True)
-        ]
-        self.by_name = {name: lines[start:end] for name, start, end in spans}
+        picked = self._picked = pick(values)
+        before = (
+            previous._picked if previous is not None and previous.layout is self.layout else None
+        )
+        if before is None or len(before) != len(picked):
+            lines = _lines(prefixes, picked)
+            self.by_name = {name: lines[start:end] for name, start, end in spans}
+            return
+        kept = previous.by_name if previous is not None else {}
+        by_name = self.by_name = {}
+        for name, start, end in spans:
+            these = picked[start:end]
+            if these == before[start:end]:
+                by_name[name] = kept[name]
+            else:
+                by_name[name] = _lines(prefixes[start:end], these)
 
     def from_columns(self, v: SourceView, eng: dict[str, str]) -> bool:
         """One source's lines written from its summary's columns (`exporter.engine_values`)
@@ -270,7 +284,7 @@ class _LayoutLines(_SourceSeries):
             return False
         self._previous = None
         self.layout, self.key = previous.layout, key
-        self.write(engine_values.values(v.summary))
+        self.write(engine_values.values(v.summary), previous)
         return True
 
     def keep_key(self, v: SourceView, eng: dict[str, str], added: list[float]) -> None:
@@ -278,6 +292,15 @@ class _LayoutLines(_SourceSeries):
         key, kept only if the columns' values are those very values."""
         if engine_values.same(engine_values.values(v.summary), added):
             self.key = engine_values.shape_key(v.summary, eng)
+
+
+def _lines(prefixes: Sequence[str], values: Sequence[float]) -> list[str]:
+    """Each prefix (name and labels) with its value, a line each."""
+    # Most values are small ints, written as str() writes them (number() says the same).
+    return [
+        f"{p}{v}\n" if type(v) is int and -_EXACT < v < _EXACT else f"{p}{number(v)}\n"
+        for p, v in zip(prefixes, values, strict=True)
+    ]
 
 
 def _layout(shape: Shape, label_str: LabelMemo) -> Layout:

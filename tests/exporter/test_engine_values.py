@@ -140,3 +140,20 @@ def test_the_shape_key_changes_with_every_part_that_names_a_series(versions):
         assert engine_values.shape_key(other, eng) != key, i
     assert engine_values.shape_key(s, {"model_name": "n"}) != key
     assert engine_values.shape_key(dataclasses.replace(s), eng) == key
+
+
+def test_a_metric_whose_values_did_not_change_keeps_its_lines(versions):
+    """Between two snapshots of one shape, a metric with the same values keeps the lines
+    written for the previous one (the same list), a metric with others is written again."""
+    view, src, snaps = versions
+    collector = KvLedgerCollector(src)
+    collector.render("text/plain", _scan(view, snaps[1], 1))
+    before = collector._lines["s"][1].by_name
+    collector.render("text/plain", _scan(view, snaps[2], 2))
+    after = collector._lines["s"][1].by_name
+    assert after.keys() == before.keys()
+    kept = {name for name in after if after[name] is before[name]}
+    changed = {name for name in after if after[name] != before[name]}
+    assert {"sglang:kv_cache_tensor_bytes", "sglang:kv_cache_capacity_slots"} <= kept, kept
+    assert "sglang:kv_cache_occupied_slots" in changed, changed
+    assert not kept & changed

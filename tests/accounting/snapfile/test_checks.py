@@ -25,12 +25,20 @@ def _pop_row(columns: dict) -> None:
         column.pop()
 
 
+def _partial_page(s: dict) -> None:
+    """A VMM family's physical bytes one byte off a whole page (the totals made to match)."""
+    fam = s["families"]
+    fam["physical_bytes"][fam["owner"].index("vmm")] += 1
+    s["totals"]["physical_bytes"] += 1
+
+
 @pytest.mark.parametrize(
     "change, needle",
     [
         (lambda s: s["totals"].update(physical_bytes=80 << 30), "totals: physical_bytes"),
         (lambda s: s["families"]["occupied_slots"].__setitem__(0, 10**9), "sum to"),
         (lambda s: _pop_row(s["families"]), "no row for the accounts"),
+        (_partial_page, "is not a whole number of pages of"),
         (lambda s: _append_row(s["families"], 0), "listed twice"),
         (lambda s: _append_row(s["accounts"], 0), "listed twice"),
         (

@@ -279,19 +279,27 @@ class _LayoutLines(_SourceSeries):
         previous = self._previous
         if previous is None or previous.key is None:
             return False
-        key = engine_values.shape_key(v.summary, eng)
-        if key != previous.key:
+        try:
+            key = engine_values.shape_key(v.summary, eng)
+            values = engine_values.values(v.summary) if key == previous.key else None
+        except Exception:  # the columns cannot say: `_add_engine_series` (which names why)
+            log.debug("source %s: series from the columns failed", v.source, exc_info=True)
+            return False
+        if values is None:
             return False
         self._previous = None
         self.layout, self.key = previous.layout, key
-        self.write(engine_values.values(v.summary), previous)
+        self.write(values, previous)
         return True
 
     def keep_key(self, v: SourceView, eng: dict[str, str], added: list[float]) -> None:
         """After a build through `_add_engine_series` (values `added`): this layout's shape
         key, kept only if the columns' values are those very values."""
-        if engine_values.same(engine_values.values(v.summary), added):
-            self.key = engine_values.shape_key(v.summary, eng)
+        try:
+            if engine_values.same(engine_values.values(v.summary), added):
+                self.key = engine_values.shape_key(v.summary, eng)
+        except Exception:  # no key: this source's layouts keep being built the other way
+            log.debug("source %s: no series from the columns", v.source, exc_info=True)
 
 
 def _lines(prefixes: Sequence[str], values: Sequence[float]) -> list[str]:

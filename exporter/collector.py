@@ -23,7 +23,7 @@ import logging
 import operator
 import platform
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from prometheus_client.core import Metric
@@ -37,9 +37,10 @@ from accounting.figures import FIGURES, HOLDER_NAMES
 from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.snapfile.publish_errors import counts_of
+from accounting.snapfile.summary import Summary
 from accounting.tp_status import TP_COUNTERS
+from exporter import engine_values, vllm
 from exporter import metrics as m
-from exporter import vllm
 from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
 from exporter.failures import SourceFailures
 from exporter.metrics import EngineKey, device_labels, engine_key, engine_labels
@@ -221,6 +222,10 @@ class _LayoutLines(_SourceSeries):
         self.shape: Shape = []
         self._values: list[float] = []
         self.layout = _NO_LAYOUT
+        self._picked: Sequence[float] | None = None  # the values written, in line order
+        # What decides the shape (`engine_values.shape_key`), when the layout can take values
+        # read from the columns; None when it cannot (a vLLM source, or values that differ).
+        self.key: Hashable | None = None
 
     def add(
         self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
@@ -242,14 +247,68 @@ class _LayoutLines(_SourceSeries):
             self.layout = previous.layout
         else:
             self.layout = _layout(self.shape, self._label_str)
-        prefixes, pick, spans = self.layout
-        # Most values are small ints, written as str() writes them (number() says the same).
-        lines = [
-            f"{p}{v}\n" if type(v) is int and -_EXACT < v < _EXACT else f"{p}{number(v)}\n"
-            for p, v in zip(prefixes, pick(self._values), strict=True)
-        ]
+        self.write(self._values, previous)
         self._values = []
-        self.by_name = {name: lines[start:end] for name, start, end in spans}
+
+    def write(self, values: Sequence[float], previous: _LayoutLines | None = None) -> None:
+        """The lines of `values` (in the order added) under this part's layout. A metric
+        whose values are those of `previous` (the source's last snapshot, same layout) keeps
+        its lines: equal values are written alike (`exposition.number`: 1 and 1.0 both "1"),
+        and a republished rank changes the values of a few metrics, not of all."""
+        prefixes, pick, spans = self.layout
+        picked = self._picked = pick(values)
+        before = (
+            previous._picked if previous is not None and previous.layout is self.layout else None
+        )
+        if before is None or len(before) != len(picked):
+            lines = _lines(prefixes, picked)
+            self.by_name = {name: lines[start:end] for name, start, end in spans}
+            return
+        kept = previous.by_name if previous is not None else {}
+        by_name = self.by_name = {}
+        for name, start, end in spans:
+            these = picked[start:end]
+            if these == before[start:end]:
+                by_name[name] = kept[name]
+            else:
+                by_name[name] = _lines(prefixes[start:end], these)
+
+    def from_columns(self, v: SourceView, eng: dict[str, str]) -> bool:
+        """One source's lines written from its summary's columns (`exporter.engine_values`)
+        under the previous snapshot's layout, when the shape is that one's: True if done."""
+        previous = self._previous
+        if previous is None or previous.key is None:
+            return False
+        try:
+            key = engine_values.shape_key(v.summary, eng)
+            values = engine_values.values(v.summary) if key == previous.key else None
+        except Exception:  # the columns cannot say: `_add_engine_series` (which names why)
+            log.debug("source %s: series from the columns failed", v.source, exc_info=True)
+            return False
+        if values is None:
+            return False
+        self._previous = None
+        self.layout, self.key = previous.layout, key
+        self.write(values, previous)
+        return True
+
+    def keep_key(self, v: SourceView, eng: dict[str, str], added: list[float]) -> None:
+        """After a build through `_add_engine_series` (values `added`): this layout's shape
+        key, kept only if the columns' values are those very values."""
+        try:
+            if engine_values.same(engine_values.values(v.summary), added):
+                self.key = engine_values.shape_key(v.summary, eng)
+        except Exception:  # no key: this source's layouts keep being built the other way
+            log.debug("source %s: no series from the columns", v.source, exc_info=True)
+
+
+def _lines(prefixes: Sequence[str], values: Sequence[float]) -> list[str]:
+    """Each prefix (name and labels) with its value, a line each."""
+    # Most values are small ints, written as str() writes them (number() says the same).
+    return [
+        f"{p}{v}\n" if type(v) is int and -_EXACT < v < _EXACT else f"{p}{number(v)}\n"
+        for p, v in zip(prefixes, values, strict=True)
+    ]
 
 
 def _layout(shape: Shape, label_str: LabelMemo) -> Layout:
@@ -381,11 +440,32 @@ def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> _So
     if hit is not None and hit[0] is v.published:
         return hit[1]
     part = top.part(hit[1] if hit is not None else None)
-    _add_engine_series(part, v)
-    part.done()
+    if isinstance(part, _LayoutLines):
+        _engine_lines(part, v)
+    else:
+        _add_engine_series(part, v)
+        part.done()
     if cache is not None:
         cache[v.source] = (v.published, part)
     return part
+
+
+def _engine_lines(part: _LayoutLines, v: SourceView) -> None:
+    """A source's sample lines: from its columns under its previous layout when its shape is
+    unchanged, else through `_add_engine_series` (which also sets the layout's key)."""
+    s = v.summary
+    eng = None if vllm.role(s.labels) is not None else _engine_labels(s)
+    if eng is not None and part.from_columns(v, eng):
+        return
+    _add_engine_series(part, v)
+    added = part._values
+    part.done()
+    if eng is not None:
+        part.keep_key(v, eng, added)
+
+
+def _engine_labels(s: Summary) -> dict[str, str]:
+    return {**engine_labels(s.labels), **device_labels(s.reconciliation)}
 
 
 _NO_ERRORS = counts_of({})
@@ -412,27 +492,12 @@ def _service_values(v: SourceView) -> tuple[dict[str, str], tuple[float, ...]]:
 # attribute of the same place.
 _HELD_METRICS = (m.HELD_SLOTS, m.HELD_BYTES)
 # each `sglang:kv_cache_<field>`, read from FamilyHeld's field of that name
-_EVICTED = (
-    "evicted_slots_total",
-    "evicted_bytes_total",
-    "window_evicted_slots_total",
-    "window_evicted_bytes_total",
-)
+_EVICTED = engine_values.EVICTED
 _EVICTED_METRICS = tuple(f"sglang:kv_cache_{field}" for field in _EVICTED)
 _evicted_values = operator.attrgetter(*_EVICTED)
 _TP_METRICS = tuple(f"kvledger_tp_{key}" for key in TP_COUNTERS)
 _tp_values = operator.attrgetter(*TP_COUNTERS)
-_VMM_ACCOUNT = {
-    "kvledger_pages_mapped_total": "pages_mapped_total",
-    "kvledger_pages_unmapped_total": "pages_unmapped_total",
-    "kvledger_map_calls_total": "map_calls",
-    "kvledger_map_seconds_total": "map_seconds_total",
-    "kvledger_unmap_seconds_total": "unmap_seconds_total",
-    "kvledger_allocator_failures_total": "driver_failures_total",
-    "kvledger_handle_pages": "handle_pages",
-    "kvledger_mapped_pages": "mapped_pages",
-    "kvledger_peak_handle_pages": "peak_handle_pages",
-}
+_VMM_ACCOUNT = engine_values.VMM_ACCOUNT
 _VMM_ACCOUNT_METRICS = tuple(_VMM_ACCOUNT)
 _vmm_account_values = operator.attrgetter(*_VMM_ACCOUNT.values())
 
@@ -440,7 +505,7 @@ _vmm_account_values = operator.attrgetter(*_VMM_ACCOUNT.values())
 def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     s = v.summary
-    eng = {**engine_labels(s.labels), **device_labels(s.reconciliation)}
+    eng = _engine_labels(s)
     role = vllm.role(s.labels)
     if role is not None:
         _add_vllm_series(fam, v, role)

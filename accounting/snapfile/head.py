@@ -7,9 +7,12 @@ as bytes for `accounting.snapfile.buffermap`. Checked: the envelope (schema vers
 `source` equal to the file's name, pid, host, process start, `interval` within
 [MIN_INTERVAL_S, MAX_INTERVAL_S], a finite heartbeat no more than MAX_SKEW_S in the
 future, a sequence number); every account, family row, violation and reconciliation
-entry (`accounting.snapfile.schema`); then the relations between them
-(`accounting.snapfile.checks`), recomputed: a file whose own figures disagree is
-refused.
+entry (`accounting.snapfile.schema`; the account and family parts are columns,
+`accounting.snapfile.tables`); then the relations between them
+(`accounting.snapfile.checks`, told over the columns by `accounting.snapfile.relations`),
+recomputed: a file whose own figures disagree is refused. No account, family or holder
+record is built here: the `Summary` holds their columns and builds the records when
+someone reads them.
 
 JSON nested deeper than the parser allows is refused as "nesting"; anything nested
 deeper than the schema is a "schema" refusal.
@@ -17,12 +20,10 @@ deeper than the schema is a "schema" refusal.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from accounting.figures import Figures
-from accounting.snapfile import checks, publish_errors, schema
+from accounting.snapfile import checks, publish_errors, relations, schema, tables
 from accounting.snapfile.envelope import ENVELOPE_SCHEMA, SUFFIX, Envelope, check_interval
 from accounting.snapfile.refusal import Refused, fail
 from accounting.snapfile.schema import (
@@ -36,7 +37,7 @@ from accounting.snapfile.schema import (
     parse_json,
     str_of,
 )
-from accounting.snapfile.summary import Summary, family_held
+from accounting.snapfile.summary import Summary
 from accounting.snapshot import SCHEMA_VERSION
 
 MAX_SKEW_S = 5.0  # how far in the future a heartbeat or snapshot time may be (clock skew)
@@ -71,10 +72,13 @@ def load(data: bytes, name: str, now: float) -> Head:
 
 
 def _envelope(env: dict[str, Any], name: str, now: float) -> Envelope:
-    if env.get("kvledger_publish") != ENVELOPE_SCHEMA:
+    version = env.get("kvledger_publish")
+    if version != ENVELOPE_SCHEMA:
+        older = " (version 1: accounts and families as rows; a publisher older than this exporter)"
         raise fail(
             "envelope",
-            f"kvledger_publish={env.get('kvledger_publish')!r:.60}, expected {ENVELOPE_SCHEMA}",
+            f"kvledger_publish={version!r:.60}, expected {ENVELOPE_SCHEMA}"
+            + (older if version == 1 and type(version) is int else ""),
         )
     source = str_of(env, "source", "envelope")
     if source + SUFFIX != name:
@@ -109,22 +113,20 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
     taken_at = num_of(snap, "taken_at", "snapshot")
     if taken_at > now + MAX_SKEW_S:
         raise fail("snapshot", f"taken_at is {taken_at - now:.0f} s in the future")
-    accounts = schema.accounts_of(get_field(snap, "accounts", "snapshot"))
-    if len({a.key for a in accounts}) < len(accounts):
-        key = Counter(a.key for a in accounts).most_common(1)[0][0]
-        raise fail("accounts", f"key {key!r:.60} listed twice")
-    families = checks.families_match_accounts(
-        schema.family_rows_of(get_field(snap, "families", "snapshot")), accounts
+    accounts = tables.account_table(get_field(snap, "accounts", "snapshot"))
+    relations.keys_unique(accounts)
+    families = relations.families_match_accounts(
+        tables.family_table(get_field(snap, "families", "snapshot")), accounts
     )
-    totals = Figures.sum([f.figures for f in families])
+    totals = relations.totals(families)
     checks.totals_match(as_dict(get_field(snap, "totals", "snapshot"), "totals"), totals)
     checks.within_bounds(totals)
-    checks.whole_pages(families, accounts)
+    relations.whole_pages(families, accounts)
     tp = schema.tp_status(snap.get("tp"))
     epoch = int_of(snap, "epoch", "snapshot")
     labels = labels_of(get_field(snap, "labels", "snapshot"))
     violations = schema.violations_of(get_field(snap, "violations", "snapshot"))
-    checks.violations_complete(violations, accounts, families)
+    relations.violations_complete(violations, accounts, families)
     reconciliation = schema.reconciliation_of(snap.get("reconciliation"))
     checks.parts_violations_listed(violations, reconciliation)
     return Summary(
@@ -132,11 +134,10 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
         taken_at=taken_at,
         labels=labels,
         totals=totals,
-        families=families,
-        accounts=accounts,
+        family_columns=families,
+        account_columns=accounts,
         violations=tuple(violations),
         reconciliation=reconciliation,
         tp=tp,
-        holders=family_held(accounts),
         engine=schema.engine_state_of(snap.get("engine")),
     )

@@ -7,9 +7,12 @@ returns accounting's record of it (`BufferRow`, `AccountRow`, `FamilyRow`,
 row, the field, the value (cut to 60 characters) and what was expected: finite,
 non-negative figures, integers within 64 bits, names of bounded length, lists of
 bounded size. The fields a row must have are read from its dataclass, so a field
-added there is checked here. The common case, every row well formed, is checked a
-whole list at a time with C-level builtins (`plain_*`); a list that fails it is
-checked row by row to name the first fault. `parse_json` refuses bytes that are not
+added there is checked here. The first line's accounts and families come as columns
+(`accounting.snapfile.tables` checks those a column at a time and hands a table that
+fails to the row checkers here, `account_fields` and `family_row`, to name the first
+fault). The common case, every row well formed, is checked a whole list at a time
+with C-level builtins (`plain_*`); a list that fails it is checked row by row to
+name the first fault. `parse_json` refuses bytes that are not
 JSON ("parse") or nested deeper than the parser allows ("nesting").
 
 Whether the parts agree with each other is `accounting.snapfile.checks`' business.
@@ -18,7 +21,6 @@ Whether the parts agree with each other is `accounting.snapfile.checks`' busines
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import operator
@@ -53,7 +55,6 @@ OWNERS = frozenset(o.value for o in Owner)
 
 INT = {int}
 STR = {str}
-DICT = {dict}
 
 
 def parse_json(data: bytes) -> Any:
@@ -142,12 +143,6 @@ def scalars_of(d: Any, where: str) -> dict[str, Any]:
 
 
 # -- the common case, checked a whole list at a time with C-level builtins ----------------------
-def plain_rows(rows: list[Any], keys: frozenset[str]) -> bool:
-    """Every row a dict with as many keys as `keys` (the caller's itemgetters over all of
-    `keys` then raise KeyError unless each row has exactly those)."""
-    return set(map(type, rows)) == DICT and set(map(len, rows)) == {len(keys)}
-
-
 def plain_ints(values: list[Any]) -> bool:
     """Every value an int in [0, MAX_INT] (C-level builtins over the whole list)."""
     return not values or (
@@ -163,7 +158,6 @@ def plain_strs(values: list[Any], limit: int = MAX_NAME) -> bool:
 # -- the parts of a snapshot ------------------------------------------------------------------
 MAX_FAMILIES = 64  # rows of the per-family rollup (DeepSeek-V4 has 7; 4,096 is a lie)
 MAX_TRUTHS = 16  # reconciliation entries
-_chain = itertools.chain.from_iterable
 
 
 def _int_fields(cls: type) -> tuple[str, ...]:
@@ -250,69 +244,10 @@ def buffer_row(d: Any, i: int) -> BufferRow:
     )
 
 
-# -- account rows ------------------------------------------------------------------------------
+# -- account rows and per-family rows (read as columns: accounting.snapfile.tables) ---------
 # The integer figures of an account row: AccountRow's int fields, declared there once.
-_ACCOUNT_INTS = _int_fields(AccountRow)
-_ACCOUNT_KEYSET = frozenset(f.name for f in dataclasses.fields(AccountRow))
-_BUCKETS = len(MAP_SECONDS_BUCKETS) + 1
-_account_ints = operator.itemgetter(*_ACCOUNT_INTS)
-_account_strs = operator.itemgetter("key", "family", "pool")
-_account_seconds = operator.itemgetter("map_seconds_total", "unmap_seconds_total")
-_account_owner = operator.itemgetter("owner")
-_account_buckets = operator.itemgetter("map_bucket_counts")
-
-
-def _plain_accounts(rows: list[Any]) -> bool:
-    """The common case, every account row at once with C-level builtins: exactly the
-    fields, each of its type and range. False to take the row-by-row path."""
-    if not plain_rows(rows, _ACCOUNT_KEYSET):
-        return False
-    try:
-        ints = list(_chain(map(_account_ints, rows)))
-        buckets = list(map(_account_buckets, rows))
-        strs = list(_chain(map(_account_strs, rows)))
-        seconds = list(_chain(map(_account_seconds, rows)))
-        owners = set(map(_account_owner, rows))
-    except (KeyError, TypeError):  # a key missing (so another one there), or unhashable
-        return False
-    return (
-        plain_ints(ints)
-        and set(map(type, buckets)) == {list}
-        and set(map(len, buckets)) == {_BUCKETS}
-        and plain_ints(list(_chain(buckets)))
-        and plain_strs(strs)
-        and owners <= OWNERS
-        and set(map(type, seconds)) == {float}
-        and all(map(math.isfinite, seconds))
-        and min(seconds) >= 0
-    )
-
-
-def accounts_of(d: Any) -> tuple[AccountRow, ...]:
-    """The account rows, checked: exactly AccountRow's fields (seconds as floats)."""
-    rows = as_list(d, "accounts")
-    if not (rows and _plain_accounts(rows)):
-        rows = [account_fields(row, i) for i, row in enumerate(rows)]
-    return tuple(map(_account_row, rows))
-
-
-_OWNER_OF = {o.value: o for o in Owner}
-# A frozen dataclass's __init__ sets each of AccountRow's 18 fields through
-# object.__setattr__: ~9 us a row, 7 rows a rank, on every new version of a file. A row
-# checked above has exactly AccountRow's fields, so its dict becomes the instance's
-# __dict__ instead (~2 us); this holds while AccountRow has no __post_init__ nor slots.
-if hasattr(AccountRow, "__post_init__") or hasattr(AccountRow, "__slots__"):  # pragma: no cover
-    raise RuntimeError("accounting.snapfile.schema: AccountRow must be built through __init__")
-
-
-def _account_row(d: dict[str, Any]) -> AccountRow:
-    """`AccountRow.from_dict` of a checked row (exactly its fields), without __init__."""
-    row = object.__new__(AccountRow)
-    fields = row.__dict__
-    fields.update(d)
-    fields["owner"] = _OWNER_OF[d["owner"]]
-    fields["map_bucket_counts"] = tuple(d["map_bucket_counts"])
-    return row
+ACCOUNT_INTS = _int_fields(AccountRow)
+BUCKETS = len(MAP_SECONDS_BUCKETS) + 1  # an account's map_bucket_counts
 
 
 def account_fields(d: Any, i: int) -> dict[str, Any]:
@@ -321,72 +256,23 @@ def account_fields(d: Any, i: int) -> dict[str, Any]:
     where = f"accounts[{i}]"
     d = as_dict(d, where)
     buckets = as_list(get_field(d, "map_bucket_counts", where), f"{where}.map_bucket_counts", 64)
-    if len(buckets) != _BUCKETS or any(
+    if len(buckets) != BUCKETS or any(
         isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= MAX_INT for c in buckets
     ):
-        raise fail(where, f"map_bucket_counts: expected {_BUCKETS} non-negative integers")
+        raise fail(where, f"map_bucket_counts: expected {BUCKETS} non-negative integers")
     return {
         "key": str_of(d, "key", where),
         "family": str_of(d, "family", where),
         "pool": str_of(d, "pool", where),
         "owner": owner_of(d, where).value,
-        **{k: int_of(d, k, where) for k in _ACCOUNT_INTS},
+        **{k: int_of(d, k, where) for k in ACCOUNT_INTS},
         "map_seconds_total": num_of(d, "map_seconds_total", where),
         "unmap_seconds_total": num_of(d, "unmap_seconds_total", where),
         "map_bucket_counts": list(buckets),
     }
 
 
-# -- per-family rows ---------------------------------------------------------------------------
-_FAMILY_KEYS = frozenset(("family", "owner", *FIGURE_NAMES))
-_family_names = operator.itemgetter("family")
-_family_owners = operator.itemgetter("owner")
-_family_figures = operator.itemgetter(*FIGURE_NAMES)
-
-
-def _plain_families(rows: list[Any]) -> bool:
-    """The common case, every row at once with C-level builtins: exactly the keys, each
-    of its type and range. False to take the row-by-row path."""
-    if not rows or not plain_rows(rows, _FAMILY_KEYS):
-        return not rows
-    try:
-        names = list(map(_family_names, rows))
-        owners = set(map(_family_owners, rows))
-        figures = list(_chain(map(_family_figures, rows)))
-    except (KeyError, TypeError):  # a key missing (so another one there), or unhashable
-        return False
-    return plain_strs(names) and owners <= OWNERS and plain_ints(figures)
-
-
-def family_rows_of(d: Any) -> list[FamilyRow]:
-    """The per-family rows as listed, each checked (their sums: `accounting.snapfile.checks`)."""
-    rows = as_list(d, "families", MAX_FAMILIES)
-    if _plain_families(rows):
-        return [
-            _family_of(row["family"], _OWNER_OF[row["owner"]], _family_figures(row)) for row in rows
-        ]
-    return [_family_row(row, i) for i, row in enumerate(rows)]
-
-
-# As for AccountRow below: a checked row's fields set through the instances' __dict__, not
-# the frozen dataclasses' __init__ (object.__setattr__ per field: 7 figures and 3 fields a
-# family, 7 families a rank, on every new version of a file). Holds while neither class has
-# a __post_init__ nor slots.
-if any(hasattr(c, "__post_init__") or hasattr(c, "__slots__") for c in (Figures, FamilyRow)):
-    raise RuntimeError(  # pragma: no cover
-        "accounting.snapfile.schema: Figures and FamilyRow must be built through __init__"
-    )
-
-
-def _family_of(family: str, owner: Owner, values: tuple[int, ...]) -> FamilyRow:
-    figures = object.__new__(Figures)
-    figures.__dict__.update(zip(FIGURE_NAMES, values, strict=True))
-    row = object.__new__(FamilyRow)
-    row.__dict__.update(family=family, owner=owner, figures=figures)
-    return row
-
-
-def _family_row(row: Any, i: int) -> FamilyRow:
+def family_row(row: Any, i: int) -> FamilyRow:
     """One per-family row checked field by field, naming the first fault."""
     where = f"families[{i}]"
     row = as_dict(row, where)

@@ -8,22 +8,29 @@ the debug view read its fields by name; nothing downstream reads the JSON.
 
 The rows reuse accounting's own records (`AccountRow`, `Violation`, `TpStatus`,
 `Figures`); what only a summary has is declared here: a family's rollup row and a
-reconciliation result.
+reconciliation result. The accounts, the family rows and the holders are held as
+columns (one list per field: `ACCOUNT_FIELDS`, `FAMILY_FIELDS`, `HOLDER_FIELDS`), as a
+file's first line carries them since `kvledger_publish` 2; a republished rank's series
+are written from those, and the records (`Summary.accounts`, `.families`, `.holders`)
+are built from them the first time someone reads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.buffers import Owner
 from accounting.engine_state import EngineState
-from accounting.figures import Figures, Held
+from accounting.figures import FIGURE_NAMES, HOLDER_NAMES, Figures, Held
 from accounting.records import record_maker
 from accounting.relations import Violation
+from accounting.snapfile.columns import Columns
 from accounting.snapshot import AccountRow, Snapshot
 from accounting.tp_status import TpStatus
 
@@ -53,46 +60,138 @@ class FamilyHeld:
     window_evicted_bytes_total: int = 0
 
 
-_held_counts = operator.attrgetter(
-    "held_tree_protected",
-    "held_tree_evictable",
-    "held_request_only",
-    "held_unattributed",
+# The columns of a summary's parts (`accounting.snapfile.columns`): an account's fields as
+# AccountRow declares them, a family row's as the first line writes it, a holder row's as
+# FamilyHeld's with each split by holder. Owners are held as their values ("vmm"), an
+# account's bucket counts as lists.
+ACCOUNT_FIELDS = tuple(f.name for f in dataclasses.fields(AccountRow))
+FAMILY_FIELDS = ("family", "owner", *FIGURE_NAMES)
+_HELD_COUNTS = (*(f"held_{h}" for h in HOLDER_NAMES), "evicted_slots_total")
+_HELD_COUNTS += ("window_evicted_slots_total",)
+HOLDER_FIELDS = (
+    "family",
+    "owner",
+    *(f"slots_{h}" for h in HOLDER_NAMES),
+    *(f"bytes_{h}" for h in HOLDER_NAMES),
     "evicted_slots_total",
+    "evicted_bytes_total",
     "window_evicted_slots_total",
+    "window_evicted_bytes_total",
 )
+_OWNER_OF = {o.value: o for o in Owner}
 _make_held = record_maker(Held)
 _make_family_held = record_maker(FamilyHeld)
+_make_account = record_maker(AccountRow)
+_make_figures = record_maker(Figures)
+_make_family = record_maker(FamilyRow)
+_OWNER_AT = ACCOUNT_FIELDS.index("owner")
+_BUCKETS_AT = ACCOUNT_FIELDS.index("map_bucket_counts")
 
 
-def family_held(accounts: Iterable[AccountRow]) -> tuple[FamilyHeld, ...]:
-    """The holders per (family, owner) of `accounts`, sorted. Built on every new version of
-    a file, so summed as plain columns: per account its four holders' slots and its two
-    eviction counters, then each of those times the account's slot_bytes."""
-    sums: dict[tuple[str, Owner], tuple[int, ...]] = {}
-    for a in accounts:
-        counts = _held_counts(a)
-        per = a.slot_bytes
-        row = (*counts, *[c * per for c in counts])
-        key = (a.family, a.owner)
+def holder_columns(accounts: Mapping[str, Sequence[Any]]) -> Columns:
+    """The holders per (family, owner) of checked account columns, sorted: per account its
+    four holders' slots and its two eviction counters, then each of those times the
+    account's slot_bytes, summed over the accounts of a (family, owner)."""
+    per = accounts["slot_bytes"]
+    counts = [accounts[name] for name in _HELD_COUNTS]
+    nbytes = [list(map(operator.mul, c, per)) for c in counts]
+    sums: dict[tuple[str, str], tuple[int, ...]] = {}
+    for key, row in zip(
+        zip(accounts["family"], accounts["owner"], strict=True),
+        zip(*counts, *nbytes, strict=True),
+        strict=True,
+    ):
         s = sums.get(key)
         sums[key] = row if s is None else tuple(map(operator.add, s, row))
-    out = []
-    for (family, owner), row in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
-        p, e, r, u, evicted, window, p_b, e_b, r_b, u_b, evicted_b, window_b = row
-        out.append(
-            _make_family_held(
-                family,
-                owner,
-                _make_held(p, e, r, u),
-                _make_held(p_b, e_b, r_b, u_b),
+    keys = sorted(sums)
+    values = list(zip(*map(sums.__getitem__, keys), strict=True)) or [()] * 12
+    p, e, r, u, evicted, window, p_b, e_b, r_b, u_b, evicted_b, window_b = map(list, values)
+    return dict(
+        zip(
+            HOLDER_FIELDS,
+            (
+                [k[0] for k in keys],
+                [k[1] for k in keys],
+                p,
+                e,
+                r,
+                u,
+                p_b,
+                e_b,
+                r_b,
+                u_b,
                 evicted,
                 evicted_b,
                 window,
                 window_b,
-            )
+            ),
+            strict=True,
         )
-    return tuple(out)
+    )
+
+
+def family_held(accounts: Iterable[AccountRow]) -> tuple[FamilyHeld, ...]:
+    """The holders per (family, owner) of `accounts`, sorted."""
+    return holder_rows(holder_columns(account_columns(accounts)))
+
+
+def holder_rows(c: Mapping[str, Sequence[Any]]) -> tuple[FamilyHeld, ...]:
+    """The records of holder columns (`holder_columns`)."""
+    p, e, r, u, p_b, e_b, r_b, u_b = (c[name] for name in HOLDER_FIELDS[2:10])
+    return tuple(
+        _make_family_held(
+            family, _OWNER_OF[owner], _make_held(*slots), _make_held(*nbytes), *evicted
+        )
+        for family, owner, slots, nbytes, evicted in zip(
+            c["family"],
+            c["owner"],
+            zip(p, e, r, u, strict=True),
+            zip(p_b, e_b, r_b, u_b, strict=True),
+            zip(*(c[name] for name in HOLDER_FIELDS[10:]), strict=True),
+            strict=True,
+        )
+    )
+
+
+def account_columns(accounts: Iterable[AccountRow]) -> Columns:
+    """Account records as columns (owners as values, bucket counts as lists)."""
+    rows = list(accounts)
+    out = {name: [getattr(a, name) for a in rows] for name in ACCOUNT_FIELDS}
+    out["owner"] = [o.value for o in out["owner"]]
+    out["map_bucket_counts"] = [list(b) for b in out["map_bucket_counts"]]
+    return out
+
+
+def account_rows(c: Mapping[str, Sequence[Any]]) -> tuple[AccountRow, ...]:
+    """The records of checked account columns (exactly AccountRow's fields, each of its type)."""
+    columns: list[Iterable[Any]] = [c[name] for name in ACCOUNT_FIELDS]
+    columns[_OWNER_AT] = map(_OWNER_OF.__getitem__, c["owner"])
+    columns[_BUCKETS_AT] = map(tuple, c["map_bucket_counts"])
+    return tuple(itertools.starmap(_make_account, zip(*columns, strict=True)))
+
+
+def family_columns(rows: Iterable[FamilyRow]) -> Columns:
+    """Family records as columns (owners as values)."""
+    rows = list(rows)
+    out = {"family": [r.family for r in rows], "owner": [r.owner.value for r in rows]}
+    figures = list(zip(*(r.figures.values() for r in rows), strict=True)) or [()] * len(
+        FIGURE_NAMES
+    )
+    out.update(zip(FIGURE_NAMES, map(list, figures), strict=True))
+    return out
+
+
+def family_records(c: Mapping[str, Sequence[Any]]) -> tuple[FamilyRow, ...]:
+    """The records of checked family columns."""
+    return tuple(
+        _make_family(family, _OWNER_OF[owner], _make_figures(*figures))
+        for family, owner, figures in zip(
+            c["family"],
+            c["owner"],
+            zip(*(c[name] for name in FIGURE_NAMES), strict=True),
+            strict=True,
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -145,19 +244,41 @@ class Reconciliation:
 
 @dataclass(frozen=True)
 class Summary:
-    """One snapshot without its buffer rows: all a scrape reads."""
+    """One snapshot without its buffer rows: all a scrape reads.
+
+    The accounts, the family rows and the holders are held as columns (a scrape writes
+    its series from those); their records (`accounts`, `families`, `holders`) are built
+    the first time someone reads them (/debug/kv, a buffer map, a vLLM view), once."""
 
     epoch: int  # changes the ledger had applied when the snapshot was taken
     taken_at: float  # Unix time
     labels: Mapping[str, str]  # the ledger's labels as published
-    totals: Figures  # the sum of `families`
-    families: tuple[FamilyRow, ...]  # sorted by (family, owner)
-    accounts: tuple[AccountRow, ...]
+    totals: Figures  # the sum of the families
+    family_columns: Mapping[str, list[Any]]  # FAMILY_FIELDS, sorted by (family, owner)
+    account_columns: Mapping[str, list[Any]]  # ACCOUNT_FIELDS, as listed
     violations: tuple[Violation, ...]
     reconciliation: tuple[Reconciliation, ...]
     tp: TpStatus | None  # present for a pool under tensor parallelism
-    holders: tuple[FamilyHeld, ...] = ()  # occupied slots and bytes by holder, per family
     engine: EngineState | None = None  # holders' source and notes, requests (engine_state)
+
+    @functools.cached_property
+    def holder_columns(self) -> Columns:
+        """HOLDER_FIELDS: occupied slots and bytes by holder per (family, owner), sorted."""
+        return holder_columns(self.account_columns)
+
+    @functools.cached_property
+    def accounts(self) -> tuple[AccountRow, ...]:
+        return account_rows(self.account_columns)
+
+    @functools.cached_property
+    def families(self) -> tuple[FamilyRow, ...]:
+        """Sorted by (family, owner)."""
+        return family_records(self.family_columns)
+
+    @functools.cached_property
+    def holders(self) -> tuple[FamilyHeld, ...]:
+        """Occupied slots and bytes by holder, per family, sorted."""
+        return holder_rows(self.holder_columns)
 
 
 def family_rows(snap: Snapshot) -> tuple[FamilyRow, ...]:
@@ -172,16 +293,18 @@ def summary_of(snap: Snapshot) -> Summary:
     """`snap` without its buffer rows (and without building their dicts). The totals are
     the sum of the per-family rollup."""
     families = family_rows(snap)
-    return Summary(
+    s = Summary(
         epoch=snap.epoch,
         taken_at=snap.taken_at,
         labels=dict(snap.labels),
         totals=Figures.sum(f.figures for f in families),
-        families=families,
-        accounts=snap.accounts,
+        family_columns=family_columns(families),
+        account_columns=account_columns(snap.accounts),
         violations=snap.violations,
         reconciliation=tuple(Reconciliation.of(r) for r in snap.reconciliation),
         tp=snap.tp,
-        holders=family_held(snap.accounts),
         engine=snap.engine,
     )
+    s.__dict__["accounts"] = snap.accounts  # the records at hand (cached_property's place)
+    s.__dict__["families"] = families
+    return s

@@ -128,8 +128,8 @@ def _nan_figures(rig: Rig, name: str) -> bytes:
     """NaN and negative figures where a scrape reads them: the first line."""
     envelope, rows = _demo_file(rig)
     snap = json.loads(json.dumps(envelope["snapshot"]))
-    snap["families"][0]["physical_bytes"] = float("nan")
-    snap["accounts"][0]["mapped_pages"] = -(80 << 30)
+    snap["families"]["physical_bytes"][0] = float("nan")  # the first line's columns
+    snap["accounts"]["mapped_pages"][0] = -(80 << 30)
     envelope = {**envelope, "source": name.removesuffix(".json"), "snapshot": snap}
     return json.dumps(envelope).encode() + b"\n" + rows
 
@@ -138,10 +138,11 @@ def _inflated(snapshot: dict, figure_bytes: int) -> dict:
     """`snapshot` (a first line's) claiming `figure_bytes` reserved, physical and mapped in
     every family, its totals made to match (so only the labels can give it away)."""
     snap = json.loads(json.dumps(snapshot))
-    for fam in snap["families"]:
-        fam["reserved_bytes"] = fam["physical_bytes"] = fam["mapped_bytes"] = figure_bytes
+    families = snap["families"]  # columns
+    n = len(families["family"])
     for figure in ("reserved_bytes", "physical_bytes", "mapped_bytes"):
-        snap["totals"][figure] = figure_bytes * len(snap["families"])
+        families[figure] = [figure_bytes] * n
+        snap["totals"][figure] = figure_bytes * n
     return snap
 
 
@@ -450,35 +451,37 @@ def _lying(rig: Rig, name: str, change: Callable[[dict], None]) -> bytes:
     snap["labels"] = {**snap["labels"], "model_name": name.removesuffix(".json")}
     change(snap)
     for figure in snap["totals"]:
-        snap["totals"][figure] = sum(f[figure] for f in snap["families"])
+        snap["totals"][figure] = sum(snap["families"][figure])
     envelope = {**envelope, "source": name.removesuffix(".json"), "snapshot": snap}
     return json.dumps(envelope).encode() + b"\n" + rows
 
 
 def _huge(snap: dict) -> None:
-    for fam in snap["families"]:
-        fam["reserved_bytes"] = fam["physical_bytes"] = fam["mapped_bytes"] = 1 << 59
+    fam = snap["families"]  # the first line's columns
+    for figure in ("reserved_bytes", "physical_bytes", "mapped_bytes"):
+        fam[figure] = [1 << 59] * len(fam["family"])
 
 
 def _occupied_without_slots(snap: dict) -> None:
-    fam = next(f for f in snap["families"] if f["owner"] == "vmm")
-    for a in snap["accounts"]:
-        if (a["family"], a["owner"]) == (fam["family"], fam["owner"]):
-            a["occupied_slots"] = 0
-    fam["occupied_slots"] = 0
-    fam["occupied_bytes"] = max(1, fam["mapped_bytes"] // 2)
+    fam, acc = snap["families"], snap["accounts"]
+    i = fam["owner"].index("vmm")
+    for j, key in enumerate(zip(acc["family"], acc["owner"], strict=True)):
+        if key == (fam["family"][i], "vmm"):
+            acc["occupied_slots"][j] = 0
+    fam["occupied_slots"][i] = 0
+    fam["occupied_bytes"][i] = max(1, fam["mapped_bytes"][i] // 2)
 
 
 def _partial_page(snap: dict) -> None:
-    fam = next(f for f in snap["families"] if f["owner"] == "vmm")
-    fam["physical_bytes"] += 1
+    fam = snap["families"]
+    fam["physical_bytes"][fam["owner"].index("vmm")] += 1
 
 
 def _many_families(snap: dict) -> None:
-    zero = {k: 0 for k in snap["totals"]}
-    snap["families"] += [
-        {"family": f"lie{i}", "owner": "torch", **zero} for i in range(4096 - len(snap["families"]))
-    ]
+    fam = snap["families"]
+    more = 4096 - len(fam["family"])
+    for name, column in fam.items():
+        column += [f"lie{i}" for i in range(more)] if name == "family" else [column[0]] * more
 
 
 LIES: dict[str, tuple[Callable[[dict], None], str]] = {

@@ -14,6 +14,8 @@ from accounting.snapfile.refusal import Refused
 from accounting.snapshot import AccountRow
 from tests.accounting.snapfile.files import copy_of, file_bytes, load_s, refused
 
+_PART = {"account": "accounts", "family": "families"}
+
 
 @pytest.mark.parametrize(
     "where, key, value, needle",
@@ -34,10 +36,13 @@ from tests.accounting.snapfile.files import copy_of, file_bytes, load_s, refused
         ("envelope", "sequence", -1, "sequence"),
         ("envelope", "pid", 0, "pid"),
         ("envelope", "source", "other", "file name"),
-        ("envelope", "kvledger_publish", 2, "kvledger_publish"),
+        ("envelope", "kvledger_publish", 3, "kvledger_publish=3, expected 2"),
         ("snapshot", "labels", {"model_name": 7}, "labels"),
-        ("snapshot", "accounts", {}, "accounts"),
+        ("snapshot", "accounts", {}, "accounts: missing column 'key'"),
+        ("snapshot", "accounts", [], "accounts: expected an object of columns, got list"),
         ("snapshot", "families", None, "families"),
+        ("accounts", "owner", "vmm", "accounts: owner: expected a list, got str"),
+        ("families", "mapped_bytes", {}, "families: mapped_bytes: expected a list, got dict"),
         ("snapshot", "violations", "none", "violations"),
         ("snapshot", "epoch", 1.5, "epoch"),
     ],
@@ -48,16 +53,21 @@ def test_wrong_types_and_out_of_range_figures_in_the_first_line_arerefused(
     envelope, rows = copy_of(published)
     snap = envelope["snapshot"]
     snap["violations"].append({"subject": "p/x", "relation": "r", "detail": "d"})
-    target = {
-        "account": snap["accounts"][0],
-        "family": snap["families"][0],
-        "violation": snap["violations"][-1],
-        "envelope": envelope,
-        "snapshot": snap,
-    }[where]
-    target[key] = value
+    if where in ("account", "family"):  # one row's value: its place in the field's column
+        snap[_PART[where]][key][0] = value
+    else:
+        target = {
+            "accounts": snap["accounts"],  # a whole column
+            "families": snap["families"],
+            "violation": snap["violations"][-1],
+            "envelope": envelope,
+            "snapshot": snap,
+        }[where]
+        target[key] = value
     e = refused(file_bytes(envelope, rows))
-    assert e.reason == "schema" and needle in e.detail
+    assert e.reason == "schema" and needle in e.detail, e.detail
+    if where in ("account", "family"):  # named as a row was
+        assert e.detail.startswith(f"{_PART[where]}[0]: "), e.detail
 
 
 def test_a_heartbeat_in_the_future_isrefused(published):
@@ -93,11 +103,48 @@ def test_reconciliation_keeps_every_key_a_truth_reader_writes(published):
     assert got.to_dict() == entry
 
 
+def test_a_version_1_file_is_refused_by_name(published):
+    """A publisher older than the exporter (accounts and families as rows) is told apart
+    from a damaged file: the value, the one expected, and what version 1 was."""
+    from accounting.snapfile.columns import rows_of
+    from accounting.snapfile.summary import ACCOUNT_FIELDS, FAMILY_FIELDS
+
+    envelope, rows = copy_of(published)
+    snap = envelope["snapshot"]
+    snap["accounts"] = rows_of(snap["accounts"], ACCOUNT_FIELDS)
+    snap["families"] = rows_of(snap["families"], FAMILY_FIELDS)
+    envelope["kvledger_publish"] = 1
+    e = refused(file_bytes(envelope, rows))
+    assert e.reason == "schema"
+    assert e.detail.startswith("envelope: kvledger_publish=1, expected 2 (version 1: "), e.detail
+    envelope["kvledger_publish"] = 2  # rows under the new version: the columns are missing
+    assert (
+        "accounts: expected an object of columns, got list"
+        in refused(file_bytes(envelope, rows)).detail
+    )
+
+
+@pytest.mark.parametrize("part", ["accounts", "families"])
+def test_columns_of_different_lengths_or_too_many_rows_are_refused(published, part):
+    envelope, rows = copy_of(published)
+    columns = envelope["snapshot"][part]
+    last = list(columns)[-1]
+    columns[last].append(columns[last][0])
+    e = refused(file_bytes(envelope, rows))
+    assert e.detail.startswith(f"{part}: columns of different lengths: "), e.detail
+    envelope, rows = copy_of(published)
+    columns = envelope["snapshot"][part]
+    for name in columns:
+        columns[name] = columns[name][:1] * 100_001
+    e = refused(file_bytes(envelope, rows))
+    assert e.detail.startswith(f"{part}: 100001 entries, expected at most "), e.detail
+
+
 def test_an_account_row_with_more_keys_or_whole_seconds_loads_as_its_fields(published):
     envelope, rows = copy_of(published)
-    acc = envelope["snapshot"]["accounts"][0]
-    acc["extra"] = "x"
-    acc["map_seconds_total"] = 3
+    acc = envelope["snapshot"]["accounts"]
+    acc["extra"] = ["x"] * len(acc["key"])  # a column no row has: dropped
+    acc["map_seconds_total"][0] = 3
     head = load_s(file_bytes(envelope, rows))
     got = head.summary.accounts[0].to_dict()
     assert set(got) == {f.name for f in dataclasses.fields(AccountRow)}
@@ -114,7 +161,7 @@ _ANY_JSON = st.recursive(
 
 @settings(max_examples=300, deadline=None)
 @given(
-    where=st.sampled_from(["row", "account", "family", "violation"]),
+    where=st.sampled_from(["row", "account", "family", "accounts", "families", "violation"]),
     index=st.integers(0, 1),
     key=st.sampled_from(
         [f.name for f in dataclasses.fields(AccountRow)]
@@ -130,20 +177,26 @@ def test_any_value_anywhere_is_served_or_refused_never_an_error(
     envelope, rows = copy_of(published)
     snap = envelope["snapshot"]
     snap["violations"] = [{"subject": "p/x", "relation": "r", "detail": "d"}] * 2
-    target = {
-        "row": rows,
-        "account": snap["accounts"],
-        "family": snap["families"],
-        "violation": snap["violations"],
-    }[where][index]
-    target = dict(target)
-    {"row": rows, "account": snap["accounts"], "family": snap["families"]}.get(
-        where, snap["violations"]
-    )[index] = target
-    if value is _MISSING:
-        target.pop(key, None)
+    if where in _PART:  # one row's value, in its field's column
+        columns = snap[_PART[where]]
+        if value is _MISSING:
+            columns.pop(key, None)
+        elif key in columns:
+            columns[key][index] = value
+        else:
+            columns[key] = value
+    elif where in ("accounts", "families"):  # a whole column
+        if value is _MISSING:
+            snap[where].pop(key, None)
+        else:
+            snap[where][key] = value
     else:
-        target[key] = value
+        target = {"row": rows, "violation": snap["violations"]}[where]
+        target[index] = dict(target[index])
+        if value is _MISSING:
+            target[index].pop(key, None)
+        else:
+            target[index][key] = value
     try:
         head = load_s(file_bytes(envelope, rows))
     except Refused as e:

@@ -68,7 +68,7 @@ def test_rank_publishes_each_runner_pool_and_close_removes_everything(tmp_path: 
     assert draft.name == "draft0_kv"
     envelope, _ = parse(path.read_bytes())
     assert envelope["snapshot"]["labels"] == LABELS
-    pools = {a["pool"] for a in envelope["snapshot"]["accounts"]}
+    pools = set(envelope["snapshot"]["accounts"]["pool"])  # the first line's columns
     assert pools == {"mha", "draft0_kv"}
     assert envelope["snapshot"]["totals"]["physical_bytes"] == 3 * 16 * 8 * 4 + 4 * 4 * 4
     assert rank.pools["mha"].pool() is mha

@@ -449,8 +449,10 @@ def test_sigint_at_any_moment_of_start_up_stops_without_a_traceback(tmp_path, de
         elapsed = time.monotonic() - sent
     finally:
         stop(proc)
-    # 0: stopped by the start-up handler or by the server; 130: still parsing arguments
-    assert proc.returncode in (0, 130), err
+    # 0: stopped by the start-up handler or by the server; 130: still parsing arguments;
+    # -SIGINT: the signal came before the interpreter had installed its own handler (the
+    # default action ends the process; seen at 0.2 s on a loaded 2-core machine)
+    assert proc.returncode in (0, 130, -signal.SIGINT), err
     assert elapsed < 5.0, (elapsed, err)  # the interpreter's exit included (see above)
     assert "Traceback" not in err, err
     assert list(tmp_path.glob("*.json")) == []

@@ -17,6 +17,8 @@ import asyncio
 import gzip
 import inspect
 import logging
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import anyio.to_thread
@@ -107,6 +109,10 @@ def accepts_gzip(accept_encoding: str | None) -> bool:
 BodyKey = tuple[bool, bool]  # (OpenMetrics, gzip)
 Body = tuple[bytes, str]  # (body, content type)
 MAX_ACCEPTS = 64  # distinct Accept headers remembered
+# A body asked for within this long is built with every scan; one nobody asked for since
+# (a format somebody fetched once by hand) is built again only when asked. Longer than
+# any scrape interval, so a scraper's body is always ready.
+WANTED_S = 300.0
 
 
 class MetricsBodies:
@@ -116,19 +122,36 @@ class MetricsBodies:
 
     As the `ScanHook` of the `SourceReader`, the bodies asked for before are built in the
     scan's own worker thread, so a scrape costs one hop to a thread, shared by all the
-    requests waiting for that scan."""
+    requests waiting for that scan. Only the bodies asked for in the last `WANTED_S`
+    seconds are: a format fetched once is not rendered with every scan from then on."""
 
-    def __init__(self, collector: KvLedgerCollector) -> None:
+    def __init__(
+        self, collector: KvLedgerCollector, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.collector = collector
+        self._clock = clock
         self._generation = -1
         self._scan = Scan()
         self._bodies: dict[BodyKey, asyncio.Future[Body]] = {}
-        self._wanted: dict[BodyKey, str | None] = {}  # key -> an Accept header that gives it
+        # key -> (an Accept header that gives it, when it was last asked for)
+        self._wanted: dict[BodyKey, tuple[str | None, float]] = {}
         self._keys: dict[str | None, bool] = {}  # Accept header -> OpenMetrics
+
+    @property
+    def wanted(self) -> list[BodyKey]:
+        """The bodies built with every scan: those asked for in the last `WANTED_S` s."""
+        since = self._clock() - WANTED_S
+        return [key for key, (_, asked) in tuple(self._wanted.items()) if asked >= since]
 
     def prepare(self, scan: Scan) -> dict[BodyKey, Body]:
         out = {}
-        for key, accept in tuple(self._wanted.items()):
+        since = self._clock() - WANTED_S
+        for key, (accept, asked) in tuple(self._wanted.items()):
+            if asked < since:
+                # Not asked for lately. (A request on the event loop may ask for it again
+                # meanwhile: it is then built for that request, and wanted again.)
+                self._wanted.pop(key, None)
+                continue
             try:
                 out[key] = self._build(scan, accept, key[1])
             except Exception:  # the request that wants it builds it again, and fails alone
@@ -153,9 +176,9 @@ class MetricsBodies:
                 self._keys.clear()
             openmetrics = self._keys[accept] = content_type(accept)[0]
         key = (openmetrics, gz)
+        self._wanted[key] = (accept, self._clock())
         fut = self._bodies.get(key)
         if fut is None:
-            self._wanted.setdefault(key, accept)
             fut = self._bodies[key] = asyncio.ensure_future(
                 anyio.to_thread.run_sync(self._build, self._scan, accept, gz)
             )

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from kvledger.argtypes import one_line_errors
 from kvledger.bench import sglang_cases as cases
 from kvledger.bench.sglang import add_arguments
 
@@ -95,6 +96,7 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m kvledger.bench.sglang_bound_probe",
         description=(__doc__ or "").split("\n")[0],
     )
+    one_line_errors(p)
     add_arguments(p)
     p.add_argument("--events", type=int, default=3000, help="churn events (3000)")
     return p

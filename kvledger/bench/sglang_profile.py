@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvledger.argtypes import one_line_errors
 from kvledger.bench import sglang_cases as cases
 from kvledger.bench.sglang import add_arguments
 
@@ -171,6 +172,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kvledger.bench.sglang_profile", description=(__doc__ or "").split("\n")[0]
     )
+    one_line_errors(p)
     add_arguments(p)
     p.add_argument("--case", choices=CASES, default="round_trip")
     p.add_argument("--profile-rounds", type=int, default=20, help="profiled rounds per engine (20)")

@@ -30,9 +30,12 @@ def test_each_case_profiles_both_engines_timed_rounds_only(case: str) -> None:
     got = sglang_profile.run(args, out)
     assert {k: len(v) for k, v in got["seconds"].items()} == {"native": 2, "bridged": 2}
     bridged, native = got["rows"]["bridged"], got["rows"]["native"]
-    # Only the bridged engine ran the bridge's hooks; both ran SGLang's allocator.
-    assert any(n.startswith("kvledger/sglang/bridge/") for n in bridged)
-    assert not any(n.startswith("kvledger/sglang/bridge/") for n in native)
+    # Only the bridged engine's rounds ran the bridge's hooks (on this thread; from Python
+    # 3.12 the profile also sees other threads, such as the bridged pool's mapper, whose
+    # calls may fall in a native round); both ran SGLang's allocator.
+    hooks = "kvledger/sglang/bridge/allocator_hooks.py"
+    assert any(n.startswith(hooks) for n in bridged)
+    assert not any(n.startswith(hooks) for n in native)
     assert any("sglang/srt/mem_cache/allocator" in n for n in native)
     if case == "churn":  # the pauses (20 ms after each of 10 events) are not timed
         assert max(got["seconds"]["native"]) < 10 * 0.020

@@ -146,7 +146,7 @@ class SparePolicy:
         if store.tp is not None:  # under TP a function of the operation sequence: no timing
             store.tp.trim_locked()
             return
-        cap = self.max_spare_pages + self.grace_pages
+        cap = self.grace_cap
         if n > cap and time.monotonic() >= self._retry_at:
             self.trim_locked(keep=cap)  # beyond what the grace may keep: now
             if len(store.spares) > cap and store.mapper is not None:
@@ -189,7 +189,7 @@ class SparePolicy:
         ahead may go at all; by default only beyond what the grace may keep
         (`max_spare_pages + grace_pages`): within it the grace trims stale spares only."""
         if wanted is None:
-            wanted = len(self.store.spares) > self.max_spare_pages + self.grace_pages
+            wanted = self.over_grace_cap()
         later = None
         stale_fenced = False
         for p in reversed(self.store.spares):
@@ -210,11 +210,20 @@ class SparePolicy:
         page wanted ahead may take."""
         return p not in self.pinned and p not in self.ahead
 
+    @property
+    def grace_cap(self) -> int:
+        """The most spares the grace may keep: `max_spare_pages + grace_pages`."""
+        return self.max_spare_pages + self.grace_pages
+
+    def over_grace_cap(self) -> bool:
+        """More spares than the grace may keep: the surplus goes at once, pages wanted ahead
+        included (last)."""
+        return len(self.store.spares) > self.grace_cap
+
     def trim_due(self) -> bool:
         """Spares beyond what the grace may keep, or beyond the watermark past the grace."""
-        n = len(self.store.spares)
-        return n > self.max_spare_pages + self.grace_pages or (
-            n > self.max_spare_pages and self._grace_over()
+        return self.over_grace_cap() or (
+            len(self.store.spares) > self.max_spare_pages and self._grace_over()
         )
 
     def _grace_over(self) -> bool:
@@ -228,13 +237,12 @@ class SparePolicy:
         it anyway made the mapper look busy for as long as the fence was not asked about; a
         device-wide fence (`done()` true only once someone waited) then was never done, and
         `wait_idle` ran to its timeout after every round of the bench's round trip on CUDA."""
-        spares = self.store.spares
-        wanted = len(spares) > self.max_spare_pages + self.grace_pages
-        for p in reversed(spares):
+        over_cap = self.over_grace_cap()
+        for p in reversed(self.store.spares):
             if p in self.pinned:
                 continue
             f = self.fences.get(p)
-            if f is not None and not f.done() and (wanted or self.stale(p)):
+            if f is not None and not f.done() and (over_cap or self.stale(p)):
                 return f
         return None
 

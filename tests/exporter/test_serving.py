@@ -47,3 +47,25 @@ def test_a_body_asked_for_once_is_built_ahead_only_while_it_is_asked_for() -> No
 
     asyncio.run(ask(3, None, gz=True))  # asked again: built for it, and wanted again
     assert sorted(bodies.wanted) == [(False, True), (True, False)]
+
+
+def test_a_format_wanted_plain_and_gzipped_is_rendered_once_per_scan() -> None:
+    """Two scrapers of one format, one asking for gzip (as Prometheus does) and one not: a
+    scan renders that format once and compresses the same body."""
+    import gzip
+
+    collector = _Collector()
+    bodies = MetricsBodies(collector)  # type: ignore[arg-type]
+
+    async def ask(accept: str | None, gz: bool) -> None:
+        await bodies.get(1, Scan(), accept, gz)
+
+    asyncio.run(ask(OPENMETRICS, True))
+    asyncio.run(ask(OPENMETRICS, False))
+    asyncio.run(ask(None, True))  # the other format: a render of its own
+    collector.renders.clear()
+    prepared = bodies.prepare(Scan())
+    assert sorted(prepared) == [(False, True), (True, False), (True, True)]
+    assert sorted(collector.renders, key=str) == sorted([OPENMETRICS, None], key=str)
+    assert gzip.decompress(prepared[(True, True)][0]) == prepared[(True, False)][0] == b"body"
+    assert gzip.decompress(prepared[(False, True)][0]) == b"body"

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kvledger.bench.scrape import SCRAPE_CASES
 from kvledger.cli import main
 
 
@@ -42,8 +43,10 @@ def test_bench_scrape_runs_and_reports_both_measurements(capsys):
     assert "3 keep-alive clients, one scrape each per 0.2 s" in out
     data = json.loads(out[out.index("{") :])
     assert data["scrape"]["ranks"] == 2
-    for key in ("in_process_cached", "in_process_republished", "http_cached", "http_republished"):
+    for key in SCRAPE_CASES:
         assert data["scrape"][key]["n"] == 5
+    assert "http_republished_gzip" in SCRAPE_CASES
+    assert "(gzip, as Prometheus asks): wall" in out
     assert data["scrape"]["files_parsed_per_republished_scrape"] == 2
     conc = data["concurrent"]
     assert conc["one_client_keep_alive"]["n"] == conc["one_client_fresh_connection"]["n"] == 5

@@ -279,22 +279,39 @@ class StartupStopped(BaseException):
     that no `except Exception` on the way swallows it and every `finally` runs."""
 
 
-def run(args: argparse.Namespace) -> int:
-    # From here until the server takes over its own handlers, SIGINT and SIGTERM end the
-    # start-up wherever it is (the pool's build checks between chunks): cleanup runs on the
-    # way out and nothing is left behind.
-    stopping = False
+class StartUp:
+    """SIGINT and SIGTERM from the start of `run` until the server takes over its own
+    handlers: the first ends the start-up wherever it is (the handler raises
+    `StartupStopped` in the main thread; the pool's build is interrupted between chunks), so
+    cleanup runs on the way out and nothing is left behind; a second one while that cleanup
+    runs is let be.
 
-    def stop_start_up(sig: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        if stopping:
+    An exception raised by a signal handler goes wherever the main thread is, and there
+    some code swallows it: torch clears any error raised while it imports numpy, so a
+    signal that came then was lost and the server started anyway (seen here in about 1 of
+    10 start-ups interrupted in their first 1.5 s). So the signal is also recorded, and
+    `check()`, called before the server takes over, raises it again."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    def handle(self, sig: int, frame: FrameType | None) -> None:
+        if self.signal is not None:
             return  # a second signal while cleaning up: let the cleanup finish
-        stopping = True
-        raise StartupStopped(signal.Signals(sig).name)
+        self.signal = signal.Signals(sig).name
+        raise StartupStopped(self.signal)
 
-    previous = {sig: signal.signal(sig, stop_start_up) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def check(self) -> None:
+        """Raise `StartupStopped` if a signal came (whatever became of its exception)."""
+        if self.signal is not None:
+            raise StartupStopped(self.signal)
+
+
+def run(args: argparse.Namespace) -> int:
+    start_up = StartUp()
+    previous = {sig: signal.signal(sig, start_up.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _serve(args)
+        return _serve(args, start_up)
     except StartupStopped as e:
         print(f"kvledger serve: stopped by {e} during start-up", file=sys.stderr, flush=True)
         return 0
@@ -303,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, start_up: StartUp) -> int:
     import uvicorn
 
     from accounting.snapfile.directory import default_snapshot_dir
@@ -423,6 +440,10 @@ def _serve(args: argparse.Namespace) -> int:
             config.load()
             config.ssl = web.tls  # the context loaded from the checked files (kvledger.webconfig)
         server = uvicorn.Server(config)
+        # A start-up signal whose exception was swallowed ends it here, before the URL says
+        # the server is up; one that comes after this raises where it lands (nothing below
+        # swallows it) until the server's own handlers take over.
+        start_up.check()
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(

@@ -286,11 +286,12 @@ class StartUp:
     cleanup runs on the way out and nothing is left behind; a second one while that cleanup
     runs is let be.
 
-    An exception raised by a signal handler goes wherever the main thread is, and there
-    some code swallows it: torch clears any error raised while it imports numpy, so a
-    signal that came then was lost and the server started anyway (seen here in about 1 of
-    10 start-ups interrupted in their first 1.5 s). So the signal is also recorded, and
-    `check()`, called before the server takes over, raises it again."""
+    An exception raised by a signal handler goes wherever the main thread is, and code
+    there may swallow it: here the handler ran inside numpy's import (under torch) and
+    inside the demo pool's build, the exception went nowhere, and the server started
+    anyway (in 1 to 5 of 30 to 60 start-ups interrupted in their first 1.5 s). Which
+    library drops it is not known. So the signal is also recorded, and `check()`, called
+    before the server takes over, raises it again."""
 
     def __init__(self) -> None:
         self.signal: str | None = None

@@ -460,9 +460,10 @@ def test_sigint_at_any_moment_of_start_up_stops_without_a_traceback(tmp_path, de
 
 
 def test_a_start_up_signal_whose_exception_was_swallowed_still_stops_it():
-    """The start-up handler raises where the main thread is; torch clears an exception raised
-    while it imports numpy, and the server then started anyway. The signal is recorded, and
-    `check()` (called before the server takes over) raises it again."""
+    """The start-up handler raises where the main thread is; code there may swallow the
+    exception (seen inside numpy's import and the demo pool's build), and the server then
+    started anyway. The signal is recorded, and `check()` (called before the server takes
+    over) raises it again."""
     from kvledger.serve import StartUp, StartupStopped
 
     start_up = StartUp()

@@ -374,6 +374,7 @@ def _serve(args: argparse.Namespace, start_up: StartUp) -> int:
             FLAG,
             web.path,
         )
+    start_up.check()  # after the imports (numpy's among them, where a signal was lost)
     source: demo_mod.DemoSource | None = None
     sources: Sources | None = None
     try:
@@ -441,9 +442,9 @@ def _serve(args: argparse.Namespace, start_up: StartUp) -> int:
             config.load()
             config.ssl = web.tls  # the context loaded from the checked files (kvledger.webconfig)
         server = uvicorn.Server(config)
-        # A start-up signal whose exception was swallowed ends it here, before the URL says
-        # the server is up; one that comes after this raises where it lands (nothing below
-        # swallows it) until the server's own handlers take over.
+        # A start-up signal whose exception was swallowed (in the demo's build, say) ends it
+        # here, before the URL says the server is up; one that comes after this raises where
+        # it lands (nothing below swallows it) until the server's own handlers take over.
         start_up.check()
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

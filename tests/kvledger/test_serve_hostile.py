@@ -247,8 +247,11 @@ def test_a_forged_file_cannot_replace_the_engine_series(rig):
     for b in buffers:
         b["physical_bytes"] = b["mapped_bytes"] = 80 << 30
     snap = _inflated(envelope["snapshot"], 80 << 30)
+    # Published every 5 s by its word, so that it is still live (in conflict, not stale)
+    # however long the owner round below takes on a slow machine (the demo's 0.2 s is stale
+    # after 1.6 s).
     forged.write_bytes(
-        json.dumps({**envelope, "source": "forged", "snapshot": snap}).encode()
+        json.dumps({**envelope, "source": "forged", "interval": 5.0, "snapshot": snap}).encode()
         + b"\n"
         + json.dumps(buffers).encode()
     )
@@ -282,7 +285,10 @@ def test_bad_buffer_rows_fail_that_sources_buffer_map_only(rig):
     the good sources' metrics or buffer maps."""
     envelope, rows = _demo_file(rig)
     snap = {**envelope["snapshot"], "labels": {"model_name": "rows-model", "tp_rank": "0"}}
-    head = json.dumps({**envelope, "source": "rows", "snapshot": snap}).encode()
+    # Published every 5 s by its word: the source stays up through the checks below (the
+    # demo's 0.2 s made its heartbeat stale after 1.6 s, which a slow machine passed).
+    envelope = {**envelope, "source": "rows", "interval": 5.0, "snapshot": snap}
+    head = json.dumps(envelope).encode()
     buffers = json.loads(rows)
     buffers[0]["physical_bytes"] = float("nan")
     buffers[1]["mapped_bytes"] = -(80 << 30)
@@ -293,6 +299,7 @@ def test_bad_buffer_rows_fail_that_sources_buffer_map_only(rig):
             (b"[" * 200_000 + b"]" * 200_000, "nesting:"),
         ):
             before = _error_counts(rig).get("buffers", 0)
+            head = json.dumps({**envelope, "published_at": time.time()}).encode()
             planted.write_bytes(head + b"\n" + second_line)
             os.utime(planted, ns=(time.time_ns(), time.time_ns()))  # a new version
             t0 = time.monotonic()

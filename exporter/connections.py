@@ -174,7 +174,8 @@ class _Watch:
     def __init__(self, guard: ConnectionGuard, loop: asyncio.AbstractEventLoop) -> None:
         self.guard = guard
         self.loop = loop
-        self.transport: asyncio.BaseTransport | None = None
+        self.transport: asyncio.Transport | None = None
+        self.head_bytes = 0  # received since the head was awaited (kept for httptools)
 
     @property
     def waiting_for_head(self) -> bool:
@@ -201,12 +202,13 @@ class _Watch:
         self.guard.open -= 1
         self.disarm()
 
-    def head_complete(self, transport: asyncio.Transport, headers: int) -> bool:
+    def head_complete(self, headers: int) -> bool:
         """A request head came in: True when it is to be answered now. False on a closing
         connection, and when it has more than `max_headers` header fields (answered 431 and
         closed)."""
         self.disarm()
-        if transport.is_closing():
+        transport = self.transport
+        if transport is None or transport.is_closing():
             return False
         if headers > self.guard.limits.max_headers:
             transport.write(_TOO_MANY_HEADERS)
@@ -220,12 +222,19 @@ class _Watch:
         self.disarm()
         self.guard.count("bad_request")
 
-    def response_complete(self, transport: asyncio.Transport) -> None:
-        if not transport.is_closing():
+    def response_complete(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
             self.arm()  # the next request's head must come in time too
+
+    def head_over_cap(self, received: int) -> bool:
+        """`received` bytes came while a head is awaited: True once they add up past
+        `header_bytes` since it was (the connection's start or the last response)."""
+        self.head_bytes += received
+        return self.head_bytes > self.guard.limits.header_bytes
 
     def arm(self) -> None:
         self.disarm()
+        self.head_bytes = 0
         self.guard.waiting[self] = self.loop.call_later(
             self.guard.limits.request_timeout, self.drop, "request_timeout"
         )
@@ -239,7 +248,7 @@ class _Watch:
         self.disarm()
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            transport.abort()  # type: ignore[attr-defined]
+            transport.abort()
             self.guard.count(reason)
 
 
@@ -272,9 +281,7 @@ def guarded_h11(guard: ConnectionGuard) -> type[H11Protocol]:
             super().handle_events()
             # A request head came in: it is answered now, unless the watch refused it. Then
             # its task has started; it finds the transport closed and sends nothing.
-            if self.cycle is not before and not self._watch.head_complete(
-                self.transport, len(self.headers)
-            ):
+            if self.cycle is not before and not self._watch.head_complete(len(self.headers)):
                 self.cycle.disconnected = True
 
         def send_400_response(self, msg: str) -> None:
@@ -284,7 +291,7 @@ def guarded_h11(guard: ConnectionGuard) -> type[H11Protocol]:
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self.cycle is None or self.cycle.response_complete:
-                self._watch.response_complete(self.transport)
+                self._watch.response_complete()
 
     return GuardedH11Protocol
 
@@ -297,12 +304,10 @@ def guarded_httptools(guard: ConnectionGuard) -> type[asyncio.Protocol]:
     within the bytes read at once is parsed whatever its size, as h11 parses it."""
     if _HttpToolsProtocol is None:
         raise RuntimeError("guarded_httptools: httptools is not installed")
-    cap = guard.limits.header_bytes
 
     class GuardedHttpToolsProtocol(_HttpToolsProtocol):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: asyncio.Transport) -> None:
             self._watch = _Watch(guard, self.loop)
-            self._head_bytes = 0
             super().connection_made(transport)
             self._watch.opened(transport)
 
@@ -311,16 +316,19 @@ def guarded_httptools(guard: ConnectionGuard) -> type[asyncio.Protocol]:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            counting = self._watch.waiting_for_head
+            watch = self._watch
+            counting = watch.waiting_for_head
             super().data_received(data)
-            if counting and self._watch.waiting_for_head and not self.transport.is_closing():
-                self._head_bytes += len(data)
-                if self._head_bytes > cap:
-                    self.send_400_response("Request head over the size cap.")
+            if (
+                counting
+                and watch.waiting_for_head  # the head is still incomplete
+                and not self.transport.is_closing()
+                and watch.head_over_cap(len(data))
+            ):
+                self.send_400_response("Request head over the size cap.")
 
         def on_headers_complete(self) -> None:
-            self._head_bytes = 0
-            if self._watch.head_complete(self.transport, len(self.headers)):
+            if self._watch.head_complete(len(self.headers)):
                 super().on_headers_complete()
 
         # A refused head starts no request: what the parser reads after it is not the app's.
@@ -339,9 +347,8 @@ def guarded_httptools(guard: ConnectionGuard) -> type[asyncio.Protocol]:
         def on_response_complete(self) -> None:
             pipelined = bool(self.pipeline)  # then the next request's head is in already
             super().on_response_complete()
-            self._head_bytes = 0
             if not pipelined:
-                self._watch.response_complete(self.transport)
+                self._watch.response_complete()
 
     return GuardedHttpToolsProtocol
 

@@ -39,7 +39,6 @@ VARIANTS = {
     "gc-off": {"KVLEDGER_TAIL_GC_OFF": "1"},
     "h11": {"KVLEDGER_TAIL_H11": "1"},
 }
-ACCEPT = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
 
 # Loaded by the server's interpreter at start (PYTHONPATH): times the scan thread's work
 # and the collector's, and writes them to $KVLEDGER_TAIL_OUT at exit.
@@ -104,11 +103,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
 def one_run(
     directory: str, republish: Any, variant: str, scrapes: int, private: str, out: str
 ) -> dict[str, Any]:
@@ -116,6 +110,7 @@ def one_run(
     new name in the directory `private`, whose `sitecustomize` it loads); its figures in
     milliseconds."""
     import kvledger
+    from kvledger.bench.scrape import PLAIN_ACCEPT, percentile
     from kvledger.bench.serve_child import ServeChild
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(kvledger.__file__)))
@@ -130,7 +125,7 @@ def one_run(
             for i in range(20 + scrapes):  # 20 to warm up
                 republish()
                 t0 = time.perf_counter()
-                conn.request("GET", "/metrics", headers={"Accept": ACCEPT})
+                conn.request("GET", "/metrics", headers={"Accept": PLAIN_ACCEPT})
                 r = conn.getresponse()
                 r.read()
                 if r.status != 200:
@@ -155,11 +150,11 @@ def one_run(
     scan_cpu = [s[2] * 1e3 for s in scans]
     return {
         "get_p50": statistics.median(walls),
-        "get_p99": _pct(walls, 99),
+        "get_p99": percentile(walls, 99),
         "scan_wall_p50": statistics.median(scan_wall),
-        "scan_wall_p99": _pct(scan_wall, 99),
+        "scan_wall_p99": percentile(scan_wall, 99),
         "scan_cpu_p50": statistics.median(scan_cpu),
-        "scan_cpu_p99": _pct(scan_cpu, 99),
+        "scan_cpu_p99": percentile(scan_cpu, 99),
         "rest_p50": statistics.median(r[0] - r[1] for r in rows),
         "rest_slowest_5pct": statistics.mean(r[0] - r[1] for r in tail),
         "gc_ms": sum(g[2] for g in gcs) * 1e3,

@@ -14,7 +14,6 @@ declared once, in `exporter.app` (`AsgiRoute`), which documents it.
 from __future__ import annotations
 
 import asyncio
-import gzip
 import inspect
 import logging
 import time
@@ -24,17 +23,11 @@ from typing import Any, Protocol
 import anyio.to_thread
 
 from exporter.collector import KvLedgerCollector
+from exporter.compression import gzip_body
 from exporter.exposition import content_type
 from exporter.sources import Scan, Sources
 
 log = logging.getLogger(__name__)
-
-# Prometheus asks every scrape for gzip, so a scan that finds new files compresses its body
-# once: 8 DeepSeek-V4 ranks' 254 KB took 1.95 ms at level 6 and 0.76 ms at level 1 (to 14.1
-# and 16.7 KB), measured here (docs/benchmarks.md, "Round 6"). Level 1: the scrape's latency
-# matters more than 3 KB on a local link.
-GZIP_LEVEL = 1
-
 
 class ScanHook(Protocol):
     """Work done with each scan: `prepare` in the scan's worker thread, right after the
@@ -194,7 +187,7 @@ class MetricsBodies:
         """The body for `accept` (and gzip when `gz`), from `rendered` when this scan's
         uncompressed body of the same format is at hand."""
         body, ctype = rendered if rendered is not None else self.collector.render(accept, scan)
-        return (gzip.compress(body, GZIP_LEVEL, mtime=0) if gz else body), ctype
+        return (gzip_body(body) if gz else body), ctype
 
 
 Scope = dict[str, Any]

@@ -29,6 +29,7 @@ from exporter.sources import Scan, Sources
 
 log = logging.getLogger(__name__)
 
+
 class ScanHook(Protocol):
     """Work done with each scan: `prepare` in the scan's worker thread, right after the
     read (no second hop to a thread); `install` in the event loop with its result."""

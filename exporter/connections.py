@@ -35,7 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -252,6 +252,26 @@ class _Watch:
             self.guard.count(reason)
 
 
+class _Watched(asyncio.Protocol):
+    """What both guarded protocols do when a connection opens and closes: a `_Watch` of
+    `_guard` for it, told of both. Put first in the bases of a uvicorn protocol subclass
+    that sets `_guard`."""
+
+    _guard: ConnectionGuard
+    _watch: _Watch
+    loop: asyncio.AbstractEventLoop
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._watch = _Watch(self._guard, self.loop)
+        super().connection_made(transport)
+        # A stream transport (uvloop's are not asyncio.Transport subclasses: no isinstance).
+        self._watch.opened(cast(asyncio.Transport, transport))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._watch.closed()
+        super().connection_lost(exc)
+
+
 def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol held to `guard`'s limits (pass as `uvicorn.Config(http=...)`,
     with `guard.limits.uvicorn_settings()`): its httptools protocol, which uvicorn itself
@@ -266,15 +286,8 @@ def guarded_h11(guard: ConnectionGuard) -> type[H11Protocol]:
     """uvicorn's h11 protocol held to `guard`'s limits. h11 caps the head's size itself
     (`h11_max_incomplete_event_size`, answered 400)."""
 
-    class GuardedH11Protocol(H11Protocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._watch = _Watch(guard, self.loop)
-            super().connection_made(transport)
-            self._watch.opened(transport)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._watch.closed()
-            super().connection_lost(exc)
+    class GuardedH11Protocol(_Watched, H11Protocol):
+        _guard = guard
 
         def handle_events(self) -> None:
             before = self.cycle
@@ -305,15 +318,8 @@ def guarded_httptools(guard: ConnectionGuard) -> type[asyncio.Protocol]:
     if _HttpToolsProtocol is None:
         raise RuntimeError("guarded_httptools: httptools is not installed")
 
-    class GuardedHttpToolsProtocol(_HttpToolsProtocol):  # type: ignore[misc, valid-type]
-        def connection_made(self, transport: asyncio.Transport) -> None:
-            self._watch = _Watch(guard, self.loop)
-            super().connection_made(transport)
-            self._watch.opened(transport)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._watch.closed()
-            super().connection_lost(exc)
+    class GuardedHttpToolsProtocol(_Watched, _HttpToolsProtocol):  # type: ignore[misc, valid-type]
+        _guard = guard
 
         def data_received(self, data: bytes) -> None:
             watch = self._watch

@@ -1,7 +1,7 @@
 """Where a republished scrape's time and tail are: the scan thread against the rest of a GET.
 
     python -m kvledger.bench.scrape_tail [--ranks 8] [--scrapes 300] [--rounds 4]
-                                         [--variants default,gc-off,h11]
+                                         [--variants default,gc-off,h11,inline,pinned]
 
 The republished case of `kvledger bench scrape` (every rank's file replaced before each
 GET, `kvledger serve --no-demo --scan-interval 0`), with the server watched from inside: a
@@ -15,7 +15,9 @@ and in the slowest 5 %, and the collections' time; then each figure's median [mi
 over the runs of each variant. Variants, interleaved round by round with the order
 reversed every other round: `default` (the server as shipped), `gc-off` (automatic
 garbage collection off in the server), `h11` (the connection guards on uvicorn's h11
-protocol instead of httptools). What docs/benchmarks.md ("Round 6") quotes came from
+protocol instead of httptools), `inline` (the scan and render run on the event loop's
+thread instead of a worker thread: no hop there and back), `pinned` (the server's threads
+on one CPU, the last it may use, so the scan never changes cores). What docs/benchmarks.md ("Round 6") quotes came from
 this tool's first form.
 """
 
@@ -38,6 +40,8 @@ VARIANTS = {
     "default": {},
     "gc-off": {"KVLEDGER_TAIL_GC_OFF": "1"},
     "h11": {"KVLEDGER_TAIL_H11": "1"},
+    "inline": {"KVLEDGER_TAIL_INLINE": "1"},
+    "pinned": {"KVLEDGER_TAIL_PINNED": "1"},
 }
 
 # Loaded by the server's interpreter at start (PYTHONPATH): times the scan thread's work
@@ -51,6 +55,8 @@ if _out:
     if os.environ.get("KVLEDGER_TAIL_H11"):
         import exporter.connections as _c
         _c.guarded_protocol = _c.guarded_h11
+    if os.environ.get("KVLEDGER_TAIL_PINNED"):  # threads made later inherit it
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     _ev = {"gc": [], "scan": []}
     _t0 = [0.0]
     def _gc(phase, info):
@@ -62,13 +68,28 @@ if _out:
     gc.callbacks.append(_gc)
     import exporter.serving as _s
     _read = _s.SourceReader._read
+    import threading
     def _timed(self):
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return _read(self)
         finally:
-            _ev["scan"].append((t0, time.perf_counter() - t0, time.thread_time() - c0))
+            _ev["scan"].append((
+                t0,
+                time.perf_counter() - t0,
+                time.thread_time() - c0,
+                threading.current_thread() is threading.main_thread(),
+                len(os.sched_getaffinity(0)),
+            ))
     _s.SourceReader._read = _timed
+    if os.environ.get("KVLEDGER_TAIL_INLINE"):  # the scan on the event loop, no thread hop
+        import anyio.to_thread as _tt
+        _run_sync = _tt.run_sync
+        async def _inline(fn, *args, **kwargs):
+            if getattr(fn, "__name__", "") == "_timed":
+                return fn(*args)
+            return await _run_sync(fn, *args, **kwargs)
+        _tt.run_sync = _inline
     def _dump():
         with open(_out, "x") as f:
             json.dump(_ev, f)
@@ -160,6 +181,8 @@ def one_run(
         "gc_ms": sum(g[2] for g in gcs) * 1e3,
         "gc_collections": len(gcs),
         "scans": len(scans),
+        "scans_on_main_thread": sum(1 for s in scans if s[3]),  # the event loop's (inline)
+        "scan_cpus_max": max(s[4] for s in scans),  # CPUs the scan thread may run on
     }
 
 

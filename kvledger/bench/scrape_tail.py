@@ -17,8 +17,8 @@ reversed every other round: `default` (the server as shipped), `gc-off` (automat
 garbage collection off in the server), `h11` (the connection guards on uvicorn's h11
 protocol instead of httptools), `inline` (the scan and render run on the event loop's
 thread instead of a worker thread: no hop there and back), `pinned` (the server's threads
-on one CPU, the last it may use, so the scan never changes cores). What docs/benchmarks.md ("Round 6") quotes came from
-this tool's first form.
+on one CPU, the last it may use, so the scan never changes cores). docs/benchmarks.md
+quotes it in "Round 6" (its first form) and "Round 7" (the last two variants).
 """
 
 from __future__ import annotations

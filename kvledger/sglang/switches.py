@@ -11,6 +11,11 @@
     KVLEDGER_SGLANG_DSV4_COMPACT=0         a bridged pool is not compacted (on by default:
                                            `kvledger.sglang.bridge.compact_policy`, run by
                                            the plugin between batches and when idle)
+    KVLEDGER_SGLANG_DSV4_COMPACT_SLACK=N   page ids a bridged pool may keep mapped beyond the
+                                           packing bound before a step compacts it back to
+                                           the bound (default 0: compact as soon as it is
+                                           over; N trades up to N page ids of memory for
+                                           fewer, larger compactions: docs/sglang-bridge.md)
     KVLEDGER_SNAPSHOT_DIR=DIR              where each rank publishes (default: the directory
                                            `kvledger serve` reads)
     KVLEDGER_PUBLISH_INTERVAL=SECONDS      heartbeat of the published file (default 1)
@@ -21,8 +26,8 @@
 
 The yes/no switches are read by `accounting.switches.switch` (the one parser: unset, empty,
 0/false/no/off is off, 1/true/yes/on is on, anything else an error naming the variable);
-`KVLEDGER_SGLANG_DSV4_COMPACT` alone is on when unset or empty. The
-bridge switch alone changes nothing: it takes effect in a call to `attach`, and `attach`
+`KVLEDGER_SGLANG_DSV4_COMPACT` alone is on when unset or empty. The slack is a count
+(`compaction_slack`: digits only, a bad value an error naming it). The bridge switch alone changes nothing: it takes effect in a call to `attach`, and `attach`
 without it only registers the pool with the ledger.
 
 Imports only `accounting.switches`: the plugin's entry point reads `KVLEDGER_SGLANG` through
@@ -42,6 +47,8 @@ PLUGIN_REQUIRE = "KVLEDGER_SGLANG_REQUIRE"
 BRIDGE_ENABLE = "KVLEDGER_SGLANG_DSV4_BRIDGE"
 BRIDGE_REQUIRE = "KVLEDGER_SGLANG_DSV4_BRIDGE_REQUIRE"
 COMPACT = "KVLEDGER_SGLANG_DSV4_COMPACT"
+COMPACT_SLACK = "KVLEDGER_SGLANG_DSV4_COMPACT_SLACK"
+MAX_COMPACT_SLACK = 1024  # page ids; a larger slack is a typo, not a policy
 SNAPSHOT_DIR = "KVLEDGER_SNAPSHOT_DIR"
 PUBLISH_INTERVAL = "KVLEDGER_PUBLISH_INTERVAL"
 DEFAULT_PUBLISH_INTERVAL = 1.0  # seconds, where PUBLISH_INTERVAL is unset
@@ -71,6 +78,24 @@ def compaction_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`KVLEDGER_SGLANG_DSV4_COMPACT`: on when unset or empty; a malformed value raises."""
     raw = (os.environ if env is None else env).get(COMPACT, "")
     return True if not raw.strip() else switch(COMPACT, {COMPACT: raw})
+
+
+def compaction_slack(env: Mapping[str, str] | None = None) -> int:
+    """`KVLEDGER_SGLANG_DSV4_COMPACT_SLACK`: 0 when unset or empty, else a whole number of
+    page ids in 0..MAX_COMPACT_SLACK; anything else raises ValueError naming the variable,
+    its value and what was expected."""
+    raw = (os.environ if env is None else env).get(COMPACT_SLACK, "")
+    text = raw.strip()
+    if not text:
+        return 0
+    if text.isascii() and text.isdigit() and len(text) <= 5:
+        n = int(text)
+        if n <= MAX_COMPACT_SLACK:
+            return n
+    raise ValueError(
+        f"{COMPACT_SLACK}={raw[:40]!r}, expected a whole number of page ids from 0 to "
+        f"{MAX_COMPACT_SLACK}"
+    )
 
 
 @dataclass(frozen=True)

@@ -211,3 +211,30 @@ def test_rounds_go_on_while_a_narrow_interval_straddles_the_target() -> None:
         # within +-1 % from the start; decided against 1.05 (met) and 1.01 (not met) at
         # once, never against 1.03: on to the most
         assert len(times["bridged"]) == rounds, target
+
+
+@pytest.mark.sglang
+def test_churn_runs_the_policy_with_the_slack_the_environment_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVLEDGER_SGLANG_DSV4_COMPACT_SLACK reaches the bench's policy (the plugin's
+    `CompactionPolicy.from_env`), and the report says what the samples were held to."""
+    from kvledger.bench.sglang_cases import apply_defaults, bench_churn, geometry_of, variants
+    from kvledger.bench.sglang_cases import bridged_of as bridged
+
+    monkeypatch.setenv("KVLEDGER_SGLANG_DSV4_COMPACT_SLACK", "2")
+    args = _args(SMALL)
+    apply_defaults(args)
+    with variants(args) as vs:
+        ch = bench_churn(vs, args, geometry_of(bridged(vs)))
+    assert ch["slack"] == 2
+    assert "by more than 2 (the slack), back to the bound" in ch["compaction"]["describe"]
+    assert 0 <= ch["over_slack"] <= ch["over"] <= ch["checked"]
+    assert (ch["over_slack"] > 0) == (ch["excess_max"] > 2)
+    line = bench.churn_bound_line(ch)
+    assert f"samples over {ch['over']} of {ch['checked']}" in line
+    assert (
+        f"the policy's slack 2 (KVLEDGER_SGLANG_DSV4_COMPACT_SLACK): samples over bound + 2 {ch['over_slack']}"
+        in line
+    )
+    assert "slack" not in bench.churn_bound_line({**ch, "slack": 0})

@@ -16,7 +16,11 @@ the next steps. Everything runs on the scheduler's thread: compaction rewrites S
 index mapping and free list, which only that thread may touch, and unmaps the pages it
 empties there too (a few driver calls, after an event behind its copies).
 
-Off with `KVLEDGER_SGLANG_DSV4_COMPACT=0` (kvledger.sglang.switches).
+Off with `KVLEDGER_SGLANG_DSV4_COMPACT=0`; `KVLEDGER_SGLANG_DSV4_COMPACT_SLACK=N` sets
+`excess_pages` (kvledger.sglang.switches). With a slack of N a step compacts only once the
+page ids are more than N over the bound, and then back down to the bound: N page ids of
+memory at most for far fewer compactions, each moving more rows (the trade measured in
+docs/benchmarks.md and described in docs/sglang-bridge.md#compaction-in-a-server).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from allocator.checks import check_count
 from allocator.rows import packing
 from allocator.states import PageState
 
-EXCESS_PAGES = 0  # compact as soon as the mapped page ids exceed the packing bound
+EXCESS_PAGES = 0  # the default slack: compact as soon as the page ids exceed the bound
 MAX_MOVES_PER_STEP = 128  # rows moved by one step at most
 
 
@@ -51,10 +55,12 @@ class CompactionPolicy:
 
     @classmethod
     def from_env(cls, env: Any = None) -> CompactionPolicy:
-        """The production policy, on unless `KVLEDGER_SGLANG_DSV4_COMPACT` says off."""
-        from kvledger.sglang.switches import compaction_enabled
+        """The production policy: on unless `KVLEDGER_SGLANG_DSV4_COMPACT` says off, with the
+        slack `KVLEDGER_SGLANG_DSV4_COMPACT_SLACK` gives (0 by default); a malformed value
+        raises ValueError naming it."""
+        from kvledger.sglang.switches import compaction_enabled, compaction_slack
 
-        return cls(enabled=compaction_enabled(env))
+        return cls(excess_pages=compaction_slack(env), enabled=compaction_enabled(env))
 
     def excess(self, bridge: Any) -> int:
         """Page ids mapped beyond the packing bound now, counting as mapped the spares the
@@ -94,7 +100,7 @@ class CompactionPolicy:
             return "off (KVLEDGER_SGLANG_DSV4_COMPACT=0)"
         return (
             "when mapped page ids (with the spares still to be mapped ahead) exceed the "
-            f"packing bound by more than {self.excess_pages}, "
+            f"packing bound by more than {self.excess_pages} (the slack), back to the bound, "
             f"at most {self.max_moves} rows a step"
         )
 

@@ -50,7 +50,7 @@ def test_the_plugin_switch_and_its_require() -> None:
 def test_the_names_are_the_documented_ones() -> None:
     doc = switches.__doc__ or ""
     names = [v for k, v in vars(switches).items() if k.isupper() and isinstance(v, str)]
-    assert len(names) == 8
+    assert len(names) == 9
     for name in names:
         assert f"    {name}=" in doc, f"{name} is not in the module's list"
 
@@ -74,6 +74,23 @@ def test_compaction_is_on_unless_its_switch_says_off() -> None:
         assert not switches.compaction_enabled({switches.COMPACT: off})
     with pytest.raises(ValueError, match="KVLEDGER_SGLANG_DSV4_COMPACT='later'"):
         switches.compaction_enabled({switches.COMPACT: "later"})
+
+
+def test_the_compaction_slack_is_a_count_of_page_ids() -> None:
+    assert switches.compaction_slack({}) == 0
+    assert switches.compaction_slack({switches.COMPACT_SLACK: " "}) == 0
+    assert switches.compaction_slack({switches.COMPACT_SLACK: " 2 "}) == 2
+    top = switches.MAX_COMPACT_SLACK
+    assert switches.compaction_slack({switches.COMPACT_SLACK: str(top)}) == top
+    for bad in ("-1", "1.5", "two", "0x2", str(top + 1), "9" * 400, "\u0662"):
+        with pytest.raises(ValueError, match=f"{switches.COMPACT_SLACK}=.*expected a whole"):
+            switches.compaction_slack({switches.COMPACT_SLACK: bad})
+
+
+def test_a_long_bad_slack_is_cut_in_the_message() -> None:
+    with pytest.raises(ValueError) as e:
+        switches.compaction_slack({switches.COMPACT_SLACK: "x" * 10_000})
+    assert len(str(e.value)) < 200
 
 
 def test_sglangs_mem_usage_is_fixed_unless_the_native_switch_is_on() -> None:

@@ -110,6 +110,32 @@ def test_bad_settings_are_refused_naming_the_value(field: str, bad: int) -> None
         CompactionPolicy(**{field: bad})  # type: ignore[arg-type]
 
 
-def test_from_env_reads_the_switch() -> None:
+def test_from_env_reads_the_switch_and_the_slack() -> None:
     assert CompactionPolicy.from_env({}).enabled
+    assert CompactionPolicy.from_env({}).excess_pages == 0
     assert not CompactionPolicy.from_env({"KVLEDGER_SGLANG_DSV4_COMPACT": "0"}).enabled
+    assert CompactionPolicy.from_env({"KVLEDGER_SGLANG_DSV4_COMPACT_SLACK": "3"}).excess_pages == 3
+    with pytest.raises(ValueError, match="KVLEDGER_SGLANG_DSV4_COMPACT_SLACK='-3'"):
+        CompactionPolicy.from_env({"KVLEDGER_SGLANG_DSV4_COMPACT_SLACK": "-3"})
+
+
+def test_a_slack_waits_until_the_excess_passes_it() -> None:
+    """The same fragmented rig as the first test: not due while the excess is within the
+    slack, due once it is past it."""
+    rig = PolicyRig(pages=64, max_spare_pages=1, batch=1)
+    try:
+        calls: list[int] = []
+        br = _bridge(rig, calls)
+        held = [rig.alloc.alloc(1) for _ in range(40)]
+        for t in held[::2]:
+            rig.alloc._release_page_ids(t)
+        rig.policy.flush(wait=True)
+        excess = CompactionPolicy().excess(br)
+        assert excess > 0
+        within = CompactionPolicy(excess_pages=excess)
+        assert within.step(br) == 0 and calls == [] and within.runs == 0
+        past = CompactionPolicy(excess_pages=excess - 1)
+        assert past.step(br) == 3 and calls == [MAX_MOVES_PER_STEP]
+        assert "more than " + str(excess - 1) in past.describe()
+    finally:
+        rig.close()

@@ -323,19 +323,24 @@ def test_bridge_on_swa_is_vmm_owned_and_moves_with_sglang_allocations(
         proc.close()
 
 
-@pytest.mark.parametrize("switch", ["", "0"])
+@pytest.mark.parametrize(
+    ("switch", "slack", "compacts"),
+    [("", "", True), ("0", "", False), ("", "1", True), ("", "1024", False)],
+)
 def test_the_plugin_compacts_a_fragmented_bridged_pool_when_idle(
-    snapdir: Path, switch: str
+    snapdir: Path, switch: str, slack: str, compacts: bool
 ) -> None:
     """Requests of 8 SGLang pages each, every other one finished: the held rows are spread
     over twice the pages they need. The plugin's idle hook compacts (the production policy,
     kvledger.sglang.bridge.compact_policy) until the mapped pages are within the packing
-    bound; KVLEDGER_SGLANG_DSV4_COMPACT=0 leaves them."""
+    bound; KVLEDGER_SGLANG_DSV4_COMPACT=0 leaves them, and so does a slack wider than the
+    excess (KVLEDGER_SGLANG_DSV4_COMPACT_SLACK); a narrower one compacts back to the bound."""
     env = _env(
         KVLEDGER_SGLANG="1",
         KVLEDGER_SGLANG_DSV4_BRIDGE="1",
         KVLEDGER_SNAPSHOT_DIR=str(snapdir),
         KVLEDGER_SGLANG_DSV4_COMPACT=switch,
+        KVLEDGER_SGLANG_DSV4_COMPACT_SLACK=slack,
     )
     proc = Proc(env, "--build", "--swa-pages", "256", "--full-pages", "320")
     try:
@@ -343,11 +348,12 @@ def test_the_plugin_compacts_a_fragmented_bridged_pool_when_idle(
         for _ in range(24):
             proc.send(f"prefill {8 * 256}")
         step = proc.send("finish_every_other")
-        assert step["compaction"]["excess_pages"] > 0, step
+        # over the bound by more than the slack "1", less than the slack "1024"
+        assert 1 < step["compaction"]["excess_pages"] < 1024, step
         phys_before = step["totals"]["physical_bytes"]
         step = proc.send("idle")
         c = step["compaction"]
-        if switch == "0":
+        if not compacts:
             assert c["rows_moved"] == 0 and c["compaction_runs"] == 0
             assert c["excess_pages"] > 0
         else:

@@ -430,6 +430,26 @@ def test_a_kvledger_failure_is_one_log_line_and_sglang_carries_on(snapdir: Path)
         proc.close()
 
 
+def test_a_malformed_compaction_slack_is_one_log_line_naming_it(snapdir: Path) -> None:
+    env = _env(
+        KVLEDGER_SGLANG="1",
+        KVLEDGER_SNAPSHOT_DIR=str(snapdir),
+        KVLEDGER_SGLANG_DSV4_COMPACT_SLACK="lots",
+    )
+    proc = Proc(env, "--build")
+    try:
+        assert proc.first["file"] is None  # nothing published, nothing left behind
+        assert proc.first["index_translator"] == "KVIndexTranslator"  # SGLang went on
+        proc.send("quit", answer=False)
+        assert proc.wait() == 0
+        lines = [ln for ln in proc.stderr.splitlines() if "kvledger" in ln and "failed" in ln]
+        assert len(lines) == 1 and "KVLEDGER_SGLANG_DSV4_COMPACT_SLACK='lots'" in lines[0]
+        assert "kvledger is off in this process" in lines[0]
+        assert list(snapdir.iterdir()) == []
+    finally:
+        proc.close()
+
+
 def test_require_makes_a_kvledger_failure_fail_start_up(snapdir: Path) -> None:
     blocker = snapdir / "file"
     blocker.write_text("")

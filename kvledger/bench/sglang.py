@@ -41,7 +41,9 @@ Workload (`--requests` running requests of `--prompt` tokens, each decoding
   production compaction policy (`kvledger.sglang.bridge.compact_policy`, the plugin's;
   `sglang_cases.compact_between_events`, the one call site, timed with the event); after
   every event past the warm-up, the bridge's mapped page ids are checked against
-  ceil(held rows / rows per VMM page) + max spare pages + 1, and the swa_kv family's
+  ceil(held rows / rows per VMM page) + max spare pages + 1 (and, when
+  `KVLEDGER_SGLANG_DSV4_COMPACT_SLACK` gives the policy a slack, against that + the slack
+  too; `KVLEDGER_SGLANG_DSV4_COMPACT=0` turns compaction off), and the swa_kv family's
   physical bytes are held against the occupied and the native bytes
   (`kvledger.bench.sglang_memory`: mean and max). Events follow each other back to
   back unless `--churn-gap-ms` asks for an untimed pause after each (on every engine),

@@ -27,8 +27,9 @@
 The yes/no switches are read by `accounting.switches.switch` (the one parser: unset, empty,
 0/false/no/off is off, 1/true/yes/on is on, anything else an error naming the variable);
 `KVLEDGER_SGLANG_DSV4_COMPACT` alone is on when unset or empty. The slack is a count
-(`compaction_slack`: digits only, a bad value an error naming it). The bridge switch alone changes nothing: it takes effect in a call to `attach`, and `attach`
-without it only registers the pool with the ledger.
+(`compaction_slack`: digits only, a bad value an error naming it). The bridge switch alone
+changes nothing: it takes effect in a call to `attach`, and `attach` without it only
+registers the pool with the ledger.
 
 Imports only `accounting.switches`: the plugin's entry point reads `KVLEDGER_SGLANG` through
 here in every SGLang process.

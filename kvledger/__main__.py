@@ -2,6 +2,10 @@
 
 import sys
 
+from kvledger import early_signals
+
+early_signals.install()  # first: a Ctrl-C from here on is recorded even if something drops it
+
 try:
     from kvledger.cli import main
 except KeyboardInterrupt:  # Ctrl-C while the command is still being imported

@@ -115,6 +115,9 @@ def _command(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        from kvledger import early_signals
+
+        early_signals.install()  # the `kvledger` script's first step (kvledger.early_signals)
         from kvledger.argtypes import join_negative_values
 
         argv = join_negative_values(sys.argv[1:] if argv is None else argv)

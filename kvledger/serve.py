@@ -309,9 +309,14 @@ class StartUp:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvledger import early_signals
+
     start_up = StartUp()
     previous = {sig: signal.signal(sig, start_up.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        # A Ctrl-C before these handlers, whatever became of its KeyboardInterrupt
+        start_up.signal = early_signals.received()
+        start_up.check()
         return _serve(args, start_up)
     except StartupStopped as e:
         print(f"kvledger serve: stopped by {e} during start-up", file=sys.stderr, flush=True)

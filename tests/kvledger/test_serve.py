@@ -459,6 +459,29 @@ def test_sigint_at_any_moment_of_start_up_stops_without_a_traceback(tmp_path, de
     assert list(tmp_path.glob("*.json")) == []
 
 
+def test_a_ctrl_c_dropped_before_serve_took_the_signals_still_stops_it(tmp_path):
+    """The interpreter drops a KeyboardInterrupt raised inside a weakref callback (it did so
+    in importlib's module-lock callback, 0.35 s into a loaded start-up, before `run` had
+    installed its handlers: the server then started and served). The entry point's
+    `kvledger.early_signals` recorded it, and `run` stops at once."""
+    code = (
+        "import signal, sys, weakref\n"
+        "from kvledger import early_signals\n"
+        "early_signals.install()  # what kvledger/__main__.py does first\n"
+        "class T: pass\n"
+        "t = T(); r = weakref.ref(t, lambda _: signal.raise_signal(signal.SIGINT)); del t\n"
+        "from kvledger.cli import main\n"
+        f"sys.exit(main(['serve', '--no-demo', '--port', '0', '--snapshot-dir', {str(tmp_path)!r}]))\n"
+    )
+    proc = subprocess.run(  # without the record it serves on: killed at the timeout
+        [sys.executable, "-c", code], capture_output=True, text=True, env=repo_env(), timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Exception ignored" in proc.stderr  # the KeyboardInterrupt was dropped
+    assert "kvledger serve: stopped by SIGINT during start-up" in proc.stderr
+    assert "kvledger serve: http://" not in proc.stdout
+
+
 def test_a_start_up_signal_whose_exception_was_swallowed_still_stops_it():
     """The start-up handler raises where the main thread is; code there may swallow the
     exception (seen inside numpy's import and the demo pool's build), and the server then

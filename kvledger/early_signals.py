@@ -4,9 +4,10 @@ Python's own SIGINT handler raises KeyboardInterrupt wherever the main thread ha
 and the interpreter itself can drop it: one raised while importlib runs a module lock's
 weakref callback is printed as "Exception ignored in: <function _get_module_lock.<locals>.cb>"
 and goes no further (seen: `kvledger serve` interrupted 0.35 s into its start-up, on a
-2-core machine kept busy, went on to serve in 3 of 110 start-ups; once in CI at 0.2 s). So the entry points (`python -m kvledger`,
-the `kvledger` script through `kvledger.cli.main`) install `record` first: it notes the
-signal, then raises KeyboardInterrupt exactly as Python's handler would. A command that
+2-core machine kept busy, went on to serve in 3 of 110 start-ups; once in CI at 0.2 s). So
+the entry points (`python -m kvledger`, the `kvledger` script through `kvledger.cli.main`)
+install `record` first: it notes the signal, then raises KeyboardInterrupt exactly as
+Python's handler would. A command that
 installs handlers of its own (`kvledger serve`'s start-up, `kvledger.serve.StartUp`) asks
 `received()` right after and stops if a signal came before.
 

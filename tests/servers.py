@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,22 @@ def repo_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+@contextlib.contextmanager
+def sigint_default() -> Iterator[None]:
+    """Children started inside get SIGINT at its default, as from a terminal, even where the
+    tests run with SIGINT ignored (a run started in the background: a shell's `&` ignores it
+    for the job, and an ignored signal stays ignored across exec). exec resets a handler, so
+    Python's own handler set for the duration of the start is enough."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 class ServeProcess(ServeChild):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.servers import repo_env
+from tests.servers import repo_env, sigint_default
 
 # A KeyboardInterrupt dropped the way the interpreter drops it: raised inside a weakref
 # callback ("Exception ignored in: ..."), as importlib's module-lock callback did.
@@ -21,9 +21,14 @@ del _t
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=repo_env(), timeout=60
-    )
+    with sigint_default():  # a child as from a terminal, whatever ran the tests
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=repo_env(),
+            timeout=60,
+        )
 
 
 def test_a_dropped_ctrl_c_is_recorded() -> None:

@@ -20,19 +20,20 @@ from exporter import metrics as m
 from kvledger.demo import DEFAULT_HOST_GRANULARITY
 from kvledger.sglang.dsv4 import FAMILIES
 from tests.ledgers import small_ledger
-from tests.servers import repo_env, stop, wait_until
+from tests.servers import repo_env, sigint_default, stop, wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def _serve(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kvledger", "serve", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=repo_env(),
-        text=True,
-    )
+    with sigint_default():  # these tests send SIGINT: not ignored, whatever ran the tests
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvledger", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=repo_env(),
+            text=True,
+        )
 
 
 def _figures(url: str) -> dict[tuple[str, str], float]:
@@ -473,9 +474,14 @@ def test_a_ctrl_c_dropped_before_serve_took_the_signals_still_stops_it(tmp_path)
         "from kvledger.cli import main\n"
         f"sys.exit(main(['serve', '--no-demo', '--port', '0', '--snapshot-dir', {str(tmp_path)!r}]))\n"
     )
-    proc = subprocess.run(  # without the record it serves on: killed at the timeout
-        [sys.executable, "-c", code], capture_output=True, text=True, env=repo_env(), timeout=30
-    )
+    with sigint_default():  # without the record it serves on: killed at the timeout
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=repo_env(),
+            timeout=30,
+        )
     assert proc.returncode == 0, proc.stderr
     assert "Exception ignored" in proc.stderr  # the KeyboardInterrupt was dropped
     assert "kvledger serve: stopped by SIGINT during start-up" in proc.stderr

@@ -312,10 +312,12 @@ def run(args: argparse.Namespace) -> int:
     from kvledger import early_signals
 
     start_up = StartUp()
-    previous = {sig: signal.signal(sig, start_up.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict[int, Any] = {}
     try:
-        # A Ctrl-C before these handlers, whatever became of its KeyboardInterrupt
-        start_up.signal = early_signals.received()
+        for taken in (signal.SIGINT, signal.SIGTERM):
+            previous[taken] = signal.signal(taken, start_up.handle)
+        if start_up.signal is None:  # a Ctrl-C before them, whatever became of its exception
+            start_up.signal = early_signals.received()
         start_up.check()
         return _serve(args, start_up)
     except StartupStopped as e:

@@ -68,8 +68,12 @@ def test_a_handler_someone_else_set_is_left_alone() -> None:
         "early_signals.install()\n"
         "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "t = threading.Thread(target=early_signals.install); t.start(); t.join()\n"
-        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+        "done = []\n"
+        "def off_main():\n"
+        "    early_signals.install()\n"
+        "    done.append(True)  # not reached if install raised (signal only works in main thread)\n"
+        "t = threading.Thread(target=off_main); t.start(); t.join()\n"
+        "print(done == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "True"]  # not replaced; no error off the main thread

@@ -1,6 +1,6 @@
 """What an engine says beside its accounts about who holds the KV cache, carried in each snapshot.
 
-Filled by an engine's holder reader (`kvledger.sglang.holders` for SGLang); the ledger
+Filled by an engine's holder reader (`kvledger.engines.sglang.holders` for SGLang); the ledger
 only carries it, as it carries `accounting.tp_status.TpStatus`:
 
 - `holders_from`: what the holders were read from (e.g. `UnifiedRadixCache`), empty

@@ -20,7 +20,8 @@ from typing import Any
 from accounting.buffers import BufferSpec, Owner
 from accounting.engine_state import EngineState
 from accounting.events import PoolEvent
-from accounting.snapshot import AccountRow, BufferRow, Snapshot
+from accounting.rows import AccountRow, BufferRow
+from accounting.snapshot import Snapshot
 from accounting.tp_status import TpStatus
 
 _SLOTS_OCCUPIED = PoolEvent.SLOTS_OCCUPIED

@@ -1,9 +1,9 @@
 """`accounting.publisher.Publisher`, the name engines are told to use (README), kept importable.
 
-The publisher lives in `accounting.snapfile.publisher`, beside the rest of the snapshot
+The publisher lives in `accounting.snapfile.writer`, beside the rest of the snapshot
 file (`accounting.snapfile`).
 """
 
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 
 __all__ = ["Publisher"]

@@ -7,13 +7,11 @@ A violation is reported, never clamped: the figures stay as counted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from accounting.buffers import Owner
 from accounting.figures import HOLDER_RELATION
-
-if TYPE_CHECKING:
-    from accounting.snapshot import AccountRow, BufferRow
+from accounting.rows import AccountRow, BufferRow
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def _check(result: Any, op: str, address: int | None = None, detail: str = "") -
 @dataclass(frozen=True)
 class DriverCalls:
     """The bare driver of one backend's device, for measuring what the driver alone costs
-    (kvledger.bench): `driver` is cuda.bindings.driver, `prop` the allocation properties and
+    (kvledger.tools.bench): `driver` is cuda.bindings.driver, `prop` the allocation properties and
     `access` the access descriptors this backend passes to cuMemCreate and cuMemSetAccess,
     `check(result, op)` unpacks a call's result and raises DriverError on failure. Nothing
     made through it is in the backend's books: the caller undoes all of it."""

@@ -27,7 +27,10 @@ plan at once (the store's TP attachment), and no background mapper runs.
 
 `SparePolicy` is given its store and keeps its own state (the options above, pins, pages
 wanted ahead, fences, when the spares rose over the watermark); it changes pages only
-through the store's unmap transaction. Every method: the store's lock held.
+through the store's unmap transaction. It sees the store as a `SpareStore`, the few books
+and calls it reads or makes (allocator.store.PageStore is one), so this module does not
+import the store: the store makes its policy, never the other way. Every method: the
+store's lock held.
 """
 
 from __future__ import annotations
@@ -35,13 +38,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from threading import Condition
+from typing import Protocol
 
 from allocator.checks import check_count
 from allocator.states import PageState
-
-if TYPE_CHECKING:
-    from allocator.store import PageStore
 
 RETRY_AFTER_FAILURE_S = 1.0  # a failed unmap is retried by a release no sooner than this
 
@@ -53,12 +54,42 @@ class Fence(Protocol):
     def wait(self) -> None: ...
 
 
+class TpTrim(Protocol):
+    """A store's TP coordinator (allocator.tp), as the policy sees it."""
+
+    def trim_locked(self) -> None:
+        """Unmap the spares over `max_spare_pages` that rank 0 names (lock held)."""
+
+
+class SpareStore(Protocol):
+    """What the policy reads and calls of its store (allocator.store.PageStore, where each
+    member is described): the books it reads, the store's condition, who drives the store,
+    the budget, and the unmap transaction, its one way to change a page."""
+
+    state: bytearray  # a PageState per page id
+    spares: dict[int, None]  # MAPPED, not in use; in the order they emptied
+    unmapped: list[int]  # sorted
+    busy: int  # driver calls under way off the lock
+    cond: Condition  # notified when the background mapper may have work
+
+    @property
+    def tp(self) -> TpTrim | None: ...
+    @property
+    def mapper(self) -> object | None: ...
+    @property
+    def kept_sets(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def budget_allows(self, new_sets: int = 1) -> bool: ...
+    def unmap_spare_locked(self, p: int) -> bool: ...
+
+
 class SparePolicy:
     """The spare policy of `store` (see the module docstring); the store makes its own."""
 
     def __init__(
         self,
-        store: PageStore,
+        store: SpareStore,
         *,
         min_spare_pages: int,
         max_spare_pages: int,
@@ -99,7 +130,7 @@ class SparePolicy:
 
     def pin(self, pages: Iterable[int]) -> None:
         """Pages that must stay mapped whether in use or not: a follower that learns of
-        allocations late (kvledger.sglang.bridge.journal) pins the pages of the rows the
+        allocations late (kvledger.engines.sglang.bridge.journal) pins the pages of the rows the
         engine may hand out meanwhile. Replaces the previous pins."""
         self.pinned = dict.fromkeys(pages)
 

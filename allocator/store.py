@@ -18,7 +18,8 @@ allocator.rows' `RowFollower`), decides which pages its occupants use and says s
   of a free; `close()` always completes.
 
 It holds two objects it hands itself to: `policy` (allocator.spares.SparePolicy: what to
-unmap when, what to map ahead, pins, fences) and `reporter` (allocator.reporting.Reporter:
+unmap when, what to map ahead, pins, fences; its callers, the followers and the SGLang
+bridge, use it as `store.policy`; it sees the store as an allocator.spares.SpareStore) and `reporter` (allocator.reporting.Reporter:
 the occupant figure and every event to the observer, accounting.events, after it happened).
 Three parties attach to it, each through its own attach/detach method: the user, a
 background mapper (allocator.mapper) and a TP coordinator (allocator.tp).
@@ -71,7 +72,7 @@ from allocator.backend import Backend
 from allocator.errors import CapacityError, ClosedError
 from allocator.pages import LayerSet
 from allocator.reporting import Reporter
-from allocator.spares import Fence, SparePolicy
+from allocator.spares import SparePolicy, TpTrim
 from allocator.states import PageState
 from allocator.transaction import Transaction
 
@@ -95,11 +96,9 @@ class Attachment(Protocol):
     def close(self) -> None: ...
 
 
-class TpAttachment(Attachment, Protocol):
-    """A TP coordinator (allocator.tp), as the store sees it."""
-
-    def trim_locked(self) -> None:
-        """Unmap the spares over `max_spare_pages` that rank 0 names (lock held)."""
+class TpAttachment(Attachment, TpTrim, Protocol):
+    """A TP coordinator (allocator.tp), as the store sees it: closed by `close()`, trims as
+    rank 0 plans them (`trim_locked`, called by the spare policy)."""
 
 
 @dataclass(eq=False)
@@ -293,47 +292,6 @@ class PageStore:
     def kept_sets(self) -> int:
         """Handle sets kept for the next maps."""
         return len(self._kept)
-
-    # -- the spare policy's entry points, kept here for the SGLang bridge (lock held) ---------
-    @property
-    def max_spare_pages(self) -> int:
-        """The policy's watermark: spares kept mapped."""
-        return self.policy.max_spare_pages
-
-    @property
-    def min_spare_pages(self) -> int:
-        """Spares the background mapper keeps mapped ahead."""
-        return self.policy.min_spare_pages
-
-    @property
-    def pinned(self) -> dict[int, None]:
-        """The policy's pins (read it, never write it: `pin`)."""
-        return self.policy.pinned
-
-    @property
-    def fences(self) -> dict[int, Fence]:
-        """Per fenced spare its fence (read it, never write it: `fence`)."""
-        return self.policy.fences
-
-    def pin(self, pages: Iterable[int]) -> None:
-        """`SparePolicy.pin`. Lock held."""
-        self.policy.pin(pages)
-
-    def set_ahead(self, pages: Iterable[int]) -> None:
-        """`SparePolicy.set_ahead`. Lock held."""
-        self.policy.set_ahead(pages)
-
-    def fence(self, pages: Iterable[int], fence: Fence) -> None:
-        """`SparePolicy.fence`. Lock held."""
-        self.policy.fence(pages, fence)
-
-    def after_release_locked(self) -> None:
-        """`SparePolicy.after_release_locked`: apply the policy after occupants left."""
-        self.policy.after_release_locked()
-
-    def trim_locked(self, keep: int | None = None) -> None:
-        """`SparePolicy.trim_locked`: unmap spares beyond `keep` now."""
-        self.policy.trim_locked(keep)
 
     # -- occupants and the observer --------------------------------------------------------------
     def report_slots(self) -> None:

@@ -42,7 +42,7 @@ from exporter.apidocs import add_docs
 from exporter.collector import KvLedgerCollector
 from exporter.serving import HealthEndpoint, MetricsBodies, MetricsEndpoint, SourceReader
 from exporter.sources import Sources
-from kvledger import __version__
+from exporter.version import VERSION
 
 DEBUG_PARAMS = ("family", "rank", "layer")
 
@@ -169,7 +169,7 @@ def create_router(
 
     @router.get(
         "/debug/kv",
-        response_model=debug.DebugKv,
+        response_model=debug.models()[1],  # with the registered engine exports' sections
         summary="The ledger's snapshots: buffer map, figures, relations, reconciliation",
         dependencies=[Depends(auth)],
         responses={
@@ -285,7 +285,7 @@ def create_app(
 ) -> ExporterApp:
     app = ExporterApp(
         title=title,
-        version=__version__,
+        version=VERSION,
         summary="KV-cache memory accounting: tensor, reserved, physical and occupied bytes "
         "per buffer family",
         # FastAPI's Swagger UI and ReDoc come from a CDN: blank offline. exporter.apidocs

@@ -5,10 +5,9 @@ scrapes: `collect()` reads `Sources` once and builds every family of
 `exporter.metrics.METRICS` from that one `Scan` (the views and what went wrong
 reading them), so all series of one scrape come from the same snapshots. The work
 is O(sources x (families + accounts)), read from each source's typed `Summary`; it
-never touches slot counts or buffer lists, but for a vLLM worker's per-group layers and
-bytes (`exporter.vllm`: its buffer rows, one per layer view, read once per change of its
-ledger, not per scrape). A vLLM source exports the `kvledger_vllm_*` metrics under vLLM's
-labels instead of the `sglang:` ones.
+never touches slot counts or buffer lists itself. A source that a registered engine export
+claims (`exporter.engines`: vLLM's) exports that engine's series under its labels instead of
+the `sglang:` ones.
 
 A stale source exports only its service metrics (`kvledger_up 0`, its age, epoch,
 interval): its figures are no longer true. Two live sources never carry the same
@@ -39,20 +38,20 @@ from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.snapfile.publish_errors import counts_of
 from accounting.snapfile.summary import Summary
 from accounting.tp_status import TP_COUNTERS
-from exporter import engine_values, vllm
+from exporter import engine_values, engines
 from exporter import metrics as m
 from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
 from exporter.failures import SourceFailures
 from exporter.metrics import EngineKey, device_labels, engine_key, engine_labels
 from exporter.sources import Published, Scan, Sources, SourceView
-from kvledger import __version__
+from exporter.version import VERSION
 
 log = logging.getLogger(__name__)
 GIB = 2**30
 _FIGURE_METRICS = tuple(m.figure_metric(f.name) for f in FIGURES)
 _LE = tuple(floatToGoString(b) for b in (*MAP_SECONDS_BUCKETS, float("inf")))
 _REQUEST_LE = tuple(floatToGoString(b) for b in (*REQUEST_BYTES_BUCKETS, float("inf")))
-_BUILD_LABELS = {"version": __version__, "python_version": platform.python_version()}
+_BUILD_LABELS = {"version": VERSION, "python_version": platform.python_version()}
 
 
 def live_by_engine(views: Sequence[SourceView]) -> list[SourceView]:
@@ -465,7 +464,7 @@ def _engine_lines(part: _LayoutLines, v: SourceView) -> None:
     """A source's sample lines: from its columns under its previous layout when its shape is
     unchanged, else through `_add_engine_series` (which also sets the layout's key)."""
     s = v.summary
-    eng = None if vllm.role(s.labels) is not None else _engine_labels(s)
+    eng = None if engines.claiming(s.labels) is not None else _engine_labels(s)
     if eng is not None and part.from_columns(v, eng):
         return
     _add_engine_series(part, v)
@@ -517,9 +516,9 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     s = v.summary
     eng = _engine_labels(s)
-    role = vllm.role(s.labels)
-    if role is not None:
-        _add_vllm_series(fam, v, role)
+    export = engines.claiming(s.labels)
+    if export is not None:  # an engine of its own shape (exporter.engines)
+        export.add_series(fam.add, v)
         fam.add("kvledger_relation_violations", eng, len(s.violations))
         return
     fam.add(m.HEADLINE, eng, s.totals.physical_bytes / GIB)
@@ -572,42 +571,6 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
         _add_histogram(
             fam, "kvledger_map_page_seconds", labels, acc.map_bucket_counts, acc.map_seconds_total
         )
-
-
-_V = m.VLLM_PREFIX
-
-
-# The series of a vLLM source, each the attribute of exporter.vllm's view it is read from:
-# a worker's storage and each group's bytes, an engine core's blocks and each group's slots.
-_VLLM_WORKER = ("physical_bytes", "blocks", "block_bytes")
-_VLLM_WORKER_NAMES = ("kv_cache_physical_bytes", "kv_cache_blocks", "kv_block_bytes")
-_VLLM_WORKER_GROUP = (
-    "tensor_bytes", "reserved_bytes", "physical_bytes", "slot_bytes", "block_size", "layers"
-)  # fmt: skip
-_VLLM_ENGINE = ("blocks", "occupied_blocks", "evictable_blocks", "free_blocks")
-_VLLM_ENGINE_GROUP = ("capacity_slots", "occupied_slots", "evictable_slots", "free_slots")
-
-
-def _add_vllm_series(fam: _SeriesSet, v: SourceView, role: str) -> None:
-    """A vLLM source's series (exporter.vllm): a worker's bytes, an engine core's blocks,
-    under vLLM's labels; none of SGLang's names."""
-    names: tuple[str, ...]
-    fields: tuple[str, ...]
-    group_fields: tuple[str, ...]
-    if role == vllm.WORKER:
-        view: Any = vllm.worker_of(v.published)
-        labels = vllm.worker_labels(v.summary.labels)
-        names, fields, group_fields = _VLLM_WORKER_NAMES, _VLLM_WORKER, _VLLM_WORKER_GROUP
-    else:
-        view = vllm.engine_view(v.summary)
-        labels = vllm.engine_labels(v.summary.labels)
-        names, fields, group_fields = _VLLM_ENGINE, _VLLM_ENGINE, _VLLM_ENGINE_GROUP
-    for name, field in zip(names, fields, strict=True):
-        fam.add(_V + name, labels, getattr(view, field))
-    for g in view.groups:
-        gl = {**labels, "group": str(g.group), "kind": g.kind}
-        for field in group_fields:
-            fam.add(_V + "group_" + field, gl, getattr(g, field))
 
 
 def _add_histogram(

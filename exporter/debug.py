@@ -16,7 +16,7 @@ value no source has is a `FilterError` naming the parameter and what exists.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,11 +38,11 @@ from accounting.relations import Violation
 from accounting.snapfile.summary import Reconciliation
 from accounting.snapshot import AccountRow, BufferRow
 from accounting.tp_status import TpStatus
-from exporter import vllm
+from exporter import engines
 from exporter.collector import GIB
 from exporter.metrics import engine_labels
 from exporter.models import json_type, model_of
-from exporter.sources import BufferMapError, Scan, SourceView
+from exporter.sources import Scan, SourceView
 
 _FIGURE_FIELDS: dict[str, Any] = {
     f.name: (int, Field(description=f"{f.meaning} (unit: {f.unit}). Relation: {f.relation}."))
@@ -122,41 +122,6 @@ ReconciliationModel: Any = model_of(
         "total_bytes": "the device's memory size (NVML total), or null",
     },
 )
-
-
-# A vLLM source's figures (exporter.vllm), as its kvledger_vllm_* metrics carry them.
-VllmWorkerGroupModel: Any = model_of(
-    vllm.WorkerGroup, name="VllmWorkerGroupModel", doc="One KV-cache group as a worker holds it."
-)
-VllmEngineGroupModel: Any = model_of(
-    vllm.EngineGroup,
-    name="VllmEngineGroupModel",
-    doc="One KV-cache group's slots in the engine core's block pool.",
-)
-VllmWorkerModel: Any = model_of(
-    vllm.WorkerView,
-    name="VllmWorkerModel",
-    doc="A vLLM worker's KV storage (counted once) and its groups (aliasing the storage).",
-    drop=("groups",),
-    extra={"groups": list[VllmWorkerGroupModel]},
-)
-VllmEngineModel: Any = model_of(
-    vllm.EngineView,
-    name="VllmEngineModel",
-    doc="A vLLM engine core's block pool (shared by every group) and each group's slots.",
-    drop=("groups",),
-    extra={"groups": list[VllmEngineGroupModel]},
-)
-
-
-class VllmModel(BaseModel):
-    """A vLLM source's groups: a worker's bytes or an engine core's occupancy."""
-
-    role: str = Field(description="vllm_worker (the bytes) or vllm_scheduler (the blocks)")
-    labels: dict[str, str] = Field(description="vLLM's labels on its kvledger_vllm_* metrics")
-    worker: VllmWorkerModel | None = None
-    engine: VllmEngineModel | None = None
-    error: str | None = Field(default=None, description="why the worker's groups are not shown")
 
 
 class GpuPartModel(BaseModel):
@@ -253,7 +218,9 @@ class EngineModel(BaseModel):
     )
 
 
-class SourceModel(BaseModel):
+class SourceBase(BaseModel):
+    """A source's section of /debug/kv, less the sections of engine exports (`models`)."""
+
     source: str
     up: bool
     stale_reason: str | None
@@ -304,7 +271,6 @@ class SourceModel(BaseModel):
     engine: EngineModel | None = Field(
         None, description="the engine's holder reader: source, notes, per-request footprints"
     )
-    vllm: VllmModel | None = Field(None, description="present for a vLLM source (docs/vllm.md)")
 
 
 class RankModel(BaseModel):
@@ -353,6 +319,9 @@ class HoldersTable(BaseModel):
 
 
 class DebugKv(BaseModel):
+    """The document's schema as typing sees it; `models()` gives the one served, whose
+    sources carry the sections of the registered engine exports."""
+
     generated_at: float
     filters: Filters
     figures: list[FigureDef] = Field(description="the figures table: what each figure counts")
@@ -361,12 +330,38 @@ class DebugKv(BaseModel):
         description="the holders table: who can hold an occupied slot (accounting.figures)",
     )
     ranks: list[RankModel]
-    sources: list[SourceModel]
+    sources: list[SourceBase]
     files_not_served: list[FileProblemModel] = Field(
         default_factory=list,
         description="snapshot files refused, each with why (at most 100 listed; all are "
         "counted in kvledger_snapshot_file_errors_total)",
     )
+
+
+@functools.cache
+def _models(exports: tuple[Any, ...]) -> tuple[Any, Any]:
+    sections: dict[str, Any] = {
+        e.name: (e.debug_model | None, Field(None, description=e.debug_description))
+        for e in exports
+    }
+    source = create_model(
+        "SourceModel", __base__=SourceBase, __doc__=SourceBase.__doc__, **sections
+    )
+    document = create_model(
+        "DebugKv", __base__=DebugKv, __doc__="/debug/kv", sources=(list[source], ...)
+    )
+    return source, document
+
+
+def models() -> tuple[Any, Any]:
+    """The models of a source and of the document, with a section per registered engine
+    export (`exporter.engines`: vLLM's `vllm`), each None for a source it does not claim."""
+    return _models(engines.registered())
+
+
+def _engine_sections(v: SourceView) -> dict[str, Any]:
+    export = engines.claiming(v.summary.labels)
+    return {} if export is None else {export.name: export.debug(v)}
 
 
 class FilterError(ValueError):
@@ -406,7 +401,8 @@ def build(
             raise FilterError(
                 "layer", f"layer={layer} has no buffer; known layers: {_known(layers)}"
             )
-    return DebugKv(
+    source_model, document = models()
+    return document(  # type: ignore[no-any-return]
         generated_at=time.time(),
         filters=Filters(family=family, rank=rank, layer=layer),
         figures=[
@@ -423,7 +419,7 @@ def build(
             )
             for v in views
         ],
-        sources=[_source(v, family=family, layer=layer) for v in views],
+        sources=[_source(source_model, v, family=family, layer=layer) for v in views],
         files_not_served=[
             FileProblemModel(name=p.name, reason=p.reason, detail=p.detail)
             for p in scan.files.problems
@@ -469,7 +465,7 @@ def _gpu(reconciliation: Sequence[Reconciliation]) -> GpuModel | None:
     )
 
 
-def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceModel:
+def _source(model: Any, v: SourceView, *, family: str | None, layer: int | None) -> SourceBase:
     """Figures, accounts and violations from the summary the metrics are built from;
     the buffer rows from the buffer map."""
     d, p = v.summary, v.published
@@ -487,7 +483,7 @@ def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceMo
         if layer is None:
             subjects |= {a.key for a in accounts}
         violations = [x for x in d.violations if x.subject in subjects]
-    return SourceModel(
+    return model(  # type: ignore[no-any-return]
         source=v.source,
         up=v.up,
         stale_reason=v.stale_reason,
@@ -520,34 +516,7 @@ def _source(v: SourceView, *, family: str | None, layer: int | None) -> SourceMo
         last_error=LastErrorModel(**v.last_error.to_dict()) if v.last_error else None,
         holders=_holders(d, family),
         engine=EngineModel(**d.engine.to_dict()) if d.engine is not None else None,
-        vllm=_vllm(v),
-    )
-
-
-def _vllm(v: SourceView) -> Any:
-    role = vllm.role(v.summary.labels)
-    if role is None:
-        return None
-    if role == vllm.SCHEDULER:
-        e = vllm.engine_view(v.summary)
-        return VllmModel(
-            role=role,
-            labels=vllm.engine_labels(v.summary.labels),
-            engine=VllmEngineModel(
-                **{**dataclasses.asdict(e), "groups": [dataclasses.asdict(g) for g in e.groups]}
-            ),
-        )
-    labels = vllm.worker_labels(v.summary.labels)
-    try:
-        w = vllm.worker_of(v.published)
-    except BufferMapError as err:
-        return VllmModel(role=role, labels=labels, error=str(err))
-    return VllmModel(
-        role=role,
-        labels=labels,
-        worker=VllmWorkerModel(
-            **{**dataclasses.asdict(w), "groups": [dataclasses.asdict(g) for g in w.groups]}
-        ),
+        **_engine_sections(v),
     )
 
 

@@ -11,7 +11,7 @@ believed on its own: when the collector builds a layout through
 `_add_engine_series`, it compares these values with that function's (types included)
 and uses them for that layout only if they are equal (`exporter.collector`).
 
-Only for SGLang-shaped sources; a vLLM source (`exporter.vllm`) has no key and is
+Only for SGLang-shaped sources; a vLLM source (`kvledger.engines.vllm.views`) has no key and is
 always built through `_add_engine_series`.
 """
 

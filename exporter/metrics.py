@@ -43,12 +43,6 @@ ENGINE_LABEL_DEFAULTS: dict[str, str] = {
 # in-process ledger's snapshot failed, or building a source's series failed.
 SOURCE_ERROR_REASONS: tuple[str, ...] = ("snapshot", "render")
 TYPES = ("gauge", "counter", "histogram")
-# vLLM sources (exporter.vllm): names under a prefix of kvledger's own, which vLLM's
-# `vllm:` names can never take; labels vLLM's, then a worker's ranks, then the group.
-VLLM_PREFIX = "kvledger_vllm_"
-VLLM_SCOPES = ("", "worker", "engine")
-VLLM_ENGINE_LABELS: tuple[str, ...] = ("model_name", "engine")
-VLLM_WORKER_LABELS: tuple[str, ...] = (*VLLM_ENGINE_LABELS, "tp_rank", "pp_rank")
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LEGACY_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
@@ -92,20 +86,8 @@ class MetricSpec:
     labels: tuple[str, ...]  # labels of its own, after the engine labels
     engine: bool = True  # carries the source's engine labels
     figure: str | None = None  # the accounting figure it exports, for per-family gauges
-    # "worker" or "engine": a vLLM source's metric, carrying vLLM's labels instead
-    # (VLLM_WORKER_LABELS or VLLM_ENGINE_LABELS), exported only for vLLM sources.
-    vllm: str = ""
 
     def __post_init__(self) -> None:
-        if self.vllm not in VLLM_SCOPES:
-            raise ValueError(
-                f"metric {self.name!r}: vllm={self.vllm!r}, expected one of {VLLM_SCOPES}"
-            )
-        if self.vllm and (self.engine or not self.name.startswith(VLLM_PREFIX)):
-            raise ValueError(
-                f"metric {self.name!r}: a vLLM metric is named {VLLM_PREFIX}... and carries "
-                "vLLM's labels, not SGLang's (engine=False)"
-            )
         if self.type not in TYPES:
             raise ValueError(f"metric {self.name!r}: type={self.type!r}, expected one of {TYPES}")
         if not _LEGACY_NAME.match(self.name):
@@ -501,147 +483,30 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
-_GROUP = ("group", "kind")
-
-
-def _vllm_specs() -> tuple[MetricSpec, ...]:
-    """A vLLM source's metrics (docs/vllm.md): a worker's bytes, an engine core's blocks."""
-    w, e = "worker", "engine"
-    aliased = (
-        "vLLM 0.33 lays every group out from byte 0 of the worker's one KV storage, so groups "
-        "alias it: this is that storage's bytes for each group, never to be added over groups "
-        "(kvledger_vllm_kv_cache_physical_bytes counts it once)."
-    )
-    rows = [
-        (
-            "kv_cache_physical_bytes",
-            w,
-            (),
-            "Device memory of the worker's KV storage (the one "
-            "int8 buffer initialize_kv_cache_tensors allocates; its tensor, reserved and physical "
-            "bytes are equal), counted once for all groups.",
-        ),
-        (
-            "kv_cache_blocks",
-            w,
-            (),
-            "Blocks the worker's KV storage holds (KVCacheConfig."
-            "num_blocks; a block id is one block in every layer of every group).",
-        ),
-        (
-            "kv_block_bytes",
-            w,
-            (),
-            "Bytes of one block id in the worker's storage, all layers of "
-            "all groups (kv_cache_physical_bytes / kv_cache_blocks): free blocks x this is the "
-            "worker's available KV memory.",
-        ),
-        (
-            "group_tensor_bytes",
-            w,
-            _GROUP,
-            "numel x element_size of the group's layer views, "
-            "summed over its layers: the bytes the group addresses in the storage.",
-        ),
-        (
-            "group_reserved_bytes",
-            w,
-            _GROUP,
-            "Address range of the storage the group's views lie in. " + aliased,
-        ),
-        (
-            "group_physical_bytes",
-            w,
-            _GROUP,
-            "Device memory held for the storage the group's views lie in. " + aliased,
-        ),
-        (
-            "group_slot_bytes",
-            w,
-            _GROUP,
-            "Bytes one slot (a token; a Mamba group's state) takes "
-            "over all the group's layers: the group's bytes per token on this worker.",
-        ),
-        (
-            "group_block_size",
-            w,
-            _GROUP,
-            "Slots per block of the group: vLLM's block_size in "
-            "tokens for an attention group, 1 for a state (Mamba) group.",
-        ),
-        ("group_layers", w, _GROUP, "Layers (attention layers' KV views) in the group."),
-        (
-            "blocks",
-            e,
-            (),
-            "Blocks of the engine core's block pool (num_gpu_blocks, the null "
-            "block included), shared by every KV-cache group.",
-        ),
-        ("occupied_blocks", e, (), "Blocks in use (ref count > 0, the null block included)."),
-        (
-            "evictable_blocks",
-            e,
-            (),
-            "Free blocks still holding a cached prefix (ref count 0): "
-            "reused on a prefix hit, evicted when handed out; 0 without prefix caching. A subset "
-            "of kvledger_vllm_free_blocks.",
-        ),
-        (
-            "free_blocks",
-            e,
-            (),
-            "Blocks not in use (blocks - occupied_blocks), the evictable ones "
-            "included: what new requests can take.",
-        ),
-        (
-            "group_capacity_slots",
-            e,
-            _GROUP,
-            "Slots the group can address: blocks x its slots "
-            "per block (tokens; a Mamba group's states).",
-        ),
-        (
-            "group_occupied_slots",
-            e,
-            _GROUP,
-            "The group's slots held by running requests (its "
-            "blocks in use x slots per block; a block shared by a prefix hit counts once per "
-            "request holding it, capped at the capacity). Occupied bytes on a worker = this x "
-            "that worker's kvledger_vllm_group_slot_bytes.",
-        ),
-        (
-            "group_evictable_slots",
-            e,
-            _GROUP,
-            "The pool's evictable blocks as the group's slots "
-            "(evictable_blocks x slots per block): the pool is shared by all groups.",
-        ),
-        (
-            "group_free_slots",
-            e,
-            _GROUP,
-            "The pool's free blocks as the group's slots "
-            "(free_blocks x slots per block, evictable ones included).",
-        ),
-    ]
-    return tuple(
-        MetricSpec(VLLM_PREFIX + name, "gauge", text, labels, engine=False, vllm=scope)
-        for name, scope, labels, text in rows
-    )
-
-
-VLLM_METRICS: tuple[MetricSpec, ...] = _vllm_specs()
-METRICS = METRICS + VLLM_METRICS
-
 # Exported only by a source whose device truth is a GPU read through NVML (none on the host
 # backend): the dashboard's "Where the GPU went" row is empty without a GPU.
 GPU_ONLY: frozenset[str] = frozenset(
     ("kvledger_gpu_memory_bytes", "kvledger_gpu_memory_total_bytes")
 )
 
+# The exporter's own metrics; METRICS adds those of the registered engine exports.
+CORE_METRICS: tuple[MetricSpec, ...] = METRICS
 METRIC: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 if len(METRIC) != len(METRICS):  # pragma: no cover - a table edit gone wrong
     raise RuntimeError("exporter.metrics: a metric name is declared twice")
+
+
+def register(specs: Iterable[MetricSpec]) -> None:
+    """Add an engine export's metrics to the table (`exporter.engines.register` calls it);
+    a name already declared raises, and nothing is added."""
+    global METRICS, METRIC
+    new = tuple(specs)
+    names = [s.name for s in new]
+    taken = sorted({n for n in names if n in METRIC or names.count(n) > 1})
+    if taken:
+        raise ValueError(f"metrics {taken} are declared already")
+    METRICS = (*METRICS, *new)
+    METRIC = {**METRIC, **{s.name: s for s in new}}
 
 
 def series_names() -> frozenset[str]:
@@ -649,13 +514,12 @@ def series_names() -> frozenset[str]:
     return frozenset(n for m in METRICS for n in m.sample_names)
 
 
-def markdown_table() -> str:
-    """The metric table as Markdown (docs/metrics.md embeds it; a test keeps them equal)."""
+def markdown_table(specs: Iterable[MetricSpec] | None = None) -> str:
+    """The metric table as Markdown (docs/metrics.md embeds the exporter's own metrics; a
+    test keeps them equal): `specs`, by default every metric declared here."""
     rows = ["| metric | type | labels | help |", "|---|---|---|---|"]
-    for s in METRICS:
+    for s in CORE_METRICS if specs is None else specs:
         labels = [*ENGINE_LABELS, "[dp_rank]", "[UUID]", "[gpu]"] if s.engine else []
-        if s.vllm:
-            labels = list(VLLM_WORKER_LABELS if s.vllm == "worker" else VLLM_ENGINE_LABELS)
         labels += list(s.labels)
         if s.type == "histogram":
             labels.append("le")

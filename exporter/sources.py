@@ -196,7 +196,7 @@ class Scan:
     views: tuple[SourceView, ...] = ()
     files: FileScan[Published] = field(default_factory=FileScan)  # the directory's scan
     source_errors: Mapping[str, int] = field(default_factory=dict)  # ledgers left out so far
-    # Client connections the server closed, by reason (`exporter.connections`); empty when
+    # Client connections the server closed, by reason (`exporter.server.connections`); empty when
     # the exporter runs inside another server.
     connections_closed: Mapping[str, int] = field(default_factory=dict)
 
@@ -256,7 +256,7 @@ class Sources:
         self.removed = 0  # files of dead sources removed after a restart took their place
         self._known: dict[str, Published] = {}  # file sources of the last usable scan
         # What the HTTP server closed, by reason (`kvledger serve` sets it to its
-        # `exporter.connections.ConnectionGuard`'s counts); read with each scan.
+        # `exporter.server.connections.ConnectionGuard`'s counts); read with each scan.
         self.connection_counts: Callable[[], Mapping[str, int]] | None = None
         self._forgotten_trimmed = 0
         self._trims_due = 0

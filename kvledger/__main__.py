@@ -2,7 +2,7 @@
 
 import sys
 
-from kvledger import early_signals
+from exporter.server import early_signals
 
 early_signals.install()  # first: a Ctrl-C from here on is recorded even if something drops it
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from exporter.server.errors import UsageError
 from kvledger import __version__
 
 DESCRIPTION = """\
@@ -35,24 +36,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run the exporter (/metrics, /debug/kv), by default on an embedded DeepSeek-V4-shaped demo",
     ),
     "inspect": (
-        "kvledger.inspect",
+        "kvledger.tools.inspect",
         "print the DeepSeek-V4 buffer map SGLang 0.5.23 allocates for a config and a size",
     ),
     "inspect-vllm": (
-        "kvledger.inspect_vllm",
+        "kvledger.tools.inspect_vllm",
         "print the KV cache vLLM 0.33 would allocate per KV-cache group for a config and a memory size",
     ),
     "dashboards": (
-        "kvledger.dashboards.command",
+        "kvledger.tools.dashboards.command",
         "write the Grafana dashboard, provisioning, Prometheus scrape configs and rules, "
         "and Kubernetes manifests",
     ),
-    "bench": ("kvledger.bench", "benchmarks of the allocation path, the scrape path and TP"),
+    "bench": ("kvledger.tools.bench", "benchmarks of the allocation path, the scrape path and TP"),
 }
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -115,9 +112,9 @@ def _command(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        from kvledger import early_signals
+        from exporter.server import early_signals
 
-        early_signals.install()  # the `kvledger` script's first step (kvledger.early_signals)
+        early_signals.install()  # the `kvledger` script's first step (exporter.server.early_signals)
         from kvledger.argtypes import join_negative_values
 
         argv = join_negative_values(sys.argv[1:] if argv is None else argv)

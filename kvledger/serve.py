@@ -1,7 +1,7 @@
 """`kvledger serve`: the exporter over a snapshot directory, by default with an embedded demo source.
 
 With no arguments it serves http://127.0.0.1:8000 and, in the same process, runs
-the demo source (kvledger.demo: host backend, a DeepSeek-V4-Flash-shaped pool of
+the demo source (kvledger.demo.source: host backend, a DeepSeek-V4-Flash-shaped pool of
 all seven families sized to a small budget, a built-in workload) publishing into
 the snapshot directory, which any engine process may publish into too
 (`accounting.publisher.Publisher`). `--no-demo` serves the directory alone.
@@ -16,21 +16,20 @@ publisher (its file is removed) and the pool (nothing stays mapped), and exits 0
 from __future__ import annotations
 
 import argparse
-import gc
+import functools
 import logging
 import os
 import secrets
-import signal
 import sys
-import threading
-import time
-from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accounting.units import format_size
+from exporter.server.errors import UsageError
+from exporter.server.token import ENV
 from kvledger.argtypes import number, one_line_errors, size
-from kvledger.cli import UsageError
-from kvledger.token import ENV
+
+if TYPE_CHECKING:
+    from exporter.server.startup import StartUp
 
 log = logging.getLogger("kvledger.serve")
 
@@ -54,10 +53,11 @@ DAY = 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from accounting.snapfile.directory import TEMP_GRACE_S, default_snapshot_dir
     from accounting.snapfile.envelope import MAX_INTERVAL_S, MIN_INTERVAL_S
-    from exporter import connections as conn
-    from kvledger import demo
+
+    from accounting.snapfile.directory import TEMP_GRACE_S, default_snapshot_dir
+    from exporter.server import connections as conn
+    from kvledger.demo import source as demo
 
     one_line_errors(p)
     net = p.add_argument_group("server")
@@ -274,76 +274,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-class StartupStopped(BaseException):
-    """SIGINT or SIGTERM before the server runs; a BaseException, like KeyboardInterrupt, so
-    that no `except Exception` on the way swallows it and every `finally` runs."""
-
-
-class StartUp:
-    """SIGINT and SIGTERM from the start of `run` until the server takes over its own
-    handlers: the first ends the start-up wherever it is (the handler raises
-    `StartupStopped` in the main thread; the pool's build is interrupted between chunks), so
-    cleanup runs on the way out and nothing is left behind; a second one while that cleanup
-    runs is let be.
-
-    An exception raised by a signal handler goes wherever the main thread is, and code
-    there may swallow it: here the handler ran inside numpy's import (under torch) and
-    inside the demo pool's build, the exception went nowhere, and the server started
-    anyway (in 1 to 5 of 30 to 60 start-ups interrupted in their first 1.5 s). Which
-    library drops it is not known. So the signal is also recorded, and `check()`, called
-    before the server takes over, raises it again."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-
-    def handle(self, sig: int, frame: FrameType | None) -> None:
-        if self.signal is not None:
-            return  # a second signal while cleaning up: let the cleanup finish
-        self.signal = signal.Signals(sig).name
-        raise StartupStopped(self.signal)
-
-    def check(self) -> None:
-        """Raise `StartupStopped` if a signal came (whatever became of its exception)."""
-        if self.signal is not None:
-            raise StartupStopped(self.signal)
-
-
 def run(args: argparse.Namespace) -> int:
-    from kvledger import early_signals
+    from exporter.server.startup import StartupStopped, taken_over
 
-    start_up = StartUp()
-    previous: dict[int, Any] = {}
     try:
-        for taken in (signal.SIGINT, signal.SIGTERM):
-            previous[taken] = signal.signal(taken, start_up.handle)
-        if start_up.signal is None:  # a Ctrl-C before them, whatever became of its exception
-            start_up.signal = early_signals.received()
-        start_up.check()
-        return _serve(args, start_up)
+        with taken_over() as start_up:
+            return _serve(args, start_up)
     except StartupStopped as e:
         print(f"kvledger serve: stopped by {e} during start-up", file=sys.stderr, flush=True)
         return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _serve(args: argparse.Namespace, start_up: StartUp) -> int:
-    import uvicorn
-
     from accounting.snapfile.directory import default_snapshot_dir
-    from exporter import connections as conn
-    from exporter import html
-    from exporter.app import create_app
-    from exporter.basicauth import BasicAuth
+    from exporter.server import connections as conn
+    from exporter.server import lograte
+    from exporter.server.listen import bind, is_loopback
+    from exporter.server.run import Settings, serve
+    from exporter.server.token import ARGV_REFUSED, TokenError, load_token
+    from exporter.server.webconfig import FLAG, for_server
     from exporter.sources import Sources
-    from kvledger import demo as demo_mod
-    from kvledger import lograte
-    from kvledger.listen import bind, is_loopback
-    from kvledger.token import ARGV_REFUSED, TokenError, load_token
-    from kvledger.webconfig import FLAG
-    from kvledger.workload import WorkloadConfig
+    from kvledger.demo import source as demo_mod
+    from kvledger.demo.workload import WorkloadConfig
+    from kvledger.engines.exports import register_all
 
+    register_all()  # every engine's sources served in its own shape (exporter.engines)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -355,7 +310,7 @@ def _serve(args: argparse.Namespace, start_up: StartUp) -> int:
         token = load_token(args.token_file)
     except TokenError as e:
         raise UsageError(str(e)) from None
-    web = _web_config(args.web_config_file, token)
+    web = for_server(args.web_config_file, token)
     snapshot_dir = args.snapshot_dir or default_snapshot_dir()
     group = args.snapshot_dir_group_writable
     soft, _ = conn.raise_fd_limit()
@@ -431,50 +386,19 @@ def _serve(args: argparse.Namespace, start_up: StartUp) -> int:
                 # Bad input, and driver or OS errors at start (no GPU, no CUDA build, a
                 # driver refusal, out of memory): one line, exit 2.
                 raise UsageError(_one_line(e)) from None
-        app: Any = create_app(sources, token=token, debug_html=html.page)
-        if web.users:
-            app = BasicAuth(app, web.users)
-        guard = conn.ConnectionGuard(limits)
-        sources.connection_counts = guard.closed.copy
-        config = uvicorn.Config(
-            app,
-            log_level="warning",
-            lifespan="off",
-            access_log=False,
-            http=conn.guarded_protocol(guard),
-            **limits.uvicorn_settings(),
+        settings = Settings(
+            sock=sock,
+            limits=limits,
+            web=web,
+            token=token,
+            log_limit=log_limit,
+            log_interval=args.log_interval,
+            status=functools.partial(status_line, sources, source),
         )
-        lograte.install(log_limit)  # uvicorn's handlers exist once its Config is made
-        if web.tls is not None:
-            config.load()
-            config.ssl = web.tls  # the context loaded from the checked files (kvledger.webconfig)
-        server = uvicorn.Server(config)
         # A start-up signal whose exception was swallowed (in the demo's build, say) ends it
-        # here, before the URL says the server is up; one that comes after this raises where
-        # it lands (nothing below swallows it) until the server's own handlers take over.
-        start_up.check()
-        host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        print(
-            f"kvledger serve: {web.scheme}://{shown}:{port}/metrics  (also /debug/kv, /healthz, /readyz; "
-            f"snapshots in {snapshot_dir})",
-            flush=True,
-        )
-        # Everything built so far lives as long as the process: out of the collector's way,
-        # so a collection a scrape triggers walks only the scrape's young objects (with the
-        # demo's torch loaded, a full collection over the rest took ~10 ms).
-        gc.freeze()
-        stop = threading.Event()
-        _install_signal_handlers(server, stop)
-        reporter = threading.Thread(
-            target=_report, args=(sources, source, args.log_interval, stop), daemon=True
-        )
-        reporter.start()
-        try:
-            server.run(sockets=[sock])
-        finally:
-            stop.set()
-            reporter.join()
+        # before the URL says the server is up; one that comes after this raises where it
+        # lands (nothing below swallows it) until the server's own handlers take over.
+        serve(sources, settings, where=snapshot_dir, before_ready=start_up.check)
     finally:
         if source is not None:
             source.close()
@@ -506,27 +430,6 @@ def _check_writable(path: str, group_writable: bool) -> None:
         ) from None
 
 
-def _web_config(path: str | None, token: str | None) -> Any:
-    """The `--web.config.file` (an empty WebConfig without one); UsageError, one line."""
-    from exporter import basicauth
-    from kvledger.webconfig import FLAG, WebConfig, WebConfigError, load
-
-    if path is None:
-        return WebConfig(path="")
-    try:
-        web = load(path)
-    except WebConfigError as e:
-        raise UsageError(str(e)) from None
-    if web.users and not basicauth.available():
-        raise UsageError(f"{FLAG} {path}: {basicauth.INSTALL_HINT}")
-    if web.users and token is not None:
-        raise UsageError(
-            f"{FLAG} {path} has basic_auth_users, which guard every path, /debug/* included: "
-            "give no bearer token with it (--token-file, $KVLEDGER_TOKEN)"
-        )
-    return web
-
-
 def closed_line(source: Any) -> str:
     """What the demo holds after close: VMM bytes and occupied slots must all be 0."""
     from accounting.buffers import Owner
@@ -544,30 +447,6 @@ def closed_line(source: Any) -> str:
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {text}"
-
-
-def _install_signal_handlers(server: Any, stop: threading.Event) -> None:
-    """SIGINT/SIGTERM end the server; cleanup runs after `server.run` returns.
-
-    uvicorn installs its own handlers while it runs and, once shut down, raises the
-    signals it caught again: these handlers receive them then, and only set flags.
-    """
-
-    def handle(sig: int, frame: FrameType | None) -> None:
-        server.should_exit = True
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handle)
-
-
-def _report(sources: Any, source: Any, interval: float, stop: threading.Event) -> None:
-    started = time.monotonic()
-    while not stop.wait(interval):
-        try:
-            log.info("%s", status_line(sources, source, time.monotonic() - started))
-        except Exception:
-            log.exception("status line failed")
 
 
 def status_line(sources: Any, source: Any, elapsed: float) -> str:

@@ -16,9 +16,10 @@ ENTRY_POINT_OFF = [
     "accounting",
     "accounting.switches",
     "kvledger",
-    "kvledger.sglang",
-    "kvledger.sglang.plugin",
-    "kvledger.sglang.switches",
+    "kvledger.engines",
+    "kvledger.engines.sglang",
+    "kvledger.engines.sglang.plugin",
+    "kvledger.engines.sglang.switches",
 ]
 
 

@@ -23,7 +23,7 @@ import httpx
 import uvicorn
 import yaml
 
-from kvledger.bench.serve_child import ServeChild
+from kvledger.tools.bench.serve_child import ServeChild
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
@@ -183,7 +183,7 @@ def sigint_default() -> Iterator[None]:
 
 class ServeProcess(ServeChild):
     """`python -m kvledger serve ARGS` as deployed, importing this worktree's packages
-    (`repo_env`): the bench's starter (`kvledger.bench.serve_child`) in the tests'
+    (`repo_env`): the bench's starter (`kvledger.tools.bench.serve_child`) in the tests'
     environment. `.url`, `.proc`; `close()` returns the exit status."""
 
     def __init__(

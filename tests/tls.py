@@ -1,5 +1,5 @@
 """A self-signed certificate for 127.0.0.1 made with the openssl command (Debian's), and the
-files of a `--web.config.file`, each written with the modes `kvledger.webconfig` requires."""
+files of a `--web.config.file`, each written with the modes `exporter.server.webconfig` requires."""
 
 from __future__ import annotations
 

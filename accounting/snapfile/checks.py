@@ -6,9 +6,18 @@ the totals the sum of the families and within what one source can hold, VMM phys
 and mapped bytes whole pages, every relation an account breaks (recomputed by
 `accounting.relations.check_account`) is listed, and a family whose sums break a
 relation that holds buffer by buffer lists a violation of it. Between the two lines
-(`accounting.snapfile.buffermap`): the rollups and violations rebuilt from the buffer
-rows equal the first line's. A file that breaks one is refused ("schema") with the
-relation and the figures that broke it.
+(`accounting.snapfile.head.buffer_map`): the rollups and violations rebuilt from the
+buffer rows equal the first line's. A file that breaks one is refused ("schema") with
+the relation and the figures that broke it.
+
+Each relation of the first line has two forms here. The one `load` calls
+(`families_match_accounts`, `whole_pages`, `violations_complete`, over the account and
+family columns `accounting.snapfile.schema` checked) decides the usual case, every
+relation holding, with a pass over whole columns and without building a record. When it
+cannot, the columns' records go to the same relation checked row by row (`..._by_row`),
+which names what broke, so a refusal reads exactly as it did. A pass never accepts what
+its `_by_row` form refuses: each is the relation itself (sums per (family, owner), pages,
+the relations an account or a family's sums can break), not an approximation of it.
 """
 
 from __future__ import annotations
@@ -16,18 +25,31 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from accounting.buffers import Owner
 from accounting.figures import FIGURE_NAMES, Figures
 from accounting.relations import Violation, check_account
-from accounting.snapfile.refusal import fail
-from accounting.snapfile.summary import FamilyRow, Reconciliation, Summary
-from accounting.snapshot import AccountRow, parts_violations
+from accounting.rows import AccountRow
+from accounting.snapfile.format import Columns, fail
+from accounting.snapfile.summary import (
+    FamilyRow,
+    Reconciliation,
+    Summary,
+    account_rows,
+    family_columns,
+    family_records,
+)
+from accounting.snapshot import parts_violations
 
 Key = tuple[str, Owner]
+Table = Mapping[str, list[Any]]
+_ZERO = (0, 0, 0)
+_gt = operator.gt
 
+
+# -- the relations over records, row by row: what names a fault ----------------------------------
 # What one source (one rank's ledger) can hold, believed at most: 1 PiB of any byte figure
 # is more than any host or GPU node has (a 25,769,803,776 GiB headline is a lie), and
 # 2^48 slots more than any pool indexes.
@@ -39,7 +61,7 @@ def _name(key: Key) -> str:
     return f"{key[0]}/{key[1].value}"
 
 
-def families_match_accounts(
+def families_match_accounts_by_row(
     rows: Sequence[FamilyRow], accounts: Sequence[AccountRow]
 ) -> tuple[FamilyRow, ...]:
     """The per-family rows sorted by (family, owner): each listed once, one for every
@@ -98,11 +120,11 @@ def within_bounds(totals: Figures) -> None:
             )
 
 
-def whole_pages(families: Sequence[FamilyRow], accounts: Sequence[AccountRow]) -> None:
+def whole_pages_by_row(families: Sequence[FamilyRow], accounts: Sequence[AccountRow]) -> None:
     """VMM physical and mapped bytes are whole pages: each buffer holds handle (mapped)
     pages of its account's `page_bytes`, so a family's sums are multiples of the gcd of
     its accounts' page sizes. (Occupied bytes are held to occupied slots times slot bytes
-    by `families_match_accounts`.)"""
+    by `families_match_accounts_by_row`.)"""
     pages: dict[Key, list[int]] = {}
     for a in accounts:
         pages.setdefault((a.family, a.owner), []).append(a.page_bytes)
@@ -160,7 +182,7 @@ _SMALLER_LARGER = {
 }
 
 
-def violations_complete(
+def violations_complete_by_row(
     violations: Sequence[Violation],
     accounts: Sequence[AccountRow],
     families: Sequence[FamilyRow],
@@ -232,3 +254,114 @@ def rows_agree(rows: Summary, head: Summary) -> None:
             else "listed in the first line, not found in the buffer rows"
         )
         raise fail("violations", f"{v.subject}: {v.relation} {where}")
+
+
+# -- the same relations over the first line's columns (what `load` calls) ---------------------
+def keys_unique(accounts: Table) -> None:
+    """Each account key listed once."""
+    keys = accounts["key"]
+    if len(set(keys)) < len(keys):
+        key = Counter(keys).most_common(1)[0][0]
+        raise fail("accounts", f"key {key!r:.60} listed twice")
+
+
+def families_match_accounts(families: Table, accounts: Table) -> Columns:
+    """`families_match_accounts_by_row` over columns: the family columns sorted by (family,
+    owner), each (family, owner) listed once, one for every account's, each with the slot
+    figures (occupied, capacity, occupied slots x slot_bytes) its accounts sum to."""
+    a = accounts
+    slots: dict[tuple[str, str], tuple[int, int, int]] = {}
+    occupied_bytes = map(operator.mul, a["occupied_slots"], a["slot_bytes"])
+    for key, sums in zip(
+        zip(a["family"], a["owner"], strict=True),
+        zip(a["occupied_slots"], a["capacity_slots"], occupied_bytes, strict=True),
+        strict=True,
+    ):
+        s = slots.get(key)
+        slots[key] = sums if s is None else (s[0] + sums[0], s[1] + sums[1], s[2] + sums[2])
+    keys = list(zip(families["family"], families["owner"], strict=True))
+    claimed = dict(
+        zip(
+            keys,
+            zip(
+                families["occupied_slots"],
+                families["capacity_slots"],
+                families["occupied_bytes"],
+                strict=True,
+            ),
+            strict=True,
+        )
+    )
+    if len(claimed) == len(keys) and claimed == {**dict.fromkeys(claimed, _ZERO), **slots}:
+        if keys == sorted(keys):
+            return dict(families)
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        return {name: [column[i] for i in order] for name, column in families.items()}
+    rows = families_match_accounts_by_row(family_records(families), account_rows(accounts))
+    return family_columns(rows)  # (refuses what the pass above does not take)
+
+
+def totals(families: Table) -> Figures:
+    """The sum of the families, figure by figure."""
+    return Figures(*(sum(families[name]) for name in FIGURE_NAMES))
+
+
+def whole_pages(families: Table, accounts: Table) -> None:
+    """`whole_pages_by_row` over columns: a VMM family's physical and mapped bytes are
+    multiples of the gcd of its accounts' page_bytes."""
+    pages: dict[tuple[str, str], list[int]] = {}
+    for key, page in zip(
+        zip(accounts["family"], accounts["owner"], strict=True), accounts["page_bytes"], strict=True
+    ):
+        pages.setdefault(key, []).append(page)
+    f = families
+    for family, owner, physical, mapped in zip(
+        f["family"], f["owner"], f["physical_bytes"], f["mapped_bytes"], strict=True
+    ):
+        sizes = pages.get((family, owner))
+        if owner != "vmm" or not sizes or min(sizes) <= 0:
+            continue
+        page = math.gcd(*sizes)
+        if physical % page or mapped % page:
+            whole_pages_by_row(family_records(families), account_rows(accounts))
+
+
+def _may_break(a: Table) -> bool:
+    """Whether any account can break a relation (`account_may_break`, per column)."""
+    held = zip(
+        a["held_tree_protected"],
+        a["held_tree_evictable"],
+        a["held_request_only"],
+        a["held_unattributed"],
+        strict=True,
+    )
+    return (
+        any(map(_gt, a["mapped_pages"], a["handle_pages"]))
+        or any(map(_gt, a["occupied_slots"], a["capacity_slots"]))
+        or list(map(sum, held)) != a["occupied_slots"]
+    )
+
+
+def _sums_break(f: Table) -> bool:
+    """Whether any family's sums break a relation that holds buffer by buffer
+    (`_SUMMED`: tensor <= reserved, mapped <= reserved, mapped <= physical, and
+    occupied <= mapped for a VMM family, <= tensor for another)."""
+    tensor, reserved, mapped = f["tensor_bytes"], f["reserved_bytes"], f["mapped_bytes"]
+    limit = map(_vmm_or, f["owner"], mapped, tensor)
+    return (
+        any(map(_gt, tensor, reserved))
+        or any(map(_gt, mapped, reserved))
+        or any(map(_gt, mapped, f["physical_bytes"]))
+        or any(map(_gt, f["occupied_bytes"], limit))
+    )
+
+
+def _vmm_or(owner: str, vmm: int, other: int) -> int:
+    return vmm if owner == "vmm" else other
+
+
+def violations_complete(violations: Sequence[Violation], accounts: Table, families: Table) -> None:
+    """`violations_complete_by_row` over columns: every relation an account breaks, and every
+    relation a family's sums break, listed. Asked of the records only when one may be broken."""
+    if _may_break(accounts) or _sums_break(families):
+        violations_complete_by_row(violations, account_rows(accounts), family_records(families))

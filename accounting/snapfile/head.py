@@ -1,21 +1,26 @@
-"""A file's first line, read by the exporter: checked once per file version, typed.
+"""A file's two lines, read by the exporter: the first checked once per file version, the
+buffer rows when someone asks for them.
 
 `load(data, name, now)` runs when a new version of a file is read. It parses and
 checks the first line only (O(families + accounts), never O(buffers)) and returns a
 `Head`: the `Envelope` and the `Summary` a scrape exports, with the buffer rows kept
-as bytes for `accounting.snapfile.buffermap`. Checked: the envelope (schema version,
-`source` equal to the file's name, pid, host, process start, `interval` within
-[MIN_INTERVAL_S, MAX_INTERVAL_S], a finite heartbeat no more than MAX_SKEW_S in the
-future, a sequence number); every account, family row, violation and reconciliation
-entry (`accounting.snapfile.schema`; the account and family parts are columns,
-`accounting.snapfile.tables`); then the relations between them
-(`accounting.snapfile.checks`, told over the columns by `accounting.snapfile.relations`),
-recomputed: a file whose own figures disagree is refused. No account, family or holder
-record is built here: the `Summary` holds their columns and builds the records when
-someone reads them.
+as bytes. Checked: the envelope (schema version, `source` equal to the file's name, pid,
+host, process start, `interval` within [MIN_INTERVAL_S, MAX_INTERVAL_S], a finite
+heartbeat no more than MAX_SKEW_S in the future, a sequence number, the publish errors);
+every account, family row, violation and reconciliation entry
+(`accounting.snapfile.schema`; the account and family parts are columns); then the
+relations between them (`accounting.snapfile.checks`), recomputed: a file whose own
+figures disagree is refused. No account, family or holder record is built here: the
+`Summary` holds their columns and builds the records when someone reads them.
 
 JSON nested deeper than the parser allows is refused as "nesting"; anything nested
 deeper than the schema is a "schema" refusal.
+
+`buffer_map(head)`, run when someone asks for the buffer map (`/debug/kv`), parses and
+checks the second line (`schema.buffer_row`), rebuilds the whole Snapshot from it
+(rollups and violations recomputed from the rows) and requires it to agree with the
+first line (`checks.rows_agree`). A failure is `Refused("buffers", ...)`: that source's
+buffer map is not shown, its metrics (from the first line) are.
 """
 
 from __future__ import annotations
@@ -23,12 +28,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from accounting.snapfile import checks, publish_errors, relations, schema, tables
-from accounting.snapfile.envelope import ENVELOPE_SCHEMA, SUFFIX, Envelope, check_interval
-from accounting.snapfile.refusal import Refused, fail
+from accounting.snapfile import checks, schema
+from accounting.snapfile.format import (
+    ENVELOPE_SCHEMA,
+    SUFFIX,
+    Envelope,
+    Refused,
+    check_interval,
+    fail,
+    publish_errors_of,
+)
 from accounting.snapfile.schema import (
     MAX_NAME,
     as_dict,
+    as_list,
     get_field,
     int_of,
     labels_of,
@@ -37,8 +50,8 @@ from accounting.snapfile.schema import (
     parse_json,
     str_of,
 )
-from accounting.snapfile.summary import Summary
-from accounting.snapshot import SCHEMA_VERSION
+from accounting.snapfile.summary import Summary, summary_of
+from accounting.snapshot import SCHEMA_VERSION, Snapshot
 
 MAX_SKEW_S = 5.0  # how far in the future a heartbeat or snapshot time may be (clock skew)
 
@@ -46,7 +59,7 @@ MAX_SKEW_S = 5.0  # how far in the future a heartbeat or snapshot time may be (c
 @dataclass(frozen=True)
 class Head:
     """A file's first line, checked: all a scrape reads, and what the buffer rows are
-    held against when someone asks for them."""
+    held against when someone asks for them (`buffer_map`)."""
 
     envelope: Envelope
     summary: Summary
@@ -93,7 +106,7 @@ def _envelope(env: dict[str, Any], name: str, now: float) -> Envelope:
     host = env.get("host")
     if host is not None and (not isinstance(host, str) or len(host) > MAX_NAME):
         raise fail("envelope", "host: expected a short string or null")
-    errors, last_error = publish_errors.parse(env, "envelope")
+    errors, last_error = publish_errors_of(env, "envelope")
     return Envelope(
         source=source,
         pid=opt_int_of(env, "pid", "envelope", lo=1),
@@ -113,20 +126,20 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
     taken_at = num_of(snap, "taken_at", "snapshot")
     if taken_at > now + MAX_SKEW_S:
         raise fail("snapshot", f"taken_at is {taken_at - now:.0f} s in the future")
-    accounts = tables.account_table(get_field(snap, "accounts", "snapshot"))
-    relations.keys_unique(accounts)
-    families = relations.families_match_accounts(
-        tables.family_table(get_field(snap, "families", "snapshot")), accounts
+    accounts = schema.account_table(get_field(snap, "accounts", "snapshot"))
+    checks.keys_unique(accounts)
+    families = checks.families_match_accounts(
+        schema.family_table(get_field(snap, "families", "snapshot")), accounts
     )
-    totals = relations.totals(families)
+    totals = checks.totals(families)
     checks.totals_match(as_dict(get_field(snap, "totals", "snapshot"), "totals"), totals)
     checks.within_bounds(totals)
-    relations.whole_pages(families, accounts)
+    checks.whole_pages(families, accounts)
     tp = schema.tp_status(snap.get("tp"))
     epoch = int_of(snap, "epoch", "snapshot")
     labels = labels_of(get_field(snap, "labels", "snapshot"))
     violations = schema.violations_of(get_field(snap, "violations", "snapshot"))
-    relations.violations_complete(violations, accounts, families)
+    checks.violations_complete(violations, accounts, families)
     reconciliation = schema.reconciliation_of(snap.get("reconciliation"))
     checks.parts_violations_listed(violations, reconciliation)
     return Summary(
@@ -141,3 +154,26 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
         tp=tp,
         engine=schema.engine_state_of(snap.get("engine")),
     )
+
+
+def buffer_map(head: Head) -> Snapshot:
+    """The whole Snapshot of a loaded file: its buffer rows parsed and checked, rollups and
+    violations recomputed from them and held against the first line. Refused("buffers",
+    detail) when the rows fail or disagree."""
+    s = head.summary
+    try:
+        buffers = as_list(parse_json(head.rows), "buffers")
+        snap = Snapshot.build(
+            epoch=s.epoch,
+            taken_at=s.taken_at,
+            labels=dict(s.labels),
+            accounts=s.accounts,
+            buffers=[schema.buffer_row(b, i) for i, b in enumerate(buffers)],
+            tp=s.tp,
+        ).with_reconciliation(r.to_dict() for r in s.reconciliation)
+        checks.rows_agree(summary_of(snap), s)
+    except Refused as e:
+        if e.reason == "buffers":
+            raise
+        raise Refused("buffers", f"{e.reason}: {e.detail}") from None
+    return snap

@@ -8,13 +8,13 @@ served and what went wrong, together. A file is read only if it is named
 after), is owned by this process's user or root (in group mode: any member of the
 directory's group), is at most `max_bytes` long, and its first line passes
 `accounting.snapfile.head.load` (the buffer rows are kept as bytes for
-`accounting.snapfile.buffermap`, run when someone asks for the buffer map). It is
+`accounting.snapfile.head.buffer_map`, run when someone asks for the buffer map). It is
 opened with O_NOFOLLOW and O_NONBLOCK, so a link planted in its place fails and a
 FIFO cannot hang the read; devices are refused by the lstat before any open.
 
 Every refusal is kept per file (`problems`: name -> reason and a one-line detail,
 shown in /debug/kv) and counted per reason (`error_counts`, a small fixed set of
-reasons: `accounting.snapfile.refusal.REASONS`; `count` adds a served file whose
+reasons: `accounting.snapfile.format.REASONS`; `count` adds a served file whose
 buffer rows failed later). Each scan hands back a copy of both with the files it
 serves. A file is identified by (st_dev, st_ino, st_size, st_mtime_ns);
 one that was parsed, or refused, is not read again until that identity changes.
@@ -41,9 +41,8 @@ from accounting.snapfile.directory import (
     SnapshotDirError,
     trusted_owners,
 )
-from accounting.snapfile.envelope import SUFFIX
+from accounting.snapfile.format import REASONS, SUFFIX, Refused
 from accounting.snapfile.head import Head, load
-from accounting.snapfile.refusal import REASONS, Refused
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class FileProblem:
     name: str
-    reason: str  # one of accounting.snapfile.refusal.REASONS, or "directory"
+    reason: str  # one of accounting.snapfile.format.REASONS, or "directory"
     detail: str
 
 
@@ -321,7 +320,7 @@ class SnapshotFiles(Generic[T]):
         self.problems[name] = FileProblem(name, e.reason, e.detail)
 
     def count(self, path: str, e: Refused) -> None:
-        """A served file's buffer rows failed (`accounting.snapfile.buffermap`): logged and
+        """A served file's buffer rows failed (`accounting.snapfile.head.buffer_map`): logged and
         counted under `e.reason` (in the next scan's counts); the file stays served (its
         first line is good)."""
         log.warning("snapshot file %s: buffer map not served: %s", path, e)

@@ -7,14 +7,21 @@ returns accounting's record of it (`BufferRow`, `AccountRow`, `FamilyRow`,
 row, the field, the value (cut to 60 characters) and what was expected: finite,
 non-negative figures, integers within 64 bits, names of bounded length, lists of
 bounded size. The fields a row must have are read from its dataclass, so a field
-added there is checked here. The first line's accounts and families come as columns
-(`accounting.snapfile.tables` checks those a column at a time and hands a table that
-fails to the row checkers here, `account_fields` and `family_row`, to name the first
-fault). The common case, every row well formed, is checked a whole list at a time
-with C-level builtins (`plain_*`); a list that fails it is checked row by row to
-name the first fault. `parse_json` (orjson, with the standard library deciding
-what orjson refuses) refuses bytes that are not JSON ("parse") or nested deeper than the
-parser allows ("nesting").
+added there is checked here. The common case, every row well formed, is checked a
+whole list at a time with C-level builtins (`plain_*`); a list that fails it is checked
+row by row to name the first fault. `parse_json` (orjson, with the standard library
+deciding what orjson refuses) refuses bytes that are not JSON ("parse") or nested deeper
+than the parser allows ("nesting").
+
+The first line's accounts and families come as columns (`accounting.snapfile.format`):
+`account_table` and `family_table` check every field's type and range (an account has
+exactly AccountRow's fields: integers in [0, MAX_INT], short strings, an owner of
+`Owner`, finite non-negative seconds, `len(MAP_SECONDS_BUCKETS) + 1` bucket counts; a
+family row its name, owner and every figure) with a few C-level passes over whole
+columns, and hand a table that fails them to the row checkers (`account_fields`,
+`family_row`), which name the first fault, so a refusal reads as it did for rows:
+"accounts[3]: mapped_pages=-1, expected an integer >= 0". A table is returned as checked
+columns, owners as their values (`accounting.snapfile.summary`).
 
 Whether the parts agree with each other is `accounting.snapfile.checks`' business.
 """
@@ -22,6 +29,7 @@ Whether the parts agree with each other is `accounting.snapfile.checks`' busines
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import operator
@@ -43,9 +51,18 @@ from accounting.figures import FIGURE_NAMES, Figures
 from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.relations import Violation
-from accounting.snapfile.refusal import Refused, fail
-from accounting.snapfile.summary import FamilyRow, Reconciliation
-from accounting.snapshot import AccountRow, BufferRow
+from accounting.rows import AccountRow, BufferRow
+from accounting.snapfile.format import (
+    ACCOUNT_FIELDS,
+    FAMILY_FIELDS,
+    Columns,
+    Refused,
+    columns_of,
+    fail,
+    rows_of,
+    table_of,
+)
+from accounting.snapfile.summary import FamilyRow, Reconciliation, family_columns
 from accounting.tp_status import TpStatus
 
 MAX_NAME = 256  # characters in a name, label or dtype
@@ -257,7 +274,7 @@ def buffer_row(d: Any, i: int) -> BufferRow:
     )
 
 
-# -- account rows and per-family rows (read as columns: accounting.snapfile.tables) ---------
+# -- account rows and per-family rows (read as columns: `account_table`, `family_table`) ------
 # The integer figures of an account row: AccountRow's int fields, declared there once.
 ACCOUNT_INTS = _int_fields(AccountRow)
 BUCKETS = len(MAP_SECONDS_BUCKETS) + 1  # an account's map_bucket_counts
@@ -294,6 +311,70 @@ def family_row(row: Any, i: int) -> FamilyRow:
         owner=owner_of(row, where),
         figures=Figures(*(int_of(row, name, where) for name in FIGURE_NAMES)),
     )
+
+
+# -- the account and family columns, a whole column at a time ------------------------------
+_chain = itertools.chain.from_iterable
+FLOAT = {float}
+LIST = {list}
+
+
+def _plain_accounts(t: Columns) -> bool:
+    """Every account value of its type and range, told column by column with C-level
+    builtins. False to take the row-by-row path."""
+    if not t["key"]:
+        return True
+    buckets = t["map_bucket_counts"]
+    seconds = t["map_seconds_total"] + t["unmap_seconds_total"]
+    try:
+        owners = set(t["owner"])
+    except TypeError:  # unhashable
+        return False
+    return (
+        plain_ints(list(_chain(map(t.__getitem__, ACCOUNT_INTS))))
+        and set(map(type, buckets)) == LIST
+        and set(map(len, buckets)) == {BUCKETS}
+        and plain_ints(list(_chain(buckets)))
+        and plain_strs(t["key"] + t["family"] + t["pool"])
+        and owners <= OWNERS
+        and set(map(type, seconds)) == FLOAT
+        and all(map(math.isfinite, seconds))
+        and min(seconds) >= 0
+    )
+
+
+def account_table(d: Any) -> Columns:
+    """The account columns, checked: exactly AccountRow's fields (seconds as floats)."""
+    table = table_of(d, "accounts", ACCOUNT_FIELDS, MAX_ROWS)
+    if _plain_accounts(table):
+        return table
+    rows = rows_of(table, ACCOUNT_FIELDS)
+    return columns_of((account_fields(row, i) for i, row in enumerate(rows)), ACCOUNT_FIELDS)
+
+
+def _plain_families(t: Columns) -> bool:
+    """Every family value of its type and range (C-level passes); False to take the
+    row-by-row path."""
+    if not t["family"]:
+        return True
+    try:
+        owners = set(t["owner"])
+    except TypeError:  # unhashable
+        return False
+    return (
+        plain_strs(t["family"])
+        and owners <= OWNERS
+        and plain_ints(list(_chain(map(t.__getitem__, FIGURE_NAMES))))
+    )
+
+
+def family_table(d: Any) -> Columns:
+    """The per-family columns as listed, checked (their sums: `accounting.snapfile.checks`)."""
+    table = table_of(d, "families", FAMILY_FIELDS, MAX_FAMILIES)
+    if _plain_families(table):
+        return table
+    rows = rows_of(table, FAMILY_FIELDS)
+    return family_columns(family_row(row, i) for i, row in enumerate(rows))
 
 
 # -- violations, reconciliation, TP status -----------------------------------------------------

@@ -30,8 +30,9 @@ from accounting.engine_state import EngineState
 from accounting.figures import FIGURE_NAMES, HOLDER_NAMES, Figures, Held
 from accounting.records import record_maker
 from accounting.relations import Violation
-from accounting.snapfile.columns import Columns
-from accounting.snapshot import AccountRow, Snapshot
+from accounting.rows import AccountRow
+from accounting.snapfile.format import ACCOUNT_FIELDS, Columns
+from accounting.snapshot import Snapshot
 from accounting.tp_status import TpStatus
 
 
@@ -60,12 +61,9 @@ class FamilyHeld:
     window_evicted_bytes_total: int = 0
 
 
-# The columns of a summary's parts (`accounting.snapfile.columns`): an account's fields as
-# AccountRow declares them, a family row's as the first line writes it, a holder row's as
-# FamilyHeld's with each split by holder. Owners are held as their values ("vmm"), an
-# account's bucket counts as lists.
-ACCOUNT_FIELDS = tuple(f.name for f in dataclasses.fields(AccountRow))
-FAMILY_FIELDS = ("family", "owner", *FIGURE_NAMES)
+# The columns of a summary's parts: an account's and a family row's as the first line
+# writes them (`accounting.snapfile.format`), a holder row's as FamilyHeld's with each split
+# by holder.
 _HELD_COUNTS = (*(f"held_{h}" for h in HOLDER_NAMES), "evicted_slots_total")
 _HELD_COUNTS += ("window_evicted_slots_total",)
 HOLDER_FIELDS = (

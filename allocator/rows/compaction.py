@@ -22,7 +22,7 @@ pages (where the held rows, packed, would lie), whole pages at a time, mapping t
 pages it needs; repeated, it leaves every held row inside the fewest pages that can hold
 them.
 
-The SGLang bridge applies a plan with `kvledger.sglang.bridge.compact`. See
+The SGLang bridge applies a plan with `kvledger.engines.sglang.bridge.compact`. See
 docs/allocator.md#compaction.
 """
 

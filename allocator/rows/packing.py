@@ -3,7 +3,7 @@ whether its held rows sit on more pages than they need.
 
 The engine's free-list order decides which VMM pages new rows land on. Handed out in
 `pack_keys` order (the SGLang bridge reorders SGLang's free list by it:
-kvledger.sglang.bridge.allocator_hooks), new rows fill the fullest mapped pages first, then mapped
+kvledger.engines.sglang.bridge.allocator_hooks), new rows fill the fullest mapped pages first, then mapped
 spares, and only then pages that need a map, so sparse pages empty and unmap. A free row
 that straddles a page in use and a page not mapped goes with the latter: handed out early
 it would need a map. See docs/allocator.md#packing.

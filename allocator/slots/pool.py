@@ -108,11 +108,11 @@ class SwaPool:
 
     @property
     def max_spare_pages(self) -> int:
-        return self.store.max_spare_pages
+        return self.store.policy.max_spare_pages
 
     @property
     def min_spare_pages(self) -> int:
-        return self.store.min_spare_pages
+        return self.store.policy.min_spare_pages
 
     @property
     def handle_pool_pages(self) -> int:
@@ -328,7 +328,7 @@ class SwaPool:
             self.layout.slot_bytes,
             self.layout.slots_per_row,
             self.layout.row_bytes,
-            store.max_spare_pages,
+            store.policy.max_spare_pages,
             store.handle_pool_pages,
             -1 if store.physical_budget is None else store.physical_budget,
             -1 if self.null_slot is None else self.null_slot,

@@ -249,7 +249,7 @@ class TpCoordinator:
         """Unmap the spares over `max_spare_pages`, as rank 0 names them (the store's spare
         policy calls it after a free instead of its own timed trim)."""
         store = self.pool.store
-        for p in self.plan_unmap(len(store.spares) - store.max_spare_pages):
+        for p in self.plan_unmap(len(store.spares) - store.policy.max_spare_pages):
             store.unmap_spare_locked(p)
 
     # -- public ---------------------------------------------------------------------------

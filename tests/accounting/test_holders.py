@@ -11,8 +11,8 @@ import pytest
 from accounting.figures import HOLDER_NAMES, HOLDER_RELATION, HOLDERS, Held
 from accounting.ledger import Ledger, LedgerError
 from accounting.snapfile.head import load
-from accounting.snapfile.publisher import Publisher
 from accounting.snapfile.summary import summary_of
+from accounting.snapfile.writer import Publisher
 from tests.accounting.helpers import runtime_specs
 
 
@@ -124,7 +124,7 @@ def test_the_engine_state_travels_capped_and_is_checked_on_read(tmp_path: Path) 
     import time
 
     from accounting.engine_state import MAX_REQUESTS, RequestHeld, engine_state
-    from accounting.snapfile.refusal import Refused
+    from accounting.snapfile.format import Refused
 
     reqs = [RequestHeld(f"r{i}", 10 * i, 1.5, i << 20, {"swa_kv": i << 20}) for i in range(50)]
     state = engine_state(holders_from="T", notes=["no host tier"], requests=reqs)

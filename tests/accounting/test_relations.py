@@ -9,7 +9,7 @@ from accounting.events import PoolEvent
 from accounting.figures import HOLDER_RELATION
 from accounting.ledger import Ledger
 from accounting.relations import Violation, check_account, check_buffer
-from accounting.snapshot import AccountRow, BufferRow
+from accounting.rows import AccountRow, BufferRow
 from tests.accounting.helpers import PAGE, vmm_account, vmm_specs
 
 

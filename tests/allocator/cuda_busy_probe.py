@@ -1,7 +1,7 @@
 """A GPU kept busy by another process, and children that close a store beside it.
 
 Shared by tests/allocator/test_cuda_busy_unmap.py (child: `close` below) and
-tests/kvledger/sglang/bridge/test_bridge_gpu.py (child: detach_busy_child): `beside_a_hog`
+tests/kvledger/engines/sglang/bridge/test_bridge_gpu.py (child: detach_busy_child): `beside_a_hog`
 starts the hog, runs a child module, and returns the child's last line, one JSON object;
 `busy_stream`, `undrained` and `fault_text` are the children's common steps.
 

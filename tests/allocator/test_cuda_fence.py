@@ -18,7 +18,7 @@ import pytest
 from allocator.mapper import BackgroundMapper
 from allocator.rows import RowFollower
 from allocator.store import PageStore
-from kvledger.sglang.bridge.readback import CudaReader
+from kvledger.engines.sglang.bridge.readback import CudaReader
 
 pytestmark = pytest.mark.gpu
 

@@ -79,7 +79,7 @@ def test_a_failed_drive_aborted_leaves_books_backend_and_ledger_as_before(
     with store:
         with store.lock:
             store.map_locked([1])
-            store.trim_locked()  # unmapped; its set kept
+            store.policy.trim_locked()  # unmapped; its set kept
         assert store.kept_sets == 1
         before = (store.debug_state(), host.debug_state(), _figures(ledger))
         fb.arm(op, k)
@@ -108,6 +108,23 @@ def test_begin_map_refuses_a_page_not_unmapped_and_the_budget_changing_nothing(
             store.begin_map([3, 3], "map")
         with pytest.raises(CapacityError, match="cannot take rows: physical bytes would be"):
             store.begin_map([3, 4], "take rows")
+        assert store.debug_state() == before
+
+
+def test_a_map_may_land_exactly_on_the_budget_and_not_one_page_over(host: HostBackend) -> None:
+    """A bare store (no SGLang facade): `physical_budget` is the most bytes its handle sets
+    may hold, so maps that fill it to the byte go through, and one more page is refused."""
+    store, ledger = _store(host, physical_budget=3 * LAYERS * G)
+    with store, store.lock:
+        store.map_locked([0])
+        store.map_locked([1, 2])  # lands on the budget exactly
+        assert store.live_sets * store.set_bytes == store.physical_budget
+        assert _figures(ledger)["physical_bytes"] == 3 * LAYERS * G
+        assert not store.budget_allows(1)
+        before = store.debug_state()
+        over = 4 * LAYERS * G
+        with pytest.raises(CapacityError, match=f"physical bytes would be {over}, over the"):
+            store.map_locked([3], "map one page over")
         assert store.debug_state() == before
 
 
@@ -195,7 +212,7 @@ def test_debug_state_is_a_copy(host: HostBackend) -> None:
     with store:
         with store.lock:
             store.map_locked([1])
-            store.pin([1])
+            store.policy.pin([1])
         st = store.debug_state()
         assert st.state[1] == PageState.MAPPED and st.spares == (1,) and st.pinned == (1,)
         assert st.handles[1] is not None and len(st.handles[1]) == LAYERS

@@ -54,7 +54,7 @@ def test_an_unmap_waits_for_its_pages_fence_first(dev: QueuedDevice) -> None:
     fence = LateFence(dev.log, "page 1")
     with store.lock:
         store.map_locked([1])
-        store.fence([1], fence)
+        store.policy.fence([1], fence)
         assert store.unmap_spare_locked(1)
     assert dev.log[0] == "wait page 1" and dev.log[1].startswith("unmap ")
     store.close()
@@ -86,7 +86,7 @@ def test_a_tp_followers_trim_waits_for_a_fence_not_done(world1: Any) -> None:
             with store.lock:
                 (spare,) = store.spares
                 fence = LateFence(dev.log, f"page {spare}")
-                store.fence([spare], fence)
+                store.policy.fence([spare], fence)
                 dev.log.clear()
                 store.policy.max_spare_pages = 0
                 tp.trim_locked()  # rank 0's plan names the fenced spare; it goes at once

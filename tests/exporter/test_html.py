@@ -13,7 +13,7 @@ import pytest
 from exporter import html
 from exporter.app import wants_html
 from tests import browser
-from tests.dashboards.live import KvledgerServe
+from tests.kvledger.tools.dashboards.live import KvledgerServe
 
 
 @pytest.mark.parametrize(

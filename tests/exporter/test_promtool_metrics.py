@@ -15,7 +15,7 @@ import pytest
 
 from exporter import metrics as m
 from exporter.exposition import write_blocks
-from tests.dashboards.live import KvledgerServe
+from tests.kvledger.tools.dashboards.live import KvledgerServe
 from tests.servers import wait_until
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"

@@ -1,11 +1,14 @@
-"""`exporter.serving.MetricsBodies`: which `/metrics` bodies a scan builds ahead."""
+"""`exporter.serving`: which encoding a client accepts, and which `/metrics` bodies a scan
+builds ahead (`MetricsBodies`)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from exporter.serving import WANTED_S, MetricsBodies
+import pytest
+
+from exporter.serving import WANTED_S, MetricsBodies, accepts_gzip
 from exporter.sources import Scan
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
@@ -69,3 +72,23 @@ def test_a_format_wanted_plain_and_gzipped_is_rendered_once_per_scan() -> None:
     assert sorted(collector.renders, key=str) == sorted([OPENMETRICS, None], key=str)
     assert gzip.decompress(prepared[(True, True)][0]) == prepared[(True, False)][0] == b"body"
     assert gzip.decompress(prepared[(False, True)][0]) == b"body"
+
+
+@pytest.mark.parametrize(
+    ("header", "gzip"),
+    [
+        ("gzip", True),
+        ("x-gzip", True),
+        ("GZip;q=0.5, deflate", True),
+        ("identity, gzip;q=1", True),
+        ("gzip;q=0", False),  # RFC 9110: q=0 is "not acceptable"
+        ("gzip;q=0.0", False),
+        ("gzip;q=0.000, identity", False),
+        ("gzip;q=nonsense", False),
+        ("deflate, br", False),
+        ("", False),
+        (None, False),
+    ],
+)
+def test_accepts_gzip_only_where_the_client_takes_it(header: str | None, gzip: bool) -> None:
+    assert accepts_gzip(header) is gzip

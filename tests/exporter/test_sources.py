@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -75,6 +76,26 @@ def test_old_heartbeat_marks_stale_with_reason(tmp_path):
         assert not v.up
         assert "heartbeat" in (v.stale_reason or "") and "5.0 s" in (v.stale_reason or "")
         assert v.age_seconds >= 6
+
+
+def test_liveness_is_the_heartbeat_not_the_snapshots_age(tmp_path, monkeypatch):
+    """A publisher that heartbeats a snapshot taken long ago (nothing moved since) is up:
+    the age is reported, but only the heartbeat decides."""
+    now = [0.0]
+    with small_ledger() as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
+        taken = sl.ledger.snapshot
+        monkeypatch.setattr(
+            sl.ledger,
+            "snapshot",
+            lambda *a, **k: dataclasses.replace(taken(*a, **k), taken_at=time.time() - 100),
+        )
+        pub.publish()
+        d, _ = parse(Path(pub.path).read_bytes())
+        src = Sources(tmp_path, stale_after=5, clock=lambda: now[0])
+        now[0] = d["published_at"] + 1
+        [v] = src.read().views
+        assert v.up, v.stale_reason
+        assert v.age_seconds > 90 and v.heartbeat_age_seconds < 5
 
 
 def test_stale_sources_are_forgotten_after_the_bound(tmp_path):

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.snapfile.publisher import Publisher
 from exporter import metrics as m
-from kvledger.demo import DEFAULT_HOST_GRANULARITY
-from kvledger.sglang.dsv4 import FAMILIES
+from kvledger.demo.source import DEFAULT_HOST_GRANULARITY
+from kvledger.engines.sglang.dsv4 import FAMILIES
 from tests.ledgers import small_ledger
 from tests.servers import repo_env, sigint_default, stop, wait_until
 
@@ -339,7 +339,7 @@ def test_a_snapshot_dir_others_can_write_is_refused_at_start(tmp_path):
 
 @pytest.mark.parametrize("kind", ["fifo", "oversized"])
 def test_a_config_that_is_a_fifo_or_too_large_is_refused_without_reading_it(tmp_path, kind):
-    from kvledger.sglang.dsv4.shape import MAX_CONFIG_BYTES
+    from kvledger.engines.sglang.dsv4.shape import MAX_CONFIG_BYTES
 
     config = tmp_path / "config.json"
     if kind == "fifo":
@@ -464,7 +464,7 @@ def test_a_ctrl_c_dropped_before_serve_took_the_signals_still_stops_it(tmp_path)
     """The interpreter drops a KeyboardInterrupt raised inside a weakref callback (it did so
     in importlib's module-lock callback, 0.35 s into a loaded start-up, before `run` had
     installed its handlers: the server then started and served). The entry point's
-    `kvledger.early_signals` recorded it, and `run` stops at once."""
+    `exporter.server.early_signals` recorded it, and `run` stops at once."""
     code = (
         "import signal, sys, weakref\n"
         "from kvledger import early_signals\n"

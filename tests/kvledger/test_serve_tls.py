@@ -11,11 +11,11 @@ import httpx
 import pytest
 import yaml
 
-from exporter import basicauth
 from exporter import metrics as m
+from exporter.server import basicauth
 from tests import tls
-from tests.dashboards import names
-from tests.dashboards.live import SERVE_ARGS
+from tests.kvledger.tools.dashboards import names
+from tests.kvledger.tools.dashboards.live import SERVE_ARGS
 from tests.servers import PROMETHEUS, Prometheus, ServeProcess, wait_until
 
 pytestmark = [

@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from accounting.snapfile.buffermap import buffer_map
-from accounting.snapfile.envelope import parse
-from accounting.snapfile.head import Head, load
-from accounting.snapfile.publisher import Publisher
-from accounting.snapfile.refusal import Refused
+from accounting.snapfile.format import Refused, parse
+from accounting.snapfile.head import Head, buffer_map, load
+from accounting.snapfile.writer import Publisher
 from tests.ledgers import small_ledger
 
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from accounting.buffers import Owner
 from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.relations import check_account
+from accounting.rows import AccountRow
 from accounting.snapfile.checks import account_may_break
-from accounting.snapshot import AccountRow
 from tests.accounting.snapfile.files import copy_of, file_bytes, load_s, refused, rows_refused
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from accounting.snapfile.refusal import Refused
+from accounting.snapfile.format import Refused
 from accounting.snapfile.schema import parse_json
 from tests.accounting.snapfile.files import file_bytes
 

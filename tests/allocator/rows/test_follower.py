@@ -345,13 +345,13 @@ def test_pinned_spares_are_never_trimmed(host: HostBackend) -> None:
         f.take([20, 30])
         keep = sorted(pages_of_rows([20]))
         with store.lock:
-            store.pin(keep)
+            store.policy.pin(keep)
         f.give_back([20, 30])  # both emptied: spares beyond the limit of 0
         assert all(store.is_mapped(p) for p in keep)
         assert not any(store.is_mapped(p) for p in pages_of_rows([30]) - set(keep))
         with store.lock:
-            store.pin([])
-            store.trim_locked()
+            store.policy.pin([])
+            store.policy.trim_locked()
         assert not any(store.is_mapped(p) for p in keep)
 
 

@@ -101,7 +101,7 @@ def test_at_the_watermark_a_stale_spare_leaves_room_for_one_mapped_ahead(host: H
         with store.lock:
             store.map_locked([20])  # a spare, stale: neither pinned nor wanted ahead
             assert packing.spares_to_come(f) == 0
-            store.set_ahead([22])  # a page wanted ahead, not mapped: it may take 20's place
+            store.policy.set_ahead([22])  # a page wanted ahead, not mapped: it may take 20's place
             assert packing.spares_to_come(f) == 1
-            store.pin([20])  # pinned, 20 is not stale: no room for 22
+            store.policy.pin([20])  # pinned, 20 is not stale: no room for 22
             assert packing.spares_to_come(f) == 0

@@ -40,7 +40,7 @@ def test_trim_plan_names_the_pages_the_pool_unmaps(backend: HostBackend) -> None
         before = mapped(pool)
         pool.store.policy.max_spare_pages = 1
         with pool.store.lock:
-            pool.store.trim_locked()
+            pool.store.policy.trim_locked()
         assert before - mapped(pool) == set(plan)
         pool.free(blocks[0])
 

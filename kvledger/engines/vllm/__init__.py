@@ -1,0 +1,52 @@
+"""kvledger inside an unmodified vLLM 0.33 server, through vLLM's general-plugin entry points.
+
+vLLM's `load_general_plugins()` runs in every vLLM process (API server, engine core,
+workers) and calls every `vllm.general_plugins` entry point once per process
+(`VLLM_PLUGINS` is an allowlist of their names). kvledger's is `register`: with
+`KVLEDGER_VLLM` unset (or 0) it returns at once, having imported nothing beyond
+`kvledger`, this module and `accounting.switches` (the one yes/no parser). With `KVLEDGER_VLLM=1` it patches, once per process:
+
+- the worker's KV allocation (`GPUModelRunner.initialize_kv_cache_tensors`): each KV-cache
+  group's tensors become accounts of the worker's ledger (`kvledger.engines.vllm.groups`);
+- the engine core's scheduler (`Scheduler.__init__`, `schedule`, `shutdown`): the block
+  pool's occupancy per group becomes the engine core's ledger (`kvledger.engines.vllm.occupancy`).
+
+Each process publishes its own file into the snapshot directory `kvledger serve` reads.
+See docs/vllm.md.
+
+    KVLEDGER_VLLM=1                    turn kvledger on in every vLLM process
+    KVLEDGER_SNAPSHOT_DIR=DIR          where each process publishes (default: the directory
+                                       `kvledger serve` reads)
+    KVLEDGER_PUBLISH_INTERVAL=SECONDS  heartbeat of the published files (default 1)
+    KVLEDGER_VLLM_REQUIRE=1            a kvledger failure fails vLLM's start-up instead of
+                                       one log line
+"""
+
+from __future__ import annotations
+
+from accounting.switches import switch as env_switch
+
+ENV_ENABLE = "KVLEDGER_VLLM"
+ENV_REQUIRE = "KVLEDGER_VLLM_REQUIRE"
+ENV_SNAPSHOT_DIR = "KVLEDGER_SNAPSHOT_DIR"
+ENV_INTERVAL = "KVLEDGER_PUBLISH_INTERVAL"
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: patches vLLM only with KVLEDGER_VLLM=1.
+    Idempotent: a second call in the same process changes nothing."""
+    if not env_switch(ENV_ENABLE):
+        return
+    from kvledger.engines.vllm.hooks import install
+
+    install()
+
+
+__all__ = [
+    "ENV_ENABLE",
+    "ENV_INTERVAL",
+    "ENV_REQUIRE",
+    "ENV_SNAPSHOT_DIR",
+    "env_switch",
+    "register",
+]

@@ -1,0 +1,236 @@
+"""kvledger's patches on vLLM 0.33 (vLLM has no hook registry: `MethodPatch` sets them).
+
+| target | when | what kvledger does |
+|---|---|---|
+| `vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors` | after | registers the worker's KV cache (`groups.register_worker_cache`): storage once, one account per group; the first one starts the worker's publisher |
+| `vllm.v1.core.sched.scheduler.Scheduler.__init__` | after | registers the scheduler's block pool (`occupancy.SchedulerOccupancy`); starts the engine core's publisher |
+| `vllm.v1.core.sched.scheduler.Scheduler.schedule` | after | when a publish is due (O(1) check), refreshes the occupancy on the scheduler's own thread and publishes |
+| `vllm.v1.core.sched.scheduler.Scheduler.shutdown` | after | the engine core's file is removed |
+
+An `atexit` handler closes each process's ledger too. Every wrapper catches kvledger's
+own failure, logs one line and turns kvledger off in that process (vLLM carries on),
+unless `KVLEDGER_VLLM_REQUIRE=1`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any
+
+from kvledger.engines.vllm import ENV_REQUIRE, env_switch
+from kvledger.engines.vllm.patch import MethodPatch
+
+log = logging.getLogger(__name__)
+
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+
+_lock = threading.RLock()
+_patches: list[MethodPatch] = []
+_worker: Any = None  # this process's worker ProcessLedger
+_scheduler: Any = None  # this process's engine-core ProcessLedger
+_disabled = ""
+_atexit = False
+
+
+def install() -> list[MethodPatch]:
+    """Patch vLLM (once per process; a second call changes nothing). A vLLM whose classes
+    do not match what kvledger reads is refused with one log line (raised with
+    KVLEDGER_VLLM_REQUIRE=1)."""
+    global _atexit
+    with _lock:
+        if _patches:
+            return list(_patches)
+        from kvledger.engines.vllm.compat import check
+
+        why = check()
+        if why:
+            if _require():
+                raise RuntimeError(why)
+            log.warning("kvledger: %s", why)
+            return []
+        import importlib
+
+        runner = importlib.import_module(RUNNER_MODULE).GPUModelRunner
+        scheduler = importlib.import_module(SCHEDULER_MODULE).Scheduler
+        made = [
+            MethodPatch(runner, "initialize_kv_cache_tensors", _wrap_kv_tensors),
+            MethodPatch(scheduler, "__init__", _wrap_scheduler_init),
+            MethodPatch(scheduler, "schedule", _wrap_schedule),
+            MethodPatch(scheduler, "shutdown", _wrap_shutdown),
+        ]
+        for p in made:
+            p.apply()
+        _patches.extend(made)
+        if not _atexit:
+            atexit.register(shutdown)
+            _atexit = True
+        return list(made)
+
+
+def uninstall() -> None:
+    """Close this process's ledgers and put vLLM's methods back (tests; idempotent)."""
+    global _disabled
+    shutdown()
+    with _lock:
+        while _patches:
+            _patches.pop().remove()
+        _disabled = ""
+
+
+def shutdown() -> None:
+    """Close this process's ledgers (publishers stopped, files removed). Idempotent."""
+    global _worker, _scheduler
+    with _lock:
+        parts, _worker, _scheduler = [_worker, _scheduler], None, None
+    for p in parts:
+        if p is not None:
+            p.close()
+
+
+def worker_ledger() -> Any:
+    return _worker
+
+
+def scheduler_ledger() -> Any:
+    return _scheduler
+
+
+# -- wrappers ---------------------------------------------------------------------------
+def _wrap_kv_tensors(original: Any) -> Any:
+    def initialize_kv_cache_tensors(
+        self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        kv_caches = original(self, kv_cache_config, *args, **kwargs)
+        _guard(
+            "registering the worker's KV cache", _add_worker_cache, self, kv_cache_config, kv_caches
+        )
+        return kv_caches
+
+    return initialize_kv_cache_tensors
+
+
+def _wrap_scheduler_init(original: Any) -> Any:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _guard("registering the scheduler's block pool", _add_scheduler, self)
+
+    return __init__
+
+
+def _wrap_schedule(original: Any) -> Any:
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        ledger = _scheduler
+        if ledger is not None and getattr(self, "_kvledger_occupancy", None) is not None:
+            _guard(
+                "publishing the scheduler's occupancy",
+                ledger.publish_if_due,
+                self._kvledger_occupancy.refresh,
+            )
+        return out
+
+    return schedule
+
+
+def _wrap_shutdown(original: Any) -> Any:
+    def shutdown_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _guard("closing at scheduler shutdown", _close_scheduler, self)
+
+    return shutdown_
+
+
+# -- what they do -------------------------------------------------------------------------
+def _kind_of(spec: Any) -> str:
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    return str(get_kv_cache_spec_kind(spec).value)
+
+
+def _new_ledger(labels: dict[str, str]) -> Any:
+    from kvledger.engines.vllm.process import ProcessLedger, publish_interval, snapshot_dir
+
+    return ProcessLedger(labels, directory=snapshot_dir(), interval=publish_interval())
+
+
+def _add_worker_cache(runner: Any, kv_cache_config: Any, kv_caches: Any) -> None:
+    global _worker
+    if _disabled or not kv_caches:
+        return
+    from kvledger.engines.vllm.groups import register_worker_cache
+    from kvledger.engines.vllm.labels import worker_labels, worker_ranks
+
+    with _lock:
+        if _worker is not None:
+            # The runner rebuilt its KV cache (a re-initialisation): the old one is gone.
+            old, _worker = _worker, None
+            old.close()
+        tp, pp = worker_ranks()
+        ledger = _new_ledger(worker_labels(runner.vllm_config, tp, pp))
+        try:
+            ledger.add(
+                register_worker_cache(ledger.ledger, kv_cache_config, kv_caches, kind_of=_kind_of)
+            )
+        except BaseException:
+            ledger.close()
+            raise
+        _worker = ledger
+    log.info("kvledger: worker KV cache published to %s", ledger.publisher.path)
+
+
+def _add_scheduler(scheduler: Any) -> None:
+    global _scheduler
+    if _disabled:
+        return
+    from kvledger.engines.vllm.labels import scheduler_labels
+    from kvledger.engines.vllm.occupancy import SchedulerOccupancy
+
+    with _lock:
+        if _scheduler is not None:
+            old, _scheduler = _scheduler, None
+            old.close()
+        ledger = _new_ledger(scheduler_labels(scheduler.vllm_config))
+        try:
+            occ = SchedulerOccupancy(ledger.ledger, scheduler.kv_cache_manager, kind_of=_kind_of)
+            ledger.add(occ)
+        except BaseException:
+            ledger.close()
+            raise
+        scheduler._kvledger_occupancy = occ
+        _scheduler = ledger
+    log.info("kvledger: scheduler occupancy published to %s", ledger.publisher.path)
+
+
+def _close_scheduler(scheduler: Any) -> None:
+    global _scheduler
+    with _lock:
+        ledger = _scheduler
+        if ledger is None or getattr(scheduler, "_kvledger_occupancy", None) not in ledger.parts:
+            return
+        _scheduler = None
+    scheduler._kvledger_occupancy = None
+    ledger.close()
+
+
+def _guard(what: str, fn: Any, *args: Any) -> None:
+    global _disabled
+    try:
+        fn(*args)
+    except Exception as e:
+        if _require():
+            raise
+        _disabled = f"{what} failed: {type(e).__name__}: {e}"
+        log.warning("kvledger: %s; kvledger is off in this process (vLLM carries on)", _disabled)
+        shutdown()
+
+
+def _require() -> bool:
+    try:
+        return env_switch(ENV_REQUIRE)
+    except ValueError:
+        return True  # a malformed require switch is not a "no"

@@ -1,0 +1,252 @@
+"""The engine core's side: block occupancy of vLLM 0.33's scheduler, as ledger accounts.
+
+The scheduler's `KVCacheManager` (`vllm/v1/core/kv_cache_manager.py`) owns a
+coordinator whose one `BlockPool` (`vllm/v1/core/block_pool.py`) serves every KV-cache
+group: a block id belongs to one group at a time. What the pool counts itself, O(1):
+`num_gpu_blocks` and `free_block_queue.num_free_blocks` (free blocks, cached ones with
+ref count 0 among them: they are evictable). The null block (block 0) is held for good.
+
+Accounts (no bytes: the bytes are the workers'; slots only):
+
+- `kv_pool`: blocks in use (ref count > 0, the null block included) of `num_gpu_blocks`;
+- `kv_pool_evictable`: free blocks still holding a prefix-cache hash (evictable, reusable
+  on a hit). The pool keeps no such counter; `EvictableCounter` keeps one by wrapping
+  the pool's free queue (each insert and removal checks the blocks it moves, no walk over
+  the pool) and `evict_blocks` / `reset_prefix_cache`. Without prefix caching it stays 0;
+- `g<i>_<kind>` per group: the group's slots in use (its blocks in use times its block
+  size; a Mamba group's states), counted from the group manager's `req_to_blocks`
+  (`vllm/v1/core/single_type_kv_cache_manager.py`) when a publish is due: O(running
+  requests) per publish, never per step. A block shared by several requests (a prefix
+  hit) is counted once per request holding it.
+
+Free blocks = `kv_pool` capacity - `kv_pool` occupied; of them `kv_pool_evictable` hold
+cached prefixes. Duck-typed; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from accounting.buffers import BufferSpec, Owner
+from accounting.ledger import Account, Ledger
+from kvledger.engines.vllm.groups import POOL_FAMILY, GroupLayout, layouts
+
+EVICTABLE_FAMILY = "kv_pool_evictable"
+
+
+def _slot_account(ledger: Ledger, pool: str, family: str, capacity: int) -> Account:
+    spec = BufferSpec(
+        name=family,
+        family=family,
+        pool=pool,
+        owner=Owner.RUNTIME,
+        layer=None,
+        dtype="none",
+        shape=(),
+        slot_bytes=0,
+        capacity_slots=capacity,
+        tensor_bytes=0,
+        reserved_bytes=0,
+    )
+    return ledger.add_account([spec], key=f"{pool}/{family}")
+
+
+def _hashed(blocks: Any) -> int:
+    return sum(1 for b in blocks if b.block_hash is not None)
+
+
+class EvictableCounter:
+    """Free blocks that hold a prefix-cache hash, counted as blocks enter and leave the
+    pool's free queue. `close()` (idempotent) takes the wrappers off."""
+
+    _QUEUE_METHODS = ("append", "append_n", "prepend_n", "popleft", "popleft_n", "remove")
+    _POOL_METHODS = ("evict_blocks", "reset_prefix_cache")
+
+    def __init__(self, block_pool: Any) -> None:
+        self.pool = block_pool
+        self.queue = block_pool.free_block_queue
+        self.count = 0
+        self._installed: list[tuple[Any, str]] = []
+        q, p = self.queue, block_pool
+        for owner, name in [(q, n) for n in self._QUEUE_METHODS] + [
+            (p, n) for n in self._POOL_METHODS
+        ]:
+            if not callable(getattr(owner, name, None)):
+                raise AttributeError(
+                    f"{type(owner).__name__}.{name}: missing, expected vLLM 0.33's block pool"
+                )
+        # Hashed blocks already in the queue (none in a new pool): counted once, here.
+        block = q.fake_free_list_head.next_free_block
+        while block is not None and block is not q.fake_free_list_tail:
+            self.count += block.block_hash is not None
+            block = block.next_free_block
+        for name in ("append",):
+            self._wrap(q, name, self._counting_one)
+        for name in ("append_n", "prepend_n"):
+            self._wrap(q, name, self._counting_many)
+        self._wrap(q, "popleft", self._taking_one)
+        self._wrap(q, "popleft_n", self._taking_many)
+        self._wrap(q, "remove", self._removing)
+        self._wrap(p, "evict_blocks", self._evict_wrapper)
+        self._wrap(p, "reset_prefix_cache", self._reset_wrapper)
+
+    def _wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        owner.__dict__[name] = make(getattr(owner, name))
+        self._installed.append((owner, name))
+
+    # Blocks entering the free queue: the hashed ones become evictable.
+    def _counting_one(self, orig: Any) -> Any:
+        def append(block: Any) -> None:
+            self.count += block.block_hash is not None
+            orig(block)
+
+        return append
+
+    def _counting_many(self, orig: Any) -> Any:
+        def insert_n(blocks: Any) -> None:
+            self.count += _hashed(blocks)
+            orig(blocks)
+
+        return insert_n
+
+    # Blocks leaving it (handed out, or touched by a prefix hit).
+    def _taking_one(self, orig: Any) -> Any:
+        def popleft() -> Any:
+            block = orig()
+            self.count -= block.block_hash is not None
+            return block
+
+        return popleft
+
+    def _taking_many(self, orig: Any) -> Any:
+        def popleft_n(n: int) -> Any:
+            blocks = orig(n)
+            self.count -= _hashed(blocks)
+            return blocks
+
+        return popleft_n
+
+    def _removing(self, orig: Any) -> Any:
+        def remove(block: Any) -> None:
+            self.count -= block.block_hash is not None
+            orig(block)
+
+        return remove
+
+    def _evict_wrapper(self, orig: Any) -> Any:
+        def evict_blocks(block_ids: Any) -> Any:
+            ids = list(block_ids)
+            before = self._free_hashed(ids)
+            result = orig(set(ids) if isinstance(block_ids, set) else ids)
+            self.count -= before - self._free_hashed(ids)
+            return result
+
+        return evict_blocks
+
+    def _free_hashed(self, ids: list[int]) -> int:
+        blocks = self.pool.blocks
+        n = 0
+        for i in ids:
+            if 0 <= i < len(blocks):
+                b = blocks[i]
+                n += b.ref_cnt == 0 and not b.is_null and b.block_hash is not None
+        return n
+
+    def _reset_wrapper(self, orig: Any) -> Any:
+        def reset_prefix_cache() -> Any:
+            done = orig()
+            if done:
+                self.count = 0
+            return done
+
+        return reset_prefix_cache
+
+    def close(self) -> None:
+        while self._installed:
+            owner, name = self._installed.pop()
+            owner.__dict__.pop(name, None)
+
+
+class SchedulerOccupancy:
+    """The engine core's accounts, refreshed from a `KVCacheManager` by `refresh()`
+    (call it on the scheduler's thread: it reads the managers' request tables)."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        kv_cache_manager: Any,
+        *,
+        kind_of: Callable[[Any], str],
+        pool: str = "vllm",
+    ) -> None:
+        self.ledger = ledger
+        self.manager = kv_cache_manager
+        coordinator = kv_cache_manager.coordinator
+        self.block_pool = coordinator.block_pool
+        self.managers = tuple(coordinator.single_type_managers)
+        self.layouts: list[GroupLayout] = layouts(kv_cache_manager.kv_cache_config, kind_of)
+        if len(self.layouts) != len(self.managers):
+            raise ValueError(
+                f"KVCacheManager: {len(self.managers)} group managers for "
+                f"{len(self.layouts)} KV-cache groups, expected one per group"
+            )
+        self.num_blocks = int(self.block_pool.num_gpu_blocks)
+        self.null_block = self.block_pool.null_block
+        self.accounts: list[Account] = []
+        self.evictable: EvictableCounter | None = None
+        try:
+            self.pool_account = _slot_account(ledger, pool, POOL_FAMILY, self.num_blocks)
+            self.accounts.append(self.pool_account)
+            self.evictable_account = _slot_account(ledger, pool, EVICTABLE_FAMILY, self.num_blocks)
+            self.accounts.append(self.evictable_account)
+            self.group_accounts = []
+            for g in self.layouts:
+                acc = _slot_account(ledger, pool, g.family, g.capacity_slots)
+                self.accounts.append(acc)
+                self.group_accounts.append(acc)
+            if getattr(self.block_pool, "enable_caching", False):
+                self.evictable = EvictableCounter(self.block_pool)
+            self.refresh()
+        except BaseException:
+            self.close()
+            raise
+
+    def counts(self) -> dict[str, int]:
+        """Blocks: in use, free, evictable; and each group's slots in use."""
+        free = int(self.block_pool.free_block_queue.num_free_blocks)
+        out = {
+            "blocks": self.num_blocks,
+            "in_use": self.num_blocks - free,
+            "free": free,
+            "evictable": self.evictable.count if self.evictable is not None else 0,
+        }
+        null = self.null_block
+        for g, manager in zip(self.layouts, self.managers, strict=True):
+            held = 0
+            for blocks in manager.req_to_blocks.values():
+                held += len(blocks) - blocks.count(null)
+            out[g.family] = held * g.slots_per_block
+        return out
+
+    def refresh(self) -> dict[str, int]:
+        c = self.counts()
+        _set(self.pool_account, c["in_use"])
+        _set(self.evictable_account, c["evictable"])
+        for g, acc in zip(self.layouts, self.group_accounts, strict=True):
+            _set(acc, min(c[g.family], acc.capacity_slots))
+        return c
+
+    def close(self) -> None:
+        """Unwrap the pool and remove the accounts. Idempotent."""
+        if self.evictable is not None:
+            self.evictable.close()
+            self.evictable = None
+        for acc in reversed(self.accounts):
+            acc.on_slots(0, acc.peak_occupied_slots)
+            self.ledger.remove_account(acc)
+        self.accounts = []
+
+
+def _set(account: Account, occupied: int) -> None:
+    account.on_slots(occupied, max(account.peak_occupied_slots, occupied))

@@ -1,0 +1,148 @@
+"""The engine-core side: vLLM's real KVCacheManager and BlockPool driven through allocate,
+cache, free and evict; the ledger's figures equal the pool's own counts at every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from accounting.ledger import Ledger
+from kvledger.engines.vllm.occupancy import EVICTABLE_FAMILY, SchedulerOccupancy
+from tests.kvledger.engines.vllm import vllm_setup as vs
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return vs.vllm_config()
+
+
+def _manager(config, caching: bool = True):
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    return KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=vs.BLOCK,
+        hash_block_size=vs.BLOCK,
+        enable_caching=caching,
+    )
+
+
+def _request(rid: str, tokens: list[int]):
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=4),
+        None,
+        block_hasher=get_request_block_hasher(vs.BLOCK, sha256),
+    )
+
+
+def _truth(manager) -> dict[object, int]:
+    """The pool's state walked block by block (what kvledger must not do per step)."""
+    pool = manager.block_pool
+    free = pool.get_num_free_blocks()
+    out: dict[object, int] = {
+        "in_use": pool.num_gpu_blocks - free,
+        "evictable": sum(
+            1 for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None
+        ),
+    }
+    null = pool.null_block
+    for i, m in enumerate(manager.coordinator.single_type_managers):
+        refs = sum(1 for blocks in m.req_to_blocks.values() for b in blocks if b is not null)
+        out[i] = refs * m.block_size
+    return out
+
+
+def _agree(occ: SchedulerOccupancy, ledger: Ledger, manager) -> dict[object, int]:
+    occ.refresh()
+    truth = _truth(manager)
+    snap = ledger.snapshot(reconcile=False)
+    by = {a.family: a for a in snap.accounts}
+    assert by["kv_pool"].occupied_slots == truth["in_use"]
+    assert by[EVICTABLE_FAMILY].occupied_slots == truth["evictable"]
+    for g in occ.layouts:
+        assert by[g.family].occupied_slots == truth[g.index], g.family
+    assert not snap.violations
+    return truth
+
+
+def _run(req, manager):
+    computed, n = manager.get_computed_blocks(req)[:2]
+    got = manager.allocate_slots(req, req.num_tokens - n, n, computed)
+    assert got is not None
+    req.num_computed_tokens = req.num_tokens
+    return n
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "full+sliding"])
+def test_figures_follow_the_pool(cfg, hybrid: bool) -> None:
+    specs = {**vs.full_specs(4), **(vs.sliding_specs(4) if hybrid else {})}
+    config = vs.kv_cache_config(cfg, specs, 8 << 20)
+    manager = _manager(config)
+    ledger = Ledger()
+    occ = SchedulerOccupancy(ledger, manager, kind_of=vs.kind_of)
+    t = _agree(occ, ledger, manager)
+    assert t["in_use"] == 1  # the null block, held for good
+    a = _request("a", list(range(100)))
+    _run(a, manager)
+    t = _agree(occ, ledger, manager)
+    assert t["in_use"] > 1
+    manager.free(a)  # its full blocks stay cached: evictable
+    t = _agree(occ, ledger, manager)
+    assert t["evictable"] > 0  # its full blocks, cached, now free
+    b = _request("b", list(range(100)) + [7] * 20)  # a prefix hit: cached blocks touched
+    hit = _run(b, manager)
+    assert hit > 0
+    t = _agree(occ, ledger, manager)
+    manager.free(b)
+    _agree(occ, ledger, manager)
+    # Fill the pool with fresh prompts: cached blocks are evicted as they are reused.
+    fill = []
+    for i in range(50):
+        r = _request(f"f{i}", [1000 + i] * 64)
+        computed, n = manager.get_computed_blocks(r)[:2]
+        if manager.allocate_slots(r, r.num_tokens - n, n, computed) is None:
+            break
+        r.num_computed_tokens = r.num_tokens
+        fill.append(r)
+        _agree(occ, ledger, manager)
+    assert fill
+    manager.evict_blocks({blk.block_id for blk in manager.block_pool.blocks[1:20]})
+    _agree(occ, ledger, manager)
+    for r in fill:
+        manager.free(r)
+    _agree(occ, ledger, manager)
+    assert manager.reset_prefix_cache()
+    t = _agree(occ, ledger, manager)
+    assert t["evictable"] == 0 and t["in_use"] == 1
+    # Release: the pool's methods are vLLM's own again, the accounts gone.
+    occ.close()
+    occ.close()
+    assert "append_n" not in vars(manager.block_pool.free_block_queue)
+    assert "evict_blocks" not in vars(manager.block_pool)
+    assert ledger.accounts() == ()
+
+
+def test_without_prefix_caching_nothing_is_wrapped(cfg) -> None:
+    config = vs.kv_cache_config(cfg, vs.full_specs(2), 2 << 20)
+    manager = _manager(config, caching=False)
+    ledger = Ledger()
+    occ = SchedulerOccupancy(ledger, manager, kind_of=vs.kind_of)
+    assert occ.evictable is None
+    r = _request("a", list(range(40)))
+    _run(r, manager)
+    _agree(occ, ledger, manager)
+    manager.free(r)
+    assert _agree(occ, ledger, manager)["evictable"] == 0
+    occ.close()

@@ -35,7 +35,7 @@ from accounting.engine_state import REQUEST_BYTES_BUCKETS
 from accounting.figures import FIGURES, HOLDER_NAMES
 from accounting.gpu_parts import PART_NAMES
 from accounting.ledger import MAP_SECONDS_BUCKETS
-from accounting.snapfile.publish_errors import counts_of
+from accounting.snapfile.format import counts_of
 from accounting.snapfile.summary import Summary
 from accounting.tp_status import TP_COUNTERS
 from exporter import engine_values, engines

@@ -3,7 +3,7 @@
 Prometheus asks for gzip at every scrape, so a scan that finds new snapshot files
 compresses its body once, on the scrape's path. For 8 DeepSeek-V4 ranks (254 KB) the
 standard library's zlib at level 1 took 0.89 ms and ISA-L's at level 1 (the `isal`
-package, `isal.igzip`) 0.11 ms, to 16.7 and 16.3 KB (docs/benchmarks.md, "Round 7").
+package, `isal.igzip`) 0.11 ms, to 16.7 and 16.3 KB (docs/benchmarks-history.md, "Round 7").
 Both write one ordinary gzip member (RFC 1952: header, deflate stream, CRC-32 and length;
 mtime 0, so a body's bytes depend on its text only) that every gzip reader takes.
 

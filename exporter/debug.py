@@ -35,8 +35,8 @@ from accounting.figures import (
 )
 from accounting.gpu_parts import PARTS
 from accounting.relations import Violation
+from accounting.rows import AccountRow, BufferRow
 from accounting.snapfile.summary import Reconciliation
-from accounting.snapshot import AccountRow, BufferRow
 from accounting.tp_status import TpStatus
 from exporter import engines
 from exporter.collector import GIB
@@ -344,7 +344,7 @@ def _models(exports: tuple[Any, ...]) -> tuple[Any, Any]:
         e.name: (e.debug_model | None, Field(None, description=e.debug_description))
         for e in exports
     }
-    source = create_model(
+    source: Any = create_model(
         "SourceModel", __base__=SourceBase, __doc__=SourceBase.__doc__, **sections
     )
     document = create_model(
@@ -402,7 +402,7 @@ def build(
                 "layer", f"layer={layer} has no buffer; known layers: {_known(layers)}"
             )
     source_model, document = models()
-    return document(  # type: ignore[no-any-return]
+    return document(
         generated_at=time.time(),
         filters=Filters(family=family, rank=rank, layer=layer),
         figures=[
@@ -483,7 +483,7 @@ def _source(model: Any, v: SourceView, *, family: str | None, layer: int | None)
         if layer is None:
             subjects |= {a.key for a in accounts}
         violations = [x for x in d.violations if x.subject in subjects]
-    return model(  # type: ignore[no-any-return]
+    return model(
         source=v.source,
         up=v.up,
         stale_reason=v.stale_reason,

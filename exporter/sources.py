@@ -23,7 +23,9 @@ A source is down (`up` False, with `stale_reason`) when:
 A source that is down because its process is gone on this host, while a live
 source with the same engine labels has taken its place (a restart), is dropped
 at once and its file removed. A down source without a successor stays listed
-(its alert keeps firing) until `forget_after`; the others are not affected. An
+(its alert keeps firing) until `forget_after`; then, if its process is gone on this
+host (killed without closing), its file is removed too, else it is only no longer
+listed. The others are not affected. An
 in-process ledger whose snapshot raises is left out of that read, logged by name
 and counted (`exporter.failures`); the others are served.
 """
@@ -41,15 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.ledger import Ledger
-from accounting.snapfile.buffermap import buffer_map
 from accounting.snapfile.directory import TEMP_GRACE_S
-from accounting.snapfile.envelope import Envelope, source_id
-from accounting.snapfile.head import Head
-from accounting.snapfile.process import proc_stat
-from accounting.snapfile.publish_errors import LastError
+from accounting.snapfile.format import Envelope, LastError, Refused, source_id
+from accounting.snapfile.head import Head, buffer_map
 from accounting.snapfile.reader import FileScan, Ident, SnapshotFiles
-from accounting.snapfile.refusal import Refused
 from accounting.snapfile.summary import Summary, summary_of
+from accounting.snapfile.writer import proc_stat
 from accounting.snapshot import Snapshot
 from exporter.failures import SourceFailures
 from exporter.memory import release_free_memory
@@ -202,15 +201,16 @@ class Scan:
 
 
 class Sources:
-    """Snapshots from `directory` (files written by `accounting.snapfile.publisher`'s
+    """Snapshots from `directory` (files written by `accounting.snapfile.writer`'s
     `Publisher`) and from ledgers added with `add_ledger` (an engine that runs the exporter
     in-process).
 
     `stale_after`: seconds a heartbeat may age before its source is stale; None means
     STALE_INTERVALS publish intervals (at most MAX_BELIEVED_INTERVAL_S each) plus
     STALE_GRACE_S, per source.
-    `forget_after`: seconds after which a stale source is no longer listed (its file is
-    left alone); None keeps listing it while its file exists.
+    `forget_after`: seconds after which a stale source is no longer listed; its file is
+    removed then when its pid is gone on this host, else left alone. None keeps listing it
+    while its file exists.
     `create`: create the directory (0700) when missing; `group_writable`: accept a
     group-writable directory and files of its group (`accounting.snapfile.directory`). An
     existing directory that breaks the rules raises `SnapshotDirError` from there.
@@ -253,7 +253,7 @@ class Sources:
                 temp_grace=temp_grace,
             )
         self.directory = self.files.path if self.files is not None else None
-        self.removed = 0  # files of dead sources removed after a restart took their place
+        self.removed = 0  # files of dead sources removed (succeeded by a restart, or forgotten)
         self._known: dict[str, Published] = {}  # file sources of the last usable scan
         # What the HTTP server closed, by reason (`kvledger serve` sets it to its
         # `exporter.server.connections.ConnectionGuard`'s counts); read with each scan.
@@ -391,8 +391,17 @@ class Sources:
                             v.published, False, v.age_seconds, v.heartbeat_age_seconds, reason
                         )
                     )
-                elif not v.up and live and v.published.pid is not None and self._gone(v):
-                    self._remove(v, idents.get(v.source))
+                elif not v.up and v.published.pid is not None and self._gone(v):
+                    if live:
+                        self._remove(v, idents.get(v.source), "a live source has its engine labels")
+                    elif self.forget_after is not None and (
+                        v.heartbeat_age_seconds > self.forget_after
+                    ):
+                        # Killed without closing (vLLM's shutdown SIGKILLs its engine core and
+                        # workers) and forgotten: its file would otherwise stay forever.
+                        self._remove(v, idents.get(v.source), "it is forgotten")
+                    else:
+                        out.append(v)
                 else:
                     out.append(v)
         return out
@@ -400,15 +409,16 @@ class Sources:
     def _gone(self, v: SourceView) -> bool:
         return v.published.host == self._host and self._pid_gone(v.published) is not None
 
-    def _remove(self, v: SourceView, ident: tuple[str, Ident] | None) -> None:
+    def _remove(self, v: SourceView, ident: tuple[str, Ident] | None, why: str) -> None:
         if ident is None or self.files is None:
             return
         if self.files.remove(*ident):
             self.removed += 1
             log.info(
-                "source %s: pid %s is gone and a live source has its engine labels; removed %s",
+                "source %s: pid %s is gone and %s; removed %s",
                 v.source,
                 v.published.pid,
+                why,
                 v.published.path,
             )
 

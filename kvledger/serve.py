@@ -53,9 +53,8 @@ DAY = 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from accounting.snapfile.envelope import MAX_INTERVAL_S, MIN_INTERVAL_S
-
     from accounting.snapfile.directory import TEMP_GRACE_S, default_snapshot_dir
+    from accounting.snapfile.format import MAX_INTERVAL_S, MIN_INTERVAL_S
     from exporter.server import connections as conn
     from kvledger.demo import source as demo
 

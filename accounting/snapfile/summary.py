@@ -9,10 +9,11 @@ the debug view read its fields by name; nothing downstream reads the JSON.
 The rows reuse accounting's own records (`AccountRow`, `Violation`, `TpStatus`,
 `Figures`); what only a summary has is declared here: a family's rollup row and a
 reconciliation result. The accounts, the family rows and the holders are held as
-columns (one list per field: `ACCOUNT_FIELDS`, `FAMILY_FIELDS`, `HOLDER_FIELDS`), as a
-file's first line carries them since `kvledger_publish` 2; a republished rank's series
-are written from those, and the records (`Summary.accounts`, `.families`, `.holders`)
-are built from them the first time someone reads them.
+columns (one list per field: `ACCOUNT_FIELDS` and `FAMILY_FIELDS`, from
+`accounting.snapfile.format`, and `HOLDER_FIELDS`), as a file's first line carries them
+since `kvledger_publish` 2; a republished rank's series are written from those, and the
+records (`Summary.accounts`, `.families`, `.holders`) are built from them the first time
+someone reads them.
 """
 
 from __future__ import annotations

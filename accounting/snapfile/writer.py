@@ -56,7 +56,9 @@ from accounting.snapfile.format import (
 )
 from accounting.snapshot import Snapshot
 
-log = logging.getLogger(__name__)
+# The logger keeps the name it had when this module was `accounting.snapfile.publisher`:
+# log filters and alerts select on it.
+log = logging.getLogger("accounting.snapfile.publisher")
 FAILURE_LOG_EVERY_S = 60.0  # a publisher that keeps failing logs one line a minute
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 _PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}

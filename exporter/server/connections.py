@@ -276,7 +276,7 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol held to `guard`'s limits (pass as `uvicorn.Config(http=...)`,
     with `guard.limits.uvicorn_settings()`): its httptools protocol, which uvicorn itself
     picks when httptools is installed (a C parser: about 0.3-0.45 ms less of the event loop's
-    time a request than h11's, docs/benchmarks.md), else its h11 one."""
+    time a request than h11's, docs/benchmarks-history.md), else its h11 one."""
     if _HttpToolsProtocol is not None:
         return guarded_httptools(guard)
     return guarded_h11(guard)

@@ -8,7 +8,7 @@ and dcgm-exporter read (YAML):
       key_file: server.key
       client_ca_file: ca.crt       # optional, with client_auth_type
       client_auth_type: RequireAndVerifyClientCert   # or VerifyClientCertIfGiven, NoClientCert
-      min_version: TLS12           # TLS10..TLS13; default TLS12
+      min_version: TLS12           # TLS12 or TLS13 (TLS10, TLS11: see below); default TLS12
       max_version: TLS13
     basic_auth_users:
       prometheus: $2b$12$...       # bcrypt hashes (htpasswd -nBC 12 "" | tr -d ':\\n')
@@ -20,19 +20,50 @@ do) is refused by name rather than ignored, as exporter-toolkit refuses unknown 
 Read by `exporter.server.private_file`, as the token file is (`exporter.server.token`): every file
 (the config, certificates, key) must be a regular file of this user or root that neither
 its group nor others can write, read with a bound; the private key must not be readable by
-others either (mode 0600 or 0640). Links are followed, as a mounted secret is often one. The TLS
-context is loaded from the descriptor that was checked (`/proc/self/fd/N`), so the
-file checked is the file loaded. Every refusal is a `WebConfigError`, one line naming
-the file and the rule. Nothing secret is ever taken from the command line.
+others either (mode 0600 or 0640). The TLS context is loaded from the descriptor that was
+checked (`/proc/self/fd/N`), so the file checked is the file loaded. Every refusal is a
+`WebConfigError`, one line naming the file and the rule. Nothing secret is ever taken from
+the command line.
+
+Links are resolved, not refused: Kubernetes mounts a secret as links (`web.yml ->
+..data/web.yml -> ..2024_01_01_00_00_00.1/web.yml`), so refusing them would refuse the
+usual deployment. The rules above are checked on what the link leads to (the descriptor
+opened), never on the link. A link may therefore lead to a file that passes them and is
+no web config at all (`/etc/shadow` is root's and mode 0640): it is refused as such, and no
+refusal ever quotes the file's content. What a refusal shows of the file is bounded
+(`_shown`): a key, a user name or a value at most `MAX_SHOWN` characters, repr-escaped and
+cut with an ellipsis, and none that holds ':' or '$' (every line of /etc/shadow,
+/etc/passwd or an htpasswd file does; no key of a web config does); a position is a line
+and a column.
+
+The YAML is read as exporter-toolkit's strict reader reads it, within bounds
+(`_Loader`): at most `MAX_CONFIG_BYTES`, nested at most `MAX_DEPTH` deep (checked before
+PyYAML's recursive composer goes a level deeper, so no depth reaches Python's recursion
+limit), every key a plain scalar, no key twice in one mapping, no merge key (`<<`, whose
+chains PyYAML follows recursively). A value that PyYAML cannot build (a date of month
+13, an integer of thousands of digits) is refused in one line too.
+
+The certificate (the first in cert_file, the one served) must be valid now: an expired
+certificate, or one not valid yet, is refused at start, as clients would refuse it; so
+is a key_file that is not the certificate's private key. TLS below 1.2 (`min_version`
+TLS10 or TLS11) is refused unless `KVLEDGER_ALLOW_OLD_TLS=1` is set in the environment
+(`ALLOW_OLD_TLS`); Python's default cipher list has no TLS 1.0/1.1 suite anyway, so the
+opt-in only lets a config shared with node_exporter load. A bcrypt cost below
+`MIN_BCRYPT_COST` is accepted with a warning naming the users (never the hash).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import logging
 import os
 import re
 import ssl
+import warnings
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import yaml
@@ -41,10 +72,17 @@ from exporter.server import private_file
 from exporter.server.errors import UsageError
 from exporter.server.private_file import ModeRule
 
+log = logging.getLogger(__name__)
+
 FLAG = "--web.config.file"
 MAX_CONFIG_BYTES = 64 << 10
 MAX_PEM_BYTES = 1 << 20
 MAX_USERS = 1024
+MAX_DEPTH = 32  # nesting of the YAML (a web config needs 3: file, section, value)
+MAX_SHOWN = 40  # characters of a key, user name or value that a refusal may show
+MAX_PATH = 4096  # characters of a path named in the file (PATH_MAX)
+MIN_BCRYPT_COST = 10  # below: accepted, with a warning
+ALLOW_OLD_TLS = "KVLEDGER_ALLOW_OLD_TLS"  # "1": min_version TLS10 or TLS11 is accepted
 _BCRYPT = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
 _TLS_VERSIONS = {
     "TLS10": ssl.TLSVersion.TLSv1,
@@ -98,6 +136,227 @@ def _checked(
     return private_file.opened(path, where, limit=limit, modes=modes, error=WebConfigError)
 
 
+# -- what a refusal may show of the file ------------------------------------------------------
+
+_HIDDEN = re.compile(r"[:$]")
+
+
+def _shown(value: object) -> str:
+    """`value` (a key, a user name, a value read from the file) as a refusal may show it:
+    a string repr-escaped and cut to MAX_SHOWN characters with an ellipsis, unless it holds
+    ':' or '$' (a line of /etc/shadow, /etc/passwd or an htpasswd file, never a web config's
+    key), then not at all; a small number or a boolean as itself; anything else by its type."""
+    if isinstance(value, str):
+        if _HIDDEN.search(value):
+            return "<not shown: it holds ':' or '$'>"
+        out, used = [], 0
+        for ch in value:
+            escaped = "\\'" if ch == "'" else repr(ch)[1:-1]
+            if used + len(escaped) > MAX_SHOWN:
+                out.append("…")
+                break
+            out.append(escaped)
+            used += len(escaped)
+        return "'" + "".join(out) + "'"
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int) and value.bit_length() <= 64:
+        return repr(value)
+    return f"<a {type(value).__name__}>"
+
+
+_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_SHOWN}}}")
+
+
+def _dotted(section: str, key: object) -> str:
+    """`section.key` for a key that is a plain name (as a web config's keys are), else
+    `section[<the key as _shown shows it>]`."""
+    if isinstance(key, str) and _NAME.fullmatch(key):
+        return f"{section}.{key}"
+    return f"{section}[{_shown(key)}]"
+
+
+def _at(mark: Any) -> str:
+    return f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+
+
+# -- the YAML, read within bounds ---------------------------------------------------------------
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_VALUE_TAG = "tag:yaml.org,2002:value"
+
+
+class _Refused(Exception):
+    """The document breaks a bound of `_Loader`: the refusal's words and where."""
+
+    def __init__(self, message: str, mark: Any, hint: str = "") -> None:
+        super().__init__(message)
+        self.message, self.mark, self.hint = message, mark, hint
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, held to the bounds a web config never nears: nesting at most
+    MAX_DEPTH (checked before the composer, which recurses, descends a level), every key a
+    scalar (a mapping or sequence as a key is built by a recursive walk that aliases can make
+    deep), no merge key (`<<`: its chains are followed recursively), no key twice in one
+    mapping (exporter-toolkit's strict YAML refuses it; PyYAML would keep the last)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._node: Any = None  # the node being built, for the position of a ValueError
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self._depth >= MAX_DEPTH:
+            raise _Refused(f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        self._node = node
+        return super().construct_object(node, deep=deep)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    raise _Refused("merge key '<<' is not supported", key_node.start_mark)
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise _Refused(
+                        f"a {key_node.id} as a key", key_node.start_mark, "; keys are names"
+                    )
+                key = (
+                    key_node.value
+                    if key_node.tag == _VALUE_TAG
+                    else self.construct_object(key_node)
+                )
+                if (type(key), key) in seen:  # true and 1 are two keys
+                    raise _Refused(
+                        f"duplicate key {_shown(key)}",
+                        key_node.start_mark,
+                        " (exporter-toolkit's strict YAML refuses it too)",
+                    )
+                seen.add((type(key), key))
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse(data: bytes, where: str) -> Any:
+    """The document in `data`; WebConfigError (one line, no content) on any fault."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise WebConfigError(f"{where}: not UTF-8 text, expected YAML") from None
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data()
+    except _Refused as e:
+        raise WebConfigError(f"{where}: {e.message}{_at(e.mark)}{e.hint}") from None
+    except yaml.YAMLError as e:
+        raise WebConfigError(
+            f"{where}: invalid YAML{_at(getattr(e, 'problem_mark', None))}"
+        ) from None
+    except (ValueError, OverflowError, TypeError):
+        # A value PyYAML's constructors cannot build: a date of month 13, an integer past
+        # Python's 4300 digits. Its text is not shown.
+        node = loader._node
+        at = _at(node.start_mark if node is not None else None)
+        raise WebConfigError(f"{where}: a value out of range{at}") from None
+    except RecursionError:  # not reached (the bounds above); a last guard
+        raise WebConfigError(f"{where}: nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+# -- the certificate's validity dates ----------------------------------------------------------
+
+_PEM_CERT = re.compile(
+    rb"-----BEGIN ((?:X509 |TRUSTED )?CERTIFICATE)-----(.*?)-----END \1-----", re.DOTALL
+)
+
+
+def _der(data: bytes, at: int) -> tuple[int, int, int]:
+    """(tag, start of the content, end of the content) of the DER element at `at`."""
+    if at + 2 > len(data):
+        raise ValueError("truncated")
+    tag, length = data[at], data[at + 1]
+    at += 2
+    if length & 0x80:
+        n = length & 0x7F
+        if not 1 <= n <= 4 or at + n > len(data):
+            raise ValueError("bad length")
+        length = int.from_bytes(data[at : at + n], "big")
+        at += n
+    if at + length > len(data):
+        raise ValueError("truncated")
+    return tag, at, at + length
+
+
+def _time(tag: int, raw: bytes) -> datetime:
+    text = raw.decode("ascii")
+    if tag == 0x17 and len(text) == 13 and text.endswith("Z"):  # UTCTime YYMMDDHHMMSSZ
+        yy = int(text[:2])
+        text = f"{1900 + yy if yy >= 50 else 2000 + yy}{text[2:]}"  # RFC 5280 4.1.2.5.1
+    elif not (tag == 0x18 and len(text) == 15 and text.endswith("Z")):  # GeneralizedTime
+        raise ValueError("not an RFC 5280 time")
+    return datetime.strptime(text, "%Y%m%d%H%M%SZ").replace(tzinfo=timezone.utc)
+
+
+def validity(pem: bytes) -> tuple[datetime, datetime]:
+    """(notBefore, notAfter) of the first certificate in `pem` (the one OpenSSL serves from a
+    cert_file), read from its DER (RFC 5280: Certificate, TBSCertificate, [0] version,
+    serialNumber, signature, issuer, validity); ValueError if there is none to read."""
+    found = _PEM_CERT.search(pem)
+    if found is None:
+        raise ValueError("no PEM certificate")
+    try:
+        der = base64.b64decode(b"".join(found.group(2).split()), validate=True)
+    except binascii.Error:
+        raise ValueError("bad base64") from None
+    tag, start, _ = _der(der, 0)  # Certificate
+    if tag != 0x30:
+        raise ValueError("not a certificate")
+    tag, at, _ = _der(der, start)  # TBSCertificate
+    if tag != 0x30:
+        raise ValueError("not a certificate")
+    if _der(der, at)[0] == 0xA0:  # [0] version
+        at = _der(der, at)[2]
+    for _ in ("serialNumber", "signature", "issuer"):
+        at = _der(der, at)[2]
+    tag, at, _ = _der(der, at)  # Validity
+    if tag != 0x30:
+        raise ValueError("no validity")
+    before_tag, start, end = _der(der, at)
+    after_tag, start2, end2 = _der(der, end)
+    return _time(before_tag, der[start:end]), _time(after_tag, der[start2:end2])
+
+
+def _check_validity(pem: bytes, where: str, now: datetime | None = None) -> None:
+    try:
+        not_before, not_after = validity(pem)
+    except (ValueError, UnicodeDecodeError) as e:
+        # OpenSSL loaded it, so it is a certificate: the dates are left to the clients.
+        log.warning("%s: validity dates not read (%s); not checked", where, e)
+        return
+    now = now or datetime.now(timezone.utc)
+    if now > not_after:
+        raise WebConfigError(
+            f"{where}: the certificate expired {not_after:%Y-%m-%d %H:%M:%S} UTC (notAfter); "
+            "clients refuse it: renew it"
+        )
+    if now < not_before:
+        raise WebConfigError(
+            f"{where}: the certificate is not valid before {not_before:%Y-%m-%d %H:%M:%S} UTC "
+            "(notBefore); clients refuse it: check this host's clock or the certificate"
+        )
+
+
+# -- the web config ------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class WebConfig:
     """What the file says: a TLS context (None: plain HTTP) and basic-auth users (name ->
@@ -117,14 +376,7 @@ def load(path: str) -> WebConfig:
     where = f"{FLAG} {path}"
     with _checked(path, where, MAX_CONFIG_BYTES, secret=False) as (data, _):
         pass
-    try:
-        doc = yaml.safe_load(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise WebConfigError(f"{where}: not UTF-8 text, expected YAML") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-        raise WebConfigError(f"{where}: invalid YAML{at}") from None
+    doc = _parse(data, where)
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -133,8 +385,8 @@ def load(path: str) -> WebConfig:
     for key in doc:
         if key not in known:
             raise WebConfigError(
-                f"{where}: unknown key {key!r}; expected tls_server_config, basic_auth_users "
-                "or http_server_config"
+                f"{where}: unknown key {_shown(key)}; expected tls_server_config, "
+                "basic_auth_users or http_server_config"
             )
     base = os.path.dirname(os.path.abspath(path))
     tls = _tls(doc.get("tls_server_config"), base, where)
@@ -164,6 +416,20 @@ def _str(section: dict[str, Any], key: str, name: str, where: str) -> str | None
     return value
 
 
+def _path(section: dict[str, Any], key: str, base: str, where: str) -> str | None:
+    """A file named by `tls_server_config.<key>`, relative to the config's folder; shown whole
+    in refusals (the operator must find it), so it must be printable and at most MAX_PATH."""
+    value = _str(section, key, "tls_server_config", where)
+    if value is None:
+        return None
+    if not value.isprintable() or len(value) > MAX_PATH:
+        raise WebConfigError(
+            f"{where}: tls_server_config.{key} {_shown(value)} is not a path (printable, "
+            f"at most {MAX_PATH} characters)"
+        )
+    return value if os.path.isabs(value) else os.path.join(base, value)
+
+
 def _tls(value: Any, base: str, where: str) -> ssl.SSLContext | None:
     sec = _section(value, "tls_server_config", where)
     if not sec:
@@ -171,34 +437,38 @@ def _tls(value: Any, base: str, where: str) -> ssl.SSLContext | None:
     for unknown in sec:
         if unknown not in _TLS_KEYS:
             raise WebConfigError(
-                f"{where}: unknown key tls_server_config.{unknown}; expected one of "
+                f"{where}: unknown key {_dotted('tls_server_config', unknown)}; expected one of "
                 + ", ".join(sorted(_TLS_KEYS))
             )
     name = "tls_server_config"
-    cert = _str(sec, "cert_file", name, where)
-    key = _str(sec, "key_file", name, where)
-    if cert is None or key is None:
+    cert_path = _path(sec, "cert_file", base, where)
+    key_path = _path(sec, "key_file", base, where)
+    if cert_path is None or key_path is None:
         raise WebConfigError(f"{where}: {name} needs both cert_file and key_file")
     auth_name = _str(sec, "client_auth_type", name, where) or "NoClientCert"
     if auth_name not in _CLIENT_AUTH:
         raise WebConfigError(
-            f"{where}: {name}.client_auth_type {auth_name!r} is not supported; expected one of "
-            + ", ".join(_CLIENT_AUTH)
+            f"{where}: {name}.client_auth_type {_shown(auth_name)} is not supported; "
+            "expected one of " + ", ".join(_CLIENT_AUTH)
         )
-    ca = _str(sec, "client_ca_file", name, where)
-    if _CLIENT_AUTH[auth_name] != ssl.CERT_NONE and ca is None:
+    ca_path = _path(sec, "client_ca_file", base, where)
+    if _CLIENT_AUTH[auth_name] != ssl.CERT_NONE and ca_path is None:
         raise WebConfigError(f"{where}: {name}.client_auth_type {auth_name} needs client_ca_file")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = _version(sec, "min_version", "TLS12", where)
-    ctx.maximum_version = _version(sec, "max_version", "TLS13", where)
-    if ctx.minimum_version > ctx.maximum_version:
+    lowest = _version(sec, "min_version", "TLS12", where)
+    highest = _version(sec, "max_version", "TLS13", where)
+    if lowest > highest:
         raise WebConfigError(f"{where}: {name}.min_version is above max_version")
-    cert_path, key_path = _resolve(base, cert), _resolve(base, key)
+    if lowest < ssl.TLSVersion.TLSv1_2:
+        _old_tls(sec["min_version"], where)
+    with warnings.catch_warnings():
+        # Python deprecates TLS 1.0 and 1.1; allowed above by KVLEDGER_ALLOW_OLD_TLS=1 only.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ctx.minimum_version = lowest
+        ctx.maximum_version = highest
+    cert_where = f"{where}: cert_file {cert_path}"
     with (
-        _checked(cert_path, f"{where}: cert_file {cert_path}", MAX_PEM_BYTES, secret=False) as (
-            _,
-            cert_fd,
-        ),
+        _checked(cert_path, cert_where, MAX_PEM_BYTES, secret=False) as (cert_pem, cert_fd),
         _checked(key_path, f"{where}: key_file {key_path}", MAX_PEM_BYTES, secret=True) as (
             _,
             key_fd,
@@ -207,23 +477,48 @@ def _tls(value: Any, base: str, where: str) -> ssl.SSLContext | None:
         try:
             ctx.load_cert_chain(f"/proc/self/fd/{cert_fd}", f"/proc/self/fd/{key_fd}")
         except (ssl.SSLError, OSError) as e:
+            if getattr(e, "reason", None) == "KEY_VALUES_MISMATCH":
+                raise WebConfigError(
+                    f"{where}: key_file {key_path} is not the private key of cert_file "
+                    f"{cert_path} (key values mismatch)"
+                ) from None
             raise WebConfigError(
                 f"{where}: cert_file {cert_path} and key_file {key_path} do not load as a PEM "
                 f"certificate and its private key ({_reason(e)})"
             ) from None
-    if ca is not None:
-        ca_path = _resolve(base, ca)
+        _check_validity(cert_pem, cert_where)
+    if ca_path is not None:
         with _checked(
             ca_path, f"{where}: client_ca_file {ca_path}", MAX_PEM_BYTES, secret=False
         ) as (data, _):
             try:
                 ctx.load_verify_locations(cadata=data.decode("ascii"))
-            except (ssl.SSLError, UnicodeDecodeError, ValueError) as e:
+            except UnicodeDecodeError:
+                raise WebConfigError(
+                    f"{where}: client_ca_file {ca_path} is not PEM certificates (not ASCII)"
+                ) from None
+            except (ssl.SSLError, ValueError) as e:
                 raise WebConfigError(
                     f"{where}: client_ca_file {ca_path} is not PEM certificates ({_reason(e)})"
                 ) from None
     ctx.verify_mode = _CLIENT_AUTH[auth_name]
     return ctx
+
+
+def _old_tls(name: str, where: str) -> None:
+    """min_version TLS10 or TLS11: refused unless KVLEDGER_ALLOW_OLD_TLS=1."""
+    if os.environ.get(ALLOW_OLD_TLS) != "1":
+        raise WebConfigError(
+            f"{where}: tls_server_config.min_version {name} allows TLS below 1.2, which "
+            f"kvledger refuses: give TLS12 or TLS13, or set {ALLOW_OLD_TLS}=1 to accept it"
+        )
+    log.warning(
+        "%s: tls_server_config.min_version %s accepted (%s=1); Python's ssl offers no "
+        "TLS 1.0/1.1 cipher suite, so such clients still fail",
+        where,
+        name,
+        ALLOW_OLD_TLS,
+    )
 
 
 def _reason(e: BaseException) -> str:
@@ -234,14 +529,10 @@ def _version(sec: dict[str, Any], key: str, default: str, where: str) -> ssl.TLS
     name = _str(sec, key, "tls_server_config", where) or default
     if name not in _TLS_VERSIONS:
         raise WebConfigError(
-            f"{where}: tls_server_config.{key} {name!r}; expected one of "
+            f"{where}: tls_server_config.{key} {_shown(name)}; expected one of "
             + ", ".join(_TLS_VERSIONS)
         )
     return _TLS_VERSIONS[name]
-
-
-def _resolve(base: str, path: str) -> str:
-    return path if os.path.isabs(path) else os.path.join(base, path)
 
 
 def _users(value: Any, where: str) -> dict[str, bytes]:
@@ -254,17 +545,33 @@ def _users(value: Any, where: str) -> dict[str, bytes]:
             f"{where}: {len(value)} basic_auth_users, expected at most {MAX_USERS}"
         )
     users = {}
+    cheap: list[tuple[str, int]] = []
     for user, hashed in value.items():
         if not isinstance(user, str) or not user or ":" in user:
             raise WebConfigError(
-                f"{where}: basic_auth_users: user {user!r} must be a non-empty string without ':'"
+                f"{where}: basic_auth_users: user {_shown(user)} must be a non-empty string "
+                "without ':'"
             )
         if not isinstance(hashed, str) or not _BCRYPT.match(hashed):
             raise WebConfigError(
-                f"{where}: basic_auth_users.{user}: expected a bcrypt hash ($2b$12$ and 53 "
-                "characters, e.g. from htpasswd -nBC 12), not a password"
+                f"{where}: basic_auth_users: user {_shown(user)}: expected a bcrypt hash "
+                "($2b$12$ and 53 characters, e.g. from htpasswd -nBC 12), not a password"
             )
+        cost = int(hashed[4:6])
+        if cost < MIN_BCRYPT_COST:
+            cheap.append((user, cost))
         users[user] = hashed.encode("ascii")
+    if cheap:
+        named = ", ".join(f"{_shown(u)} (cost {c})" for u, c in cheap[:5])
+        more = f" and {len(cheap) - 5} more" if len(cheap) > 5 else ""
+        log.warning(
+            "%s: basic_auth_users: bcrypt cost below %d for %s%s: a copy of the file is "
+            "cheap to crack; hash again with htpasswd -nBC 12",
+            where,
+            MIN_BCRYPT_COST,
+            named,
+            more,
+        )
     return users
 
 
@@ -272,7 +579,7 @@ def _http(value: Any, where: str) -> None:
     sec = _section(value, "http_server_config", where)
     for key, v in sec.items():
         if key != "http2":
-            raise WebConfigError(f"{where}: unknown key http_server_config.{key}")
+            raise WebConfigError(f"{where}: unknown key {_dotted('http_server_config', key)}")
         if not isinstance(v, bool):
             raise WebConfigError(f"{where}: http_server_config.http2 must be true or false")
         # kvledger serves HTTP/1.1 only: http2 true or false, the answer is the same.

@@ -36,11 +36,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from accounting.snapfile.publisher import Publisher
-
 from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import Account, Ledger
 from accounting.reconcile import host_memfd_truth
+from accounting.snapfile.writer import Publisher
 from accounting.units import format_size
 from allocator import BackgroundMapper, HostBackend, SlotLayout, SwaPool
 from kvledger.demo import hostmem

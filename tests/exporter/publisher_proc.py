@@ -14,7 +14,7 @@ import torch
 
 from accounting.buffers import runtime_buffer
 from accounting.ledger import Ledger
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 
 
 def main() -> None:

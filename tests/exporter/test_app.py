@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from accounting.figures import FIGURES
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 from exporter import metrics as m
 from exporter.app import create_app
 from exporter.sources import Sources
@@ -295,7 +295,7 @@ def test_accepts_gzip(header, expected):
 def test_ready_only_while_a_source_is_up_and_refused_files_are_listed(tmp_path, small):
     import json
 
-    from accounting.snapfile.envelope import parse
+    from accounting.snapfile.format import parse
 
     src = Sources(tmp_path, stale_after=60, clock=lambda: 2e9)  # every heartbeat is old
     client = TestClient(create_app(src))
@@ -350,7 +350,7 @@ def test_a_failed_buffer_map_is_that_sources_only_and_counted(tmp_path, small):
     source and counted, its metrics and the other source's buffer map stay."""
     import json
 
-    from accounting.snapfile.envelope import parse
+    from accounting.snapfile.format import parse
 
     with Publisher(small.ledger, tmp_path, interval=1000, source="good") as pub:
         envelope, _ = parse(Path(pub.path).read_bytes())

@@ -197,7 +197,7 @@ def test_render_writes_what_prometheus_clients_own_writer_writes(tmp_path):
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
     from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-    from accounting.snapfile.publisher import Publisher
+    from accounting.snapfile.writer import Publisher
     from exporter.collector import KvLedgerCollector
 
     def parsed(families):

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.gpu_parts import PART_NAMES
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 from exporter import metrics as m
 from exporter.app import create_app
 from exporter.html import page

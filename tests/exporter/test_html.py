@@ -158,8 +158,8 @@ def test_chromium_two_ranks_and_a_family_filter_that_survives_refresh():
 def test_chromium_lists_files_not_served_and_a_failed_buffer_map(tmp_path):
     """A refused file is listed with its reason and detail; a file whose first line is good
     but whose buffer rows are not is shown with its figures and why its rows are not."""
-    from accounting.snapfile.envelope import parse
-    from accounting.snapfile.publisher import Publisher
+    from accounting.snapfile.format import parse
+    from accounting.snapfile.writer import Publisher
     from exporter.app import create_app
     from exporter.sources import Sources
     from tests.ledgers import small_ledger

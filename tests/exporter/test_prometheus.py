@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from accounting.figures import FIGURES
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 from exporter import metrics as m
 from exporter.app import create_app
 from exporter.sources import Sources

@@ -13,8 +13,8 @@ import pytest
 
 from accounting.ledger import Ledger
 from accounting.snapfile.directory import SnapshotDirError
-from accounting.snapfile.envelope import parse
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.format import parse
+from accounting.snapfile.writer import Publisher
 from exporter.sources import BufferMapError, Sources
 from tests.hostile import nobody_uid
 from tests.ledgers import small_ledger

@@ -12,7 +12,7 @@ import sys
 import threading
 
 from accounting.ledger import Ledger
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 
 
 def main() -> None:

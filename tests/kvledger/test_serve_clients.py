@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from accounting.ledger import Ledger
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 from tests.servers import ServeProcess, wait_until
 
 pytestmark = pytest.mark.slow

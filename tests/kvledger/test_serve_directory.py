@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.ledger import Ledger
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 from tests.hostile import as_nobody, nobody_uid, shared_tmp
 from tests.servers import ServeProcess, repo_env, wait_until
 

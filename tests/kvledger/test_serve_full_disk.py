@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.ledger import Ledger
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 from tests.servers import ServeProcess, wait_until
 
 pytestmark = pytest.mark.slow

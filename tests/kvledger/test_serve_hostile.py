@@ -25,8 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.ledger import Ledger
-from accounting.snapfile.envelope import parse
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.format import parse
+from accounting.snapfile.writer import Publisher
 from exporter import metrics as m
 from tests.hostile import as_nobody, nobody_uid, shared_tmp
 from tests.servers import ServeProcess, repo_env, stop, wait_until

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from accounting.ledger import Ledger
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 from tests.hostile import nobody_uid
 from tests.servers import ServeProcess, repo_env, stop, wait_until
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from accounting.ledger import Ledger
-from accounting.snapfile.envelope import parse
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.format import parse
+from accounting.snapfile.writer import Publisher
 from tests.servers import ServeProcess, wait_until
 
 pytestmark = pytest.mark.slow

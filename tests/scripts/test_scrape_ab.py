@@ -17,7 +17,8 @@ def test_a_directory_that_is_not_a_kvledger_tree_is_refused_by_name(tmp_path: Pa
     proc = _run(str(tmp_path))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == (
-        f"scripts/scrape-ab: {tmp_path}: no kvledger/tools/bench/scrape.py, expected a kvledger tree"
+        f"scripts/scrape-ab: {tmp_path}: no kvledger/tools/bench/scrape.py (or "
+        "kvledger/bench/scrape.py), expected a kvledger tree"
     )
 
 

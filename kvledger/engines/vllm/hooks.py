@@ -4,7 +4,8 @@
 |---|---|---|
 | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors` | after | registers the worker's KV cache (`groups.register_worker_cache`): storage once, one account per group; the first one starts the worker's publisher |
 | `vllm.v1.core.sched.scheduler.Scheduler.__init__` | after | registers the scheduler's block pool (`occupancy.SchedulerOccupancy`); starts the engine core's publisher |
-| `vllm.v1.core.sched.scheduler.Scheduler.schedule` | after | when a publish is due (O(1) check), refreshes the occupancy on the scheduler's own thread and publishes |
+| `vllm.v1.core.sched.scheduler.Scheduler.schedule` | after | when a publish is due (O(1) check), refreshes the occupancy on the scheduler's own thread and publishes; marks the figures as changed (one attribute) |
+| `vllm.v1.core.sched.scheduler.Scheduler.has_requests` | after | when it answers False (the engine core is about to go idle: vLLM stops calling `schedule`), refreshes and publishes at once if a step ran since the last refresh, else when a publish is due: the figures reach the idle truth without waiting for another request |
 | `vllm.v1.core.sched.scheduler.Scheduler.shutdown` | after | the engine core's file is removed |
 
 An `atexit` handler closes each process's ledger too. Every wrapper catches kvledger's
@@ -59,6 +60,7 @@ def install() -> list[MethodPatch]:
             MethodPatch(runner, "initialize_kv_cache_tensors", _wrap_kv_tensors),
             MethodPatch(scheduler, "__init__", _wrap_scheduler_init),
             MethodPatch(scheduler, "schedule", _wrap_schedule),
+            MethodPatch(scheduler, "has_requests", _wrap_has_requests),
             MethodPatch(scheduler, "shutdown", _wrap_shutdown),
         ]
         for p in made:
@@ -124,15 +126,36 @@ def _wrap_schedule(original: Any) -> Any:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         ledger = _scheduler
-        if ledger is not None and getattr(self, "_kvledger_occupancy", None) is not None:
-            _guard(
-                "publishing the scheduler's occupancy",
-                ledger.publish_if_due,
-                self._kvledger_occupancy.refresh,
-            )
+        occ = getattr(self, "_kvledger_occupancy", None)
+        if ledger is not None and occ is not None:
+            occ.dirty = True  # update_from_output frees blocks after this: refresh at idle
+            _guard("publishing the scheduler's occupancy", ledger.publish_if_due, occ.refresh)
         return out
 
     return schedule
+
+
+def _wrap_has_requests(original: Any) -> Any:
+    def has_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        busy = original(self, *args, **kwargs)
+        if not busy:
+            ledger = _scheduler
+            occ = getattr(self, "_kvledger_occupancy", None)
+            if ledger is not None and occ is not None:
+                _guard("publishing the idle scheduler's occupancy", _publish_idle, ledger, occ)
+        return busy
+
+    return has_requests
+
+
+def _publish_idle(ledger: Any, occ: Any) -> None:
+    """The engine core has nothing to schedule: vLLM calls `schedule` no more until a request
+    comes, so the last step's frees are published now (once), not at the next step."""
+    if occ.dirty:
+        occ.dirty = False
+        ledger.publish_now(occ.refresh)
+    else:
+        ledger.publish_if_due(occ.refresh)
 
 
 def _wrap_shutdown(original: Any) -> Any:

@@ -116,8 +116,8 @@ def _specs() -> tuple[MetricSpec, ...]:
             e,
             GROUP_LABELS,
             "The group's slots held by running requests (its "
-            "blocks in use x slots per block; a block shared by a prefix hit counts once per "
-            "request holding it, capped at the capacity). Occupied bytes on a worker = this x "
+            "distinct blocks in use x slots per block; a block shared by a prefix hit counts "
+            "once, as vLLM's pool counts it). Occupied bytes on a worker = this x "
             "that worker's kvledger_vllm_group_slot_bytes.",
         ),
         (

@@ -25,9 +25,13 @@ class MethodPatch:
         if not isinstance(cls, type):
             raise TypeError(f"MethodPatch: cls={cls!r}, expected a class")
         original = cls.__dict__.get(name)
+        # Inherited (a base class defines it): wrapped on `cls`, and `remove` deletes it there.
+        self.inherited = original is None
+        if original is None:
+            original = next((k.__dict__[name] for k in cls.__mro__ if name in k.__dict__), None)
         if original is None or not callable(original):
             raise AttributeError(
-                f"{cls.__module__}.{cls.__qualname__}.{name}: not a method defined on the class, "
+                f"{cls.__module__}.{cls.__qualname__}.{name}: not a method of the class, "
                 "expected one kvledger can wrap"
             )
         self.cls = cls
@@ -54,7 +58,10 @@ class MethodPatch:
             return
         self.applied = False
         if self.cls.__dict__.get(self.name) is self.wrapper:
-            setattr(self.cls, self.name, self.original)
+            if self.inherited:
+                delattr(self.cls, self.name)
+            else:
+                setattr(self.cls, self.name, self.original)
         else:
             log.warning("kvledger: %s was re-patched by someone else; left as it is", self.target)
 

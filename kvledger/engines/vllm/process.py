@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from accounting.ledger import Ledger
-from accounting.snapfile.envelope import check_interval
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.format import check_interval
+from accounting.snapfile.writer import Publisher
 from kvledger.engines.vllm import ENV_INTERVAL, ENV_SNAPSHOT_DIR
 
 
@@ -65,6 +65,17 @@ class ProcessLedger:
         if now < self._next or self.publisher is None or self._closed:
             return False
         self._next = now + self.interval
+        if before is not None:
+            before()
+        self.publisher.publish()
+        return True
+
+    def publish_now(self, before: Any = None) -> bool:
+        """Publish at once (the engine went idle: its last step's frees must not wait for
+        a next step); `before()` runs first. True when it published."""
+        if self.publisher is None or self._closed:
+            return False
+        self._next = time.monotonic() + self.interval
         if before is not None:
             before()
         self.publisher.publish()

@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from accounting.rows import AccountRow, BufferRow
 from accounting.snapfile.summary import Summary
-from accounting.snapshot import AccountRow, BufferRow
 
 WORKER = (
     "vllm_worker"  # kvledger.engines.vllm.labels.WORKER (not imported: that package may be absent)

@@ -1,7 +1,8 @@
 """`kvledger bench NAME`: run one of kvledger's benchmarks and print what it measured.
 
-docs/benchmarks.md has the results measured so far, the commands that produced
-them and what they mean. Run `kvledger bench NAME --help` for a benchmark's
+docs/benchmarks.md has each benchmark's command, what it measures, its current
+figures per machine and its targets; docs/benchmarks-history.md the chronological
+record of every run. Run `kvledger bench NAME --help` for a benchmark's
 options. (For developers: each benchmark is a module `kvledger.tools.bench.NAME` with
 `add_arguments(parser)` and `run(args) -> int`; one missing from the build is
 listed as "not available".)

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from accounting.ledger import Ledger
-from accounting.snapfile.publisher import Publisher
+from accounting.snapfile.writer import Publisher
 from allocator import HostBackend, SlotLayout, SwaPool
 from allocator.specs import vmm_layer_specs
 from kvledger.engines.sglang.dsv4 import Knobs, load_config, plan

@@ -29,10 +29,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from accounting.snapfile.publisher import Publisher
-
 from accounting.buffers import Owner
 from accounting.ledger import Account, Ledger
+from accounting.snapfile.writer import Publisher
 from kvledger.engines.sglang.bridge.compact_policy import CompactionPolicy
 from kvledger.tools.bench import bootstrap
 from kvledger.tools.bench.sglang_engine import PAGE, WINDOW, Engine, Request, Shape, published

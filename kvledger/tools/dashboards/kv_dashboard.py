@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from accounting.figures import FIGURES, figure
 from exporter import metrics as m
+from kvledger.engines.vllm import metrics as vllm_metrics
 from kvledger.tools.dashboards import rules as r
 from kvledger.tools.dashboards.grafana import Dashboard, Panel, Row, Target, Variable
 
@@ -627,7 +628,7 @@ GROUP_LEGEND = "g{{group}} {{kind}} engine {{engine}} tp{{tp_rank}}"
 
 
 def _v(name: str) -> str:
-    return r.metric(m.VLLM_PREFIX + name)
+    return r.metric(vllm_metrics.PREFIX + name)
 
 
 def vllm_row() -> Row:

@@ -94,6 +94,24 @@ def test_a_family_whose_sums_break_a_relation_must_list_a_violation(published):
     assert "the rows sum to" in rows_refused(file_bytes(envelope, rows)).detail
 
 
+def test_a_vmm_family_whose_mapped_bytes_are_not_whole_pages_is_refused(published):
+    """Mapped bytes are held to whole pages as physical bytes are: one byte short of a page,
+    every other relation still holding (mapped <= physical, occupied <= mapped, the totals
+    summed), and the first line is refused naming mapped_bytes."""
+    envelope, rows = copy_of(published)
+    snap = envelope["snapshot"]
+    fam = snap["families"]
+    i = fam["owner"].index("vmm")
+    fam["mapped_bytes"][i] -= 1
+    snap["totals"]["mapped_bytes"] -= 1
+    e = refused(file_bytes(envelope, rows))
+    mapped = fam["mapped_bytes"][i]
+    assert e.reason == "schema", e
+    assert e.detail.startswith(
+        f"families {fam['family'][i]}/vmm: mapped_bytes={mapped} is not a whole number of pages"
+    ), e.detail
+
+
 @pytest.mark.parametrize(
     "owner, lo, hi",
     [("runtime", "occupied_bytes", "tensor_bytes"), ("vmm", "mapped_bytes", "physical_bytes")],

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from accounting.snapfile.format import parse, source_id
+from accounting.snapfile.format import Refused, parse, source_id, table_of
 from accounting.snapfile.writer import Publisher
 from tests.ledgers import small_ledger
 
@@ -32,3 +32,12 @@ def test_file_is_envelope_line_then_buffer_rows(tmp_path):
         parse(b'{"kvledger_publish": 1}')
     with pytest.raises(ValueError, match="kvledger_publish"):
         parse(b'{"kvledger_publish": 99}\n[]')
+
+
+def test_a_table_of_columns_holds_up_to_its_limit_of_rows():
+    """`limit` is the most rows a table may have: exactly `limit` is taken, one more refused."""
+    table = {"key": ["a", "b", "c"], "n": [1, 2, 3], "extra": "dropped"}
+    assert table_of(table, "accounts", ("key", "n"), 3) == {"key": ["a", "b", "c"], "n": [1, 2, 3]}
+    with pytest.raises(Refused) as e:
+        table_of(table, "accounts", ("key", "n"), 2)
+    assert (e.value.reason, e.value.detail) == ("schema", "accounts: 3 entries, expected at most 2")

@@ -33,7 +33,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_dropped_ctrl_c_is_recorded() -> None:
     proc = _run(
-        "from kvledger import early_signals\n"
+        "from exporter.server import early_signals\n"
         "early_signals.install()\n" + DROP + "print('went on', early_signals.received())\n"
     )
     assert proc.returncode == 0, proc.stderr
@@ -43,14 +43,14 @@ def test_a_dropped_ctrl_c_is_recorded() -> None:
 
 def test_without_it_the_same_ctrl_c_is_lost() -> None:
     """The control: what the module is for (nothing records the dropped signal)."""
-    proc = _run("from kvledger import early_signals\n" + DROP + "print(early_signals.received())")
+    proc = _run("from exporter.server import early_signals\n" + DROP + "print(early_signals.received())")
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
 
 
 def test_a_ctrl_c_still_raises_keyboard_interrupt() -> None:
     proc = _run(
         "import signal\n"
-        "from kvledger import early_signals\n"
+        "from exporter.server import early_signals\n"
         "early_signals.install(); early_signals.install()\n"
         "try:\n"
         "    signal.raise_signal(signal.SIGINT)\n"
@@ -63,7 +63,7 @@ def test_a_ctrl_c_still_raises_keyboard_interrupt() -> None:
 def test_a_handler_someone_else_set_is_left_alone() -> None:
     proc = _run(
         "import signal, threading\n"
-        "from kvledger import early_signals\n"
+        "from exporter.server import early_signals\n"
         "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         "early_signals.install()\n"
         "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"

@@ -13,7 +13,7 @@ from accounting import FIGURES
 from kvledger.engines.sglang.dsv4 import FAMILIES, Knobs, load_config, plan
 from kvledger.engines.sglang.dsv4.buffermap import LOW_RATIO_FAMILIES
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FLASH = ROOT / "kvledger" / "data" / "deepseek-v4-flash-shape.config.json"
 V41 = ROOT / "kvledger" / "data" / "deepseek-v41-shape.config.json"
 

@@ -159,7 +159,7 @@ def _copy_rows(
     disjoint: targets were free, sources held). On the host one `copy_` per row: a row is
     contiguous, so each runs at memcpy speed, where `index_select` + `index_copy_` over uint8
     rows move them byte by byte (6 rows of 146 KiB: 0.65 ms against 0.05 ms on one thread
-    here, docs/benchmarks.md). On a device one gather and one scatter per layer (a launch
+    here, docs/benchmarks-history.md). On a device one gather and one scatter per layer (a launch
     per row would cost more than the copy)."""
     if src.device.type == "cpu":
         pairs = list(zip(sources, targets, strict=True))

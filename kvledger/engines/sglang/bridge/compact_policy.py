@@ -20,7 +20,7 @@ Off with `KVLEDGER_SGLANG_DSV4_COMPACT=0`; `KVLEDGER_SGLANG_DSV4_COMPACT_SLACK=N
 `excess_pages` (kvledger.engines.sglang.switches). With a slack of N a step compacts only once the
 page ids are more than N over the bound, and then back down to the bound: N page ids of
 memory at most for far fewer compactions, each moving more rows (the trade measured in
-docs/benchmarks.md and described in docs/sglang-bridge.md#compaction-in-a-server).
+docs/benchmarks-history.md and described in docs/sglang-bridge.md#compaction-in-a-server).
 """
 
 from __future__ import annotations

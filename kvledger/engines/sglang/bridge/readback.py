@@ -141,7 +141,8 @@ class CudaReader:
 
     The pinned buffers and events are kept and reused (a buffer goes back once its read has
     been read, so its copy is done and its values copied out): allocating pinned memory and
-    an event for every read cost about as much as the read itself (`docs/benchmarks.md`)."""
+    an event for every read cost about as much as the read itself
+    (`docs/benchmarks-history.md`)."""
 
     KEEP = 8  # pinned buffers kept for reuse at most
     LEAST = 1024  # values a new buffer holds at least

@@ -163,7 +163,7 @@ def test_register_pool_is_all_or_nothing() -> None:
 
 def test_accounting_does_not_import_sglang() -> None:
     code = "import accounting, kvledger.engines.sglang.inventory, kvledger.engines.sglang.dsv4, sys; print('sglang' in sys.modules)"
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
     )

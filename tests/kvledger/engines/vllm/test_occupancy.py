@@ -59,8 +59,13 @@ def _truth(manager) -> dict[object, int]:
     }
     null = pool.null_block
     for i, m in enumerate(manager.coordinator.single_type_managers):
-        refs = sum(1 for blocks in m.req_to_blocks.values() for b in blocks if b is not null)
-        out[i] = refs * m.block_size
+        # Distinct blocks: one shared by several requests (a prefix hit) counts once.
+        held = {b.block_id for blocks in m.req_to_blocks.values() for b in blocks if b is not null}
+        out[i] = len(held) * m.block_size
+        out[("blocks", i)] = len(held)
+    # Every block in use but the null block is held by some request, in one group.
+    n = len(manager.coordinator.single_type_managers)
+    assert sum(out[("blocks", i)] for i in range(n)) == out["in_use"] - 1
     return out
 
 
@@ -105,6 +110,16 @@ def test_figures_follow_the_pool(cfg, hybrid: bool) -> None:
     hit = _run(b, manager)
     assert hit > 0
     t = _agree(occ, ledger, manager)
+    # Another request hits b's prefix while b runs: the shared blocks count once per group.
+    c = _request("c", list(range(100)) + [9] * 20)
+    assert _run(c, manager) > 0
+    before = t
+    t = _agree(occ, ledger, manager)
+    new_blocks = t["in_use"] - before["in_use"]
+    assert new_blocks < sum(
+        len(m.req_to_blocks["c"]) for m in manager.coordinator.single_type_managers
+    )
+    manager.free(c)
     manager.free(b)
     _agree(occ, ledger, manager)
     # Fill the pool with fresh prompts: cached blocks are evicted as they are reused.

@@ -15,7 +15,7 @@ from exporter.sources import Sources
 from kvledger.engines.vllm import hooks
 from tests.kvledger.engines.vllm import vllm_setup as vs
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_the_entry_point_off_imports_nothing_more() -> None:
@@ -34,7 +34,7 @@ def test_the_entry_point_off_imports_nothing_more() -> None:
     )
     assert (
         out.stdout.strip()
-        == "['accounting', 'accounting.switches', 'kvledger', 'kvledger.engines.vllm']"
+        == "['accounting', 'accounting.switches', 'kvledger', 'kvledger.engines', 'kvledger.engines.vllm']"
     )
 
 

@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason="needs Debian's prometheus"),
 ]
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 INTERVAL = 0.1
 W = '{model_name="tiny", engine="0", tp_rank="0", pp_rank="0"}'
 E = '{model_name="tiny", engine="0"}'

@@ -14,7 +14,7 @@ from kvledger.engines.sglang.bridge.bridge import DEFAULT_POOL_OPTIONS
 from kvledger.tools.bench import bootstrap
 from kvledger.tools.bench import sglang as bench
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 SMALL = [
     "--requests", "40", "--prompt", "300", "--decode-tokens", "16", "--layers", "2",
     "--swa-pages", "128", "--rounds", "3", "--max-rounds", "3", "--steps", "3", "--trips", "2",

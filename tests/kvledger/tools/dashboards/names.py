@@ -12,7 +12,7 @@ import yaml
 from kvledger.tools.dashboards import rules
 from kvledger.tools.dashboards.promql import label_values, metric_names
 
-ROOT = Path(__file__).resolve().parents[2] / "dashboards"  # the repository's copy
+ROOT = Path(__file__).resolve().parents[4] / "dashboards"  # the repository's copy
 DASHBOARD = ROOT / "grafana" / "dashboards" / "kvledger-kv-cache.json"
 PROM = ROOT / "prometheus"
 _SERIES = re.compile(r"""^\s*- series: '([A-Za-z_:][A-Za-z0-9_:]*)[{']""", re.MULTILINE)

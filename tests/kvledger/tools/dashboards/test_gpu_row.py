@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason="needs Debian's prometheus"),
 ]
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+DOCS = Path(__file__).resolve().parents[4] / "docs" / "metrics.md"
 
 
 def dcgm_app(fb_used_bytes):

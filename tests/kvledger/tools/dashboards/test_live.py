@@ -14,6 +14,7 @@ import pytest
 
 from exporter import metrics as m
 from kvledger.demo.source import DEFAULT_HOST_GRANULARITY
+from kvledger.engines.vllm import metrics as vllm_metrics
 from kvledger.tools.dashboards import rules
 from kvledger.tools.dashboards.promql import label_values, metric_names
 from tests.kvledger.tools.dashboards import names
@@ -112,7 +113,7 @@ def test_every_panel_query_returns_data(stack):
             if metric_names(expr) & m.GPU_ONLY:
                 skipped += 1  # the host backend has no GPU: tests/kvledger/tools/dashboards/test_gpu_row.py
                 continue
-            if all(n.startswith(m.VLLM_PREFIX) for n in metric_names(expr)):
+            if all(n.startswith(vllm_metrics.PREFIX) for n in metric_names(expr)):
                 skipped += 1  # the vLLM row: no vLLM engine in the demo (tests/kvledger/vllm)
                 continue
             q = substitute(expr, values)

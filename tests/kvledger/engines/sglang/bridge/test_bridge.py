@@ -723,7 +723,7 @@ def test_sglang_store_kernel_writes_land_in_the_vmm_buffer() -> None:
     interpreter on CPU) writes through the bridged buffer into VMM memory, byte for byte as
     into a native pool, and detach carries the rows back. A subprocess, because
     TRITON_INTERPRET is read when SGLang's kernels are defined."""
-    root = Path(__file__).resolve().parents[4]
+    root = Path(__file__).resolve().parents[5]
     # Extend PYTHONPATH, never replace it: SGLang may be importable only through it
     # (the device's carried wheels in /tmp/site).
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)

@@ -10,7 +10,7 @@ from typing import Any
 from kvledger.engines.sglang.dsv4 import Dsv4Shape, load_config
 
 FLASH_CONFIG = (
-    Path(__file__).resolve().parents[4]
+    Path(__file__).resolve().parents[5]
     / "kvledger"
     / "data"
     / "deepseek-v4-flash-shape.config.json"

@@ -22,7 +22,7 @@ from tests.kvledger.engines.sglang.dsv4.fixtures import flash, v41
 
 pytestmark = pytest.mark.sglang
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[5]
 STATE_ENV = {"fp32": "float32", "bf16": "bfloat16"}
 V41 = "v41"  # the V4.1-shaped config of kvledger/data (ratios 1 and 2 with kv_source layers)
 Ratios = list[int] | str | None

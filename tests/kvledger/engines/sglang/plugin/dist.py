@@ -7,7 +7,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[5]
 GROUP = "sglang.srt.plugins"
 
 

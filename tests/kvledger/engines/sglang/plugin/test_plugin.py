@@ -30,7 +30,7 @@ from tests.servers import ServeProcess
 
 pytestmark = pytest.mark.sglang
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[5]
 TARGETS = {
     "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components",
     "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",

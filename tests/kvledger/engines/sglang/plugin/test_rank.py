@@ -10,14 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from accounting.snapfile.envelope import parse
 
+from accounting.snapfile.format import parse
 from kvledger.engines.sglang.plugin import register
 from kvledger.engines.sglang.plugin.rank import RankLedger
 from kvledger.engines.sglang.plugin.snapdir import snapshot_dir
 from tests.imports import ENTRY_POINT_OFF, imported_after
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[5]
 
 
 class NS(SimpleNamespace):

@@ -1,0 +1,37 @@
+"""exporter.server.startup: SIGINT and SIGTERM while a server starts."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+import pytest
+
+from exporter.server import early_signals
+from exporter.server.startup import StartUp, StartupStopped, taken_over
+
+
+def test_a_start_up_signal_whose_exception_was_swallowed_still_stops_it():
+    """The start-up handler raises where the main thread is; code there may swallow the
+    exception (seen inside numpy's import and the demo pool's build), and the server then
+    started anyway. The signal is recorded, and `check()` (called before the server takes
+    over) raises it again."""
+    start_up = StartUp()
+    start_up.check()  # no signal yet: nothing
+    with contextlib.suppress(BaseException):  # what the swallowing code does
+        start_up.handle(signal.SIGINT, None)
+    start_up.handle(signal.SIGTERM, None)  # a second one is let be: it does not raise
+    with pytest.raises(StartupStopped, match="SIGINT"):
+        start_up.check()
+
+
+def test_taken_over_restores_the_handlers_and_counts_an_early_ctrl_c(monkeypatch):
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with taken_over() as start_up:
+        assert signal.getsignal(signal.SIGINT) == start_up.handle
+        assert signal.getsignal(signal.SIGTERM) == start_up.handle
+    assert {s: signal.getsignal(s) for s in before} == before
+    monkeypatch.setattr(early_signals, "received", lambda: "SIGINT")
+    with pytest.raises(StartupStopped, match="SIGINT"), taken_over():
+        pytest.fail("a Ctrl-C recorded before the start-up must end it at once")
+    assert {s: signal.getsignal(s) for s in before} == before

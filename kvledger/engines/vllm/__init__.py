@@ -24,12 +24,13 @@ See docs/vllm.md.
 
 from __future__ import annotations
 
-from accounting.switches import switch as env_switch
-
-ENV_ENABLE = "KVLEDGER_VLLM"
-ENV_REQUIRE = "KVLEDGER_VLLM_REQUIRE"
-ENV_SNAPSHOT_DIR = "KVLEDGER_SNAPSHOT_DIR"
-ENV_INTERVAL = "KVLEDGER_PUBLISH_INTERVAL"
+from kvledger.engines.vllm.switches import (
+    ENV_ENABLE,
+    ENV_INTERVAL,
+    ENV_REQUIRE,
+    ENV_SNAPSHOT_DIR,
+    env_switch,
+)
 
 
 def register() -> None:

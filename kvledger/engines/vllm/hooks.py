@@ -20,8 +20,8 @@ import logging
 import threading
 from typing import Any
 
-from kvledger.engines.vllm import ENV_REQUIRE, env_switch
 from kvledger.engines.vllm.patch import MethodPatch
+from kvledger.engines.vllm.switches import ENV_REQUIRE, env_switch
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 from accounting.ledger import Ledger
 from accounting.snapfile.format import check_interval
 from accounting.snapfile.writer import Publisher
-from kvledger.engines.vllm import ENV_INTERVAL, ENV_SNAPSHOT_DIR
+from kvledger.engines.vllm.switches import ENV_INTERVAL, ENV_SNAPSHOT_DIR
 
 
 def snapshot_dir(env: Mapping[str, str] | None = None) -> str:

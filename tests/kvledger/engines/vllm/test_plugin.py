@@ -34,7 +34,7 @@ def test_the_entry_point_off_imports_nothing_more() -> None:
     )
     assert (
         out.stdout.strip()
-        == "['accounting', 'accounting.switches', 'kvledger', 'kvledger.engines', 'kvledger.engines.vllm']"
+        == "['accounting', 'accounting.switches', 'kvledger', 'kvledger.engines', 'kvledger.engines.vllm', 'kvledger.engines.vllm.switches']"
     )
 
 

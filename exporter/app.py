@@ -37,7 +37,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from exporter import debug
+from exporter import debug, debug_schema
 from exporter.apidocs import add_docs
 from exporter.collector import KvLedgerCollector
 from exporter.serving import HealthEndpoint, MetricsBodies, MetricsEndpoint, SourceReader
@@ -81,7 +81,7 @@ def _auth_dependency(token: str | None) -> Callable[..., None]:
     return check
 
 
-DebugHtml = Callable[[debug.DebugKv], str]
+DebugHtml = Callable[[debug_schema.DebugKv], str]
 
 
 class _Delegate(Response):
@@ -169,7 +169,7 @@ def create_router(
 
     @router.get(
         "/debug/kv",
-        response_model=debug.models()[1],  # with the registered engine exports' sections
+        response_model=debug_schema.models()[1],  # with the registered engine exports' sections
         summary="The ledger's snapshots: buffer map, figures, relations, reconciliation",
         dependencies=[Depends(auth)],
         responses={
@@ -195,7 +195,7 @@ def create_router(
         layer: Annotated[
             int | None, Query(ge=0, le=1_000_000, description="keep one layer's buffers")
         ] = None,
-    ) -> debug.DebugKv | JSONResponse | HTMLResponse:
+    ) -> debug_schema.DebugKv | JSONResponse | HTMLResponse:
         unknown = sorted(set(request.query_params) - set(DEBUG_PARAMS))
         if unknown:
             return _problem(
@@ -204,7 +204,7 @@ def create_router(
             )
         _, scan = await reader.read()
 
-        def build() -> debug.DebugKv:
+        def build() -> debug_schema.DebugKv:
             return debug.build(scan, family=family, rank=rank, layer=layer)
 
         try:

@@ -16,7 +16,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from exporter.debug import DebugKv
+from exporter.debug_schema import DebugKv
 
 TEMPLATE = "static/debug_kv.html"
 DATA_MARK = "__KVLEDGER_DATA__"

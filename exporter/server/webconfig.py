@@ -37,25 +37,24 @@ cut with an ellipsis, and none that holds ':' or '$' (every line of /etc/shadow,
 and a column.
 
 The YAML is read as exporter-toolkit's strict reader reads it, within bounds
-(`_Loader`): at most `MAX_CONFIG_BYTES`, nested at most `MAX_DEPTH` deep (checked before
-PyYAML's recursive composer goes a level deeper, so no depth reaches Python's recursion
-limit), every key a plain scalar, no key twice in one mapping, no merge key (`<<`, whose
-chains PyYAML follows recursively). A value that PyYAML cannot build (a date of month
-13, an integer of thousands of digits) is refused in one line too.
+(`exporter.server.strict_yaml`): at most `MAX_CONFIG_BYTES`, nested at most `MAX_DEPTH`
+deep (checked before PyYAML's recursive composer goes a level deeper, so no depth reaches
+Python's recursion limit), every key a plain scalar, no key twice in one mapping, no merge
+key (`<<`, whose chains PyYAML follows recursively). A value that PyYAML cannot build (a
+date of month 13, an integer of thousands of digits) is refused in one line too.
 
-The certificate (the first in cert_file, the one served) must be valid now: an expired
-certificate, or one not valid yet, is refused at start, as clients would refuse it; so
-is a key_file that is not the certificate's private key. TLS below 1.2 (`min_version`
-TLS10 or TLS11) is refused unless `KVLEDGER_ALLOW_OLD_TLS=1` is set in the environment
-(`ALLOW_OLD_TLS`); Python's default cipher list has no TLS 1.0/1.1 suite anyway, so the
-opt-in only lets a config shared with node_exporter load. A bcrypt cost below
+The certificate (the first in cert_file, the one served) must be valid now (its dates
+read by `exporter.server.certdates`): an expired certificate, or one not valid yet, is
+refused at start, as clients would refuse it; so is a key_file that is not the
+certificate's private key. TLS below 1.2 (`min_version` TLS10 or TLS11) is refused unless
+`KVLEDGER_ALLOW_OLD_TLS=1` is set in the environment (`ALLOW_OLD_TLS`); Python's default
+cipher list has no TLS 1.0/1.1 suite anyway, so the opt-in only lets a config shared with
+node_exporter load. A bcrypt cost below
 `MIN_BCRYPT_COST` is accepted with a warning naming the users (never the hash).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 import os
 import re
@@ -66,9 +65,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-import yaml
-
-from exporter.server import private_file
+from exporter.server import private_file, strict_yaml
+from exporter.server.certdates import validity
 from exporter.server.errors import UsageError
 from exporter.server.private_file import ModeRule
 
@@ -176,162 +174,18 @@ def _dotted(section: str, key: object) -> str:
     return f"{section}[{_shown(key)}]"
 
 
-def _at(mark: Any) -> str:
-    return f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-
-
-# -- the YAML, read within bounds ---------------------------------------------------------------
-
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-_VALUE_TAG = "tag:yaml.org,2002:value"
-
-
-class _Refused(Exception):
-    """The document breaks a bound of `_Loader`: the refusal's words and where."""
-
-    def __init__(self, message: str, mark: Any, hint: str = "") -> None:
-        super().__init__(message)
-        self.message, self.mark, self.hint = message, mark, hint
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, held to the bounds a web config never nears: nesting at most
-    MAX_DEPTH (checked before the composer, which recurses, descends a level), every key a
-    scalar (a mapping or sequence as a key is built by a recursive walk that aliases can make
-    deep), no merge key (`<<`: its chains are followed recursively), no key twice in one
-    mapping (exporter-toolkit's strict YAML refuses it; PyYAML would keep the last)."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._depth = 0
-        self._node: Any = None  # the node being built, for the position of a ValueError
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self._depth >= MAX_DEPTH:
-            raise _Refused(f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
-        self._depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def construct_object(self, node: Any, deep: bool = False) -> Any:
-        self._node = node
-        return super().construct_object(node, deep=deep)
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        if isinstance(node, yaml.MappingNode):
-            seen = set()
-            for key_node, _ in node.value:
-                if key_node.tag == _MERGE_TAG:
-                    raise _Refused("merge key '<<' is not supported", key_node.start_mark)
-                if not isinstance(key_node, yaml.ScalarNode):
-                    raise _Refused(
-                        f"a {key_node.id} as a key", key_node.start_mark, "; keys are names"
-                    )
-                key = (
-                    key_node.value
-                    if key_node.tag == _VALUE_TAG
-                    else self.construct_object(key_node)
-                )
-                if (type(key), key) in seen:  # true and 1 are two keys
-                    raise _Refused(
-                        f"duplicate key {_shown(key)}",
-                        key_node.start_mark,
-                        " (exporter-toolkit's strict YAML refuses it too)",
-                    )
-                seen.add((type(key), key))
-        return super().construct_mapping(node, deep=deep)
+# -- the YAML, read within bounds (exporter.server.strict_yaml) ---------------------------------
 
 
 def _parse(data: bytes, where: str) -> Any:
     """The document in `data`; WebConfigError (one line, no content) on any fault."""
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise WebConfigError(f"{where}: not UTF-8 text, expected YAML") from None
-    loader = _Loader(text)
-    try:
-        return loader.get_single_data()
-    except _Refused as e:
-        raise WebConfigError(f"{where}: {e.message}{_at(e.mark)}{e.hint}") from None
-    except yaml.YAMLError as e:
-        raise WebConfigError(
-            f"{where}: invalid YAML{_at(getattr(e, 'problem_mark', None))}"
-        ) from None
-    except (ValueError, OverflowError, TypeError):
-        # A value PyYAML's constructors cannot build: a date of month 13, an integer past
-        # Python's 4300 digits. Its text is not shown.
-        node = loader._node
-        at = _at(node.start_mark if node is not None else None)
-        raise WebConfigError(f"{where}: a value out of range{at}") from None
-    except RecursionError:  # not reached (the bounds above); a last guard
-        raise WebConfigError(f"{where}: nested too deeply") from None
-    finally:
-        loader.dispose()
+        return strict_yaml.parse(data, max_depth=MAX_DEPTH, show=_shown)
+    except strict_yaml.StrictYamlError as e:
+        raise WebConfigError(f"{where}: {e}") from None
 
 
-# -- the certificate's validity dates ----------------------------------------------------------
-
-_PEM_CERT = re.compile(
-    rb"-----BEGIN ((?:X509 |TRUSTED )?CERTIFICATE)-----(.*?)-----END \1-----", re.DOTALL
-)
-
-
-def _der(data: bytes, at: int) -> tuple[int, int, int]:
-    """(tag, start of the content, end of the content) of the DER element at `at`."""
-    if at + 2 > len(data):
-        raise ValueError("truncated")
-    tag, length = data[at], data[at + 1]
-    at += 2
-    if length & 0x80:
-        n = length & 0x7F
-        if not 1 <= n <= 4 or at + n > len(data):
-            raise ValueError("bad length")
-        length = int.from_bytes(data[at : at + n], "big")
-        at += n
-    if at + length > len(data):
-        raise ValueError("truncated")
-    return tag, at, at + length
-
-
-def _time(tag: int, raw: bytes) -> datetime:
-    text = raw.decode("ascii")
-    if tag == 0x17 and len(text) == 13 and text.endswith("Z"):  # UTCTime YYMMDDHHMMSSZ
-        yy = int(text[:2])
-        text = f"{1900 + yy if yy >= 50 else 2000 + yy}{text[2:]}"  # RFC 5280 4.1.2.5.1
-    elif not (tag == 0x18 and len(text) == 15 and text.endswith("Z")):  # GeneralizedTime
-        raise ValueError("not an RFC 5280 time")
-    return datetime.strptime(text, "%Y%m%d%H%M%SZ").replace(tzinfo=timezone.utc)
-
-
-def validity(pem: bytes) -> tuple[datetime, datetime]:
-    """(notBefore, notAfter) of the first certificate in `pem` (the one OpenSSL serves from a
-    cert_file), read from its DER (RFC 5280: Certificate, TBSCertificate, [0] version,
-    serialNumber, signature, issuer, validity); ValueError if there is none to read."""
-    found = _PEM_CERT.search(pem)
-    if found is None:
-        raise ValueError("no PEM certificate")
-    try:
-        der = base64.b64decode(b"".join(found.group(2).split()), validate=True)
-    except binascii.Error:
-        raise ValueError("bad base64") from None
-    tag, start, _ = _der(der, 0)  # Certificate
-    if tag != 0x30:
-        raise ValueError("not a certificate")
-    tag, at, _ = _der(der, start)  # TBSCertificate
-    if tag != 0x30:
-        raise ValueError("not a certificate")
-    if _der(der, at)[0] == 0xA0:  # [0] version
-        at = _der(der, at)[2]
-    for _ in ("serialNumber", "signature", "issuer"):
-        at = _der(der, at)[2]
-    tag, at, _ = _der(der, at)  # Validity
-    if tag != 0x30:
-        raise ValueError("no validity")
-    before_tag, start, end = _der(der, at)
-    after_tag, start2, end2 = _der(der, end)
-    return _time(before_tag, der[start:end]), _time(after_tag, der[start2:end2])
+# -- the certificate's validity dates (read by exporter.server.certdates) ------------------------
 
 
 def _check_validity(pem: bytes, where: str, now: datetime | None = None) -> None:

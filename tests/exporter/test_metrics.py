@@ -88,3 +88,19 @@ def test_table_refuses_bad_entries(kwargs, match):
     kwargs = {"help": "h", "labels": (), **kwargs}
     with pytest.raises(ValueError, match=match):
         m.MetricSpec(**kwargs)
+
+
+def test_register_refuses_a_name_declared_twice_and_adds_nothing(monkeypatch) -> None:
+    monkeypatch.setattr(m, "METRICS", m.METRICS)
+    monkeypatch.setattr(m, "METRIC", dict(m.METRIC))
+    before = m.METRICS
+    spec = m.MetricSpec("kvledger_test_x", "gauge", "h", (), engine=False)
+    other = m.MetricSpec("kvledger_test_y", "gauge", "h", (), engine=False)
+    with pytest.raises(ValueError, match=r"\['kvledger_test_x'\] are declared already"):
+        m.register([other, spec, spec])  # twice in one call
+    with pytest.raises(ValueError, match=r"\['kvledger_up'\] are declared already"):
+        m.register([other, m.METRIC["kvledger_up"]])
+    assert m.METRICS == before and "kvledger_test_y" not in m.METRIC
+    m.register([other, spec])
+    assert m.METRICS == (*before, other, spec) and m.METRIC["kvledger_test_x"] is spec
+    assert m.markdown_table() == m.markdown_table(m.CORE_METRICS)  # the docs table: core only

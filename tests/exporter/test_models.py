@@ -10,7 +10,7 @@ import pytest
 
 from accounting.buffers import Owner
 from accounting.tp_status import TpStatus
-from exporter import debug
+from exporter import debug_schema
 from exporter.models import model_of
 from tests.ledgers import small_ledger
 
@@ -25,8 +25,8 @@ def snapshot():
 
 def test_each_row_model_has_exactly_the_fields_to_dict_writes(snapshot):
     buf, acc = snapshot.buffers[0], snapshot.accounts[0]
-    assert set(debug.BufferModel.model_fields) == set(buf.to_dict())
-    assert set(debug.AccountModel.model_fields) == set(acc.to_dict())
+    assert set(debug_schema.BufferModel.model_fields) == set(buf.to_dict())
+    assert set(debug_schema.AccountModel.model_fields) == set(acc.to_dict())
     tp = TpStatus(
         rank=0,
         size=2,
@@ -35,24 +35,24 @@ def test_each_row_model_has_exactly_the_fields_to_dict_writes(snapshot):
         divergences_total=0,
         peer_failures_total=0,
     )
-    assert set(debug.TpModel.model_fields) == set(tp.to_dict())
+    assert set(debug_schema.TpModel.model_fields) == set(tp.to_dict())
     # and each validates what to_dict writes, every value kept
-    assert debug.BufferModel(**buf.to_dict()).model_dump() == buf.to_dict()
-    assert debug.AccountModel(**acc.to_dict()).model_dump() == acc.to_dict()
-    assert debug.TpModel(**tp.to_dict()).model_dump() == tp.to_dict()
+    assert debug_schema.BufferModel(**buf.to_dict()).model_dump() == buf.to_dict()
+    assert debug_schema.AccountModel(**acc.to_dict()).model_dump() == acc.to_dict()
+    assert debug_schema.TpModel(**tp.to_dict()).model_dump() == tp.to_dict()
 
 
 def test_a_key_the_dataclass_does_not_declare_is_refused(snapshot):
     row = {**snapshot.buffers[0].to_dict(), "surprise": 1}
     with pytest.raises(pydantic.ValidationError, match="surprise"):
-        debug.BufferModel(**row)
+        debug_schema.BufferModel(**row)
 
 
 def test_enum_fields_are_the_literal_of_their_values(snapshot):
-    owner = debug.BufferModel.model_fields["owner"].annotation
+    owner = debug_schema.BufferModel.model_fields["owner"].annotation
     assert owner == Literal["vmm", "runtime"]
     with pytest.raises(pydantic.ValidationError):
-        debug.BufferModel(**{**snapshot.buffers[0].to_dict(), "owner": "borrowed"})
+        debug_schema.BufferModel(**{**snapshot.buffers[0].to_dict(), "owner": "borrowed"})
     assert {o.value for o in Owner} == {"vmm", "runtime"}
 
 

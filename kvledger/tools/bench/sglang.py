@@ -62,7 +62,9 @@ Allocations that waited on a driver call are read from `Bridge.stats()`
 `--part` picks what runs: `allocator` (the cases above), `holders` (what reading the
 holders costs beside SGLang's allocator work of a decode step, one engine with a
 UnifiedRadixCache: `kvledger.tools.bench.sglang_holders`, `--holders-requests` running
-requests) or `all` (both, the default).
+requests), `all` (both, the default) or `serving` (not in `all`): SGLang's overlap-scheduled
+serving loop with a forward stand-in on the device, native and bridged, over a request
+trace (`kvledger.tools.bench.sglang_serving`, whose docstring says what is measured).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from typing import Any
 from kvledger.argtypes import number
 from kvledger.tools.bench import bootstrap
 from kvledger.tools.bench import sglang_cases as cases
+from kvledger.tools.bench import sglang_serving as serving
 from kvledger.tools.bench.sglang_memory import report_line as memory_line
 
 COUNTER_DRIVER_WAITS = cases.COUNTER_DRIVER_WAITS
@@ -85,7 +88,7 @@ MAPS_SLACK = 1.10
 CI_WIDTH = 0.02
 
 
-PARTS = ("all", "allocator", "holders")
+PARTS = ("all", "allocator", "holders", "serving")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,8 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=PARTS,
         default="all",
         help="allocator: the four native/control/bridged cases; holders: what reading the "
-        "holders costs beside a decode step (kvledger.tools.bench.sglang_holders); all: both (all)",
+        "holders costs beside a decode step (kvledger.tools.bench.sglang_holders); all: both (all); "
+        "serving: the overlap-scheduled serving loop (kvledger.tools.bench.sglang_serving; not in all)",
     )
+    add_serving_arguments(p)
     p.add_argument(
         "--holders-requests", type=_positive, default=16, help="holders: running requests (16)"
     )
@@ -154,6 +159,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (1: the engines' small tensor ops, measured alike)",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
+
+
+def add_serving_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serving (--part serving)")
+    g.add_argument(
+        "--serving-forward-ms",
+        default=",".join(f"{x:g}" for x in serving.FORWARD_MS),
+        help="forward stand-in times (ms), comma-separated (5,15,40)",
+    )
+    g.add_argument(
+        "--serving-compaction",
+        default="0",
+        help="compaction settings, comma-separated: off (KVLEDGER_SGLANG_DSV4_COMPACT=0), N "
+        "(slack N), env (as the environment says); the first runs at every forward time, the "
+        "others at --serving-curve-ms (0)",
+    )
+    g.add_argument(
+        "--serving-curve-ms",
+        type=number(float, 0, 1000),
+        default=None,
+        help="the forward time of the compaction curve (the first of --serving-forward-ms)",
+    )
+    g.add_argument(
+        "--serving-compact",
+        choices=("step", "idle"),
+        default="step",
+        help="where the bridged loop takes a compaction step: step (after each batch result, "
+        "the next batch in flight) or idle (only with no batch in flight, as the plugin does "
+        "under SGLang's overlap loop)",
+    )
+    g.add_argument("--serving-rounds", type=_positive, default=10, help="rounds a variant (10)")
+    g.add_argument("--serving-steps", type=_positive, default=100, help="steps a round (100)")
+    g.add_argument(
+        "--serving-rate",
+        type=number(float, 0.001, 1000),
+        default=0.3,
+        help="Poisson arrivals per step (0.3)",
+    )
+    g.add_argument("--serving-prompt-median", type=number(float, 1, 1e6), default=1024.0)
+    g.add_argument("--serving-prompt-max", type=_positive, default=8192)
+    g.add_argument("--serving-output-median", type=number(float, 1, 1e6), default=128.0)
+    g.add_argument("--serving-output-max", type=_positive, default=1024)
+    g.add_argument("--serving-max-running", type=_positive, default=64, help="(64)")
+    g.add_argument(
+        "--serving-prefill-tokens", type=_positive, default=8192, help="a step's (8192)"
+    )
+    g.add_argument("--serving-swa-pages", type=_positive, default=512, help="(512)")
+    g.add_argument(
+        "--serving-full-pages", type=_positive, default=2048, help="full-token pages (2048)"
+    )
 
 
 def _positive(text: str) -> int:
@@ -238,6 +293,12 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
         )
         for line in sglang_holders.report(results["holders"]):
+            print(line)
+    if args.part == "serving":
+        results["serving"] = serving.run_serving(
+            args, progress=lambda line: print(line, file=sys.stderr, flush=True)
+        )
+        for line in serving.report(results["serving"]):
             print(line)
     if args.json:
         print(json.dumps(results, indent=2))

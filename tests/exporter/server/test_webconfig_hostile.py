@@ -37,42 +37,6 @@ def pem(tmp_path_factory):
     return tls.self_signed(tmp_path_factory.mktemp("pem"))
 
 
-def dated(folder: Path, start: str, end: str, name: str = "dated") -> tuple[Path, Path]:
-    """(certificate, key) for 127.0.0.1 valid from `start` to `end` (YYYYMMDDHHMMSSZ), made
-    with `openssl ca -selfsign` (`openssl req` of OpenSSL 3.0 cannot date a certificate in
-    the past); key 0600."""
-    work = folder / f"{name}-ca"
-    work.mkdir()
-    (work / "index.txt").write_text("")
-    (work / "serial").write_text("01\n")
-    (work / "ca.cnf").write_text(
-        "[ca]\ndefault_ca = d\n[d]\ndatabase = index.txt\nnew_certs_dir = .\n"
-        "serial = serial\ndefault_md = sha256\npolicy = p\nunique_subject = no\n"
-        "[p]\ncommonName = supplied\n"
-    )
-    key, csr, cert = folder / f"{name}.key", work / "r.csr", folder / f"{name}.crt"
-    run = {"check": True, "capture_output": True, "timeout": 60, "cwd": work}
-    subprocess.run(
-        [
-            *(tls.OPENSSL, "req", "-new", "-newkey", "ec"),
-            *("-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", "/CN=127.0.0.1"),
-            *("-keyout", str(key), "-out", str(csr)),
-        ],
-        **run,  # type: ignore[call-overload]
-    )
-    subprocess.run(
-        [
-            *(tls.OPENSSL, "ca", "-batch", "-notext", "-config", "ca.cnf", "-selfsign"),
-            *("-keyfile", str(key), "-in", str(csr), "-out", str(cert)),
-            *("-startdate", start, "-enddate", end),
-        ],
-        **run,  # type: ignore[call-overload]
-    )
-    os.chmod(key, 0o600)
-    os.chmod(cert, 0o644)
-    return cert, key
-
-
 def _refusal(path: Path) -> str:
     """The one line `load` refuses `path` with (any other exception fails the test), less
     its `--web.config.file PATH` prefix."""
@@ -315,33 +279,11 @@ def test_tls_below_1_2_needs_the_opt_in(tmp_path, pem, version, monkeypatch, cap
     ids=["expired", "not-yet-valid"],
 )
 def test_a_certificate_out_of_its_dates_is_refused(tmp_path, start, end, message):
-    cert, key = dated(tmp_path, start, end)
+    cert, key = tls.dated(tmp_path, start, end)
     refusal = _refusal(
         tls.web_config(tmp_path / "web.yml", _tls_doc(cert, key))
     )  # before: accepted
     assert f"cert_file {cert}: {message}" in refusal, refusal
-
-
-def test_validity_dates_read_as_openssl_reads_them(tmp_path, pem):
-    decode = getattr(ssl._ssl, "_test_decode_cert", None)  # type: ignore[attr-defined]
-    if decode is None:  # pragma: no cover - a Python without it
-        pytest.skip("no ssl._ssl._test_decode_cert")
-    certs = [
-        pem[0],  # UTCTime
-        dated(tmp_path, "20200101000000Z", "20200102000000Z", "utc")[0],
-        dated(tmp_path, "20500101000000Z", "20600101000000Z", "generalized")[0],  # GeneralizedTime
-    ]
-    chain = tmp_path / "chain.crt"  # a key before, another certificate after: the first is read
-    chain.write_bytes(pem[1].read_bytes() + certs[1].read_bytes() + certs[0].read_bytes())
-    for path, expected in [*((c, c) for c in certs), (chain, certs[1])]:
-        ours = webconfig.validity(path.read_bytes())
-        theirs = decode(str(expected))
-        as_seconds = [ssl.cert_time_to_seconds(theirs[k]) for k in ("notBefore", "notAfter")]
-        assert [int(t.timestamp()) for t in ours] == as_seconds, path
-        assert all(t.tzinfo is timezone.utc for t in ours)
-    with pytest.raises(ValueError):
-        webconfig.validity(b"no certificate")
-    assert webconfig.validity(pem[0].read_bytes())[1] > datetime.now(timezone.utc)
 
 
 def test_a_key_of_another_certificate_is_refused(tmp_path, pem):

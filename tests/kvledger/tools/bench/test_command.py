@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvledger.cli import main
-from kvledger.tools.bench.scrape import SCRAPE_CASES
+from kvledger.tools.bench.scrape_latency import SCRAPE_CASES
 
 
 def test_bench_scrape_runs_and_reports_both_measurements(capsys):

@@ -167,7 +167,7 @@ class VllmServer:
             "--num-gpu-blocks-override",
             "2048",
             "--block-size",
-            "16",
+            "32",  # vLLM's CPU attention takes multiples of 32
             "--enable-prefix-caching",
             "--dtype",
             "bfloat16",

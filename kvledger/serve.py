@@ -52,6 +52,7 @@ def _serve(args: argparse.Namespace, start_up: StartUp) -> int:
     from exporter.server import lograte
     from exporter.server.listen import bind, is_loopback
     from exporter.server.run import Settings, serve
+    from exporter.server.startup import signals_deferred
     from exporter.server.token import ARGV_REFUSED, TokenError, load_token
     from exporter.server.webconfig import FLAG, for_server
     from exporter.sources import Sources
@@ -97,6 +98,9 @@ def _serve(args: argparse.Namespace, start_up: StartUp) -> int:
             FLAG,
             web.path,
         )
+    if not args.no_demo:
+        with signals_deferred():  # a signal inside numpy's import would break it for good
+            import torch  # noqa: F401  (the demo's pool is torch tensors)
     start_up.check()  # after the imports (numpy's among them, where a signal was lost)
     source: demo_mod.DemoSource | None = None
     sources: Sources | None = None

@@ -62,3 +62,18 @@ def taken_over() -> Iterator[StartUp]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the block runs, then delivered as it ends: for an
+    import of a C extension (numpy under torch), which an exception raised by a signal
+    handler in the middle of it leaves half-done and unimportable for the rest of the
+    process ("cannot load module more than once per process", seen 0.6 s into a loaded
+    `kvledger serve` start-up). Main thread only, like every signal handler."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

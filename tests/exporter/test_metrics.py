@@ -100,7 +100,7 @@ def test_register_refuses_a_name_declared_twice_and_adds_nothing(monkeypatch) ->
         m.register([other, spec, spec])  # twice in one call
     with pytest.raises(ValueError, match=r"\['kvledger_up'\] are declared already"):
         m.register([other, m.METRIC["kvledger_up"]])
-    assert m.METRICS == before and "kvledger_test_y" not in m.METRIC
+    assert before == m.METRICS and "kvledger_test_y" not in m.METRIC
     m.register([other, spec])
-    assert m.METRICS == (*before, other, spec) and m.METRIC["kvledger_test_x"] is spec
+    assert (*before, other, spec) == m.METRICS and m.METRIC["kvledger_test_x"] is spec
     assert m.markdown_table() == m.markdown_table(m.CORE_METRICS)  # the docs table: core only

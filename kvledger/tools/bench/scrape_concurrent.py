@@ -211,4 +211,3 @@ def report_concurrent(c: dict[str, Any]) -> list[str]:
             f"{'met' if many['healthz'].get('p99_ms', 1e9) <= 50 else 'NOT met'}",
         ]
     return lines
-

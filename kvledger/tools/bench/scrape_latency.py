@@ -30,7 +30,6 @@ SCRAPE_CASES = (
 )
 
 
-
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
@@ -44,6 +43,7 @@ def _summary(seconds: list[float]) -> dict[str, float]:
         "max_ms": max(ms),
         "n": len(ms),
     }
+
 
 def bench_scrape(ranks: int, budget: int, scrapes: int) -> dict[str, Any]:
     import http.client

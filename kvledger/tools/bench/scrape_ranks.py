@@ -83,4 +83,3 @@ def rank_files(
 
     republish()
     return directory, buffers, republish
-

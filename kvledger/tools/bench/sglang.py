@@ -202,9 +202,7 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--serving-output-median", type=number(float, 1, 1e6), default=128.0)
     g.add_argument("--serving-output-max", type=_positive, default=1024)
     g.add_argument("--serving-max-running", type=_positive, default=64, help="(64)")
-    g.add_argument(
-        "--serving-prefill-tokens", type=_positive, default=8192, help="a step's (8192)"
-    )
+    g.add_argument("--serving-prefill-tokens", type=_positive, default=8192, help="a step's (8192)")
     g.add_argument("--serving-swa-pages", type=_positive, default=512, help="(512)")
     g.add_argument(
         "--serving-full-pages", type=_positive, default=2048, help="full-token pages (2048)"

@@ -144,13 +144,16 @@ def make_trace(spec: TraceSpec) -> list[TraceRequest]:
 class HostDevice:
     """A forward stream on the host: each launched forward runs `seconds` on a worker thread
     (a sleep: the GIL released, as a GPU forward leaves the CPU to the scheduler), in launch
-    order. `done(n)`: forward `n` (1-based, in launch order) has run."""
+    order. `done(n)`: forward `n` (1-based, in launch order) has run. A forward launched with
+    `seconds=None` runs until `release()` (or until a wait for it releases it: the proof's
+    forward, as long as the path it overlaps)."""
 
     def __init__(self) -> None:
+        self._gate = threading.Event()
         self.launched = 0
         self._done = 0
         self._cond = threading.Condition()
-        self._queue: queue.SimpleQueue[tuple[int, float] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, float | None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvledger-forward", daemon=True)
         self._thread.start()
 
@@ -160,26 +163,35 @@ class HostDevice:
             if item is None:
                 return
             n, seconds = item
-            if seconds > 0:
+            if seconds is None:
+                self._gate.wait()
+                self._gate.clear()
+            elif seconds > 0:
                 time.sleep(seconds)
             with self._cond:
                 self._done = n
                 self._cond.notify_all()
 
-    def launch(self, seconds: float) -> int:
+    def launch(self, seconds: float | None) -> int:
         self.launched += 1
         self._queue.put((self.launched, seconds))
         return self.launched
+
+    def release(self) -> None:
+        """End a forward launched with `seconds=None`."""
+        self._gate.set()
 
     def done(self, n: int) -> bool:
         return self._done >= n
 
     def wait(self, n: int) -> None:
+        self.release()
         with self._cond:
             while self._done < n:
                 self._cond.wait()
 
     def close(self) -> None:
+        self.release()
         self._queue.put(None)
         self._thread.join(timeout=5)
 
@@ -362,19 +374,27 @@ class CudaSyncWatch:
 
             return wrapper
 
-        torch.cuda.Event.synchronize = timed("event synchronize", ev_sync)  # type: ignore[method-assign]
-        torch.cuda.Stream.synchronize = timed("stream synchronize", st_sync)  # type: ignore[method-assign]
+        _cls(torch.cuda.Event).synchronize = timed("event synchronize", ev_sync)
+        _cls(torch.cuda.Stream).synchronize = timed("stream synchronize", st_sync)
         mode = torch.cuda.get_sync_debug_mode()
+        records = self._records
+
+        def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            # The debug mode is process-wide: only the scheduler thread's reports count (the
+            # mapper's fence waits are its own business, off that thread).
+            if threading.get_ident() == watch.log.owner:
+                records.append(str(message))
+
         try:
-            with warnings.catch_warnings(record=True) as rec:
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
-                self._records = rec
+                warnings.showwarning = show
                 torch.cuda.set_sync_debug_mode("warn")
                 yield
         finally:
             torch.cuda.set_sync_debug_mode(mode)
-            torch.cuda.Event.synchronize = ev_sync  # type: ignore[method-assign]
-            torch.cuda.Stream.synchronize = st_sync  # type: ignore[method-assign]
+            _cls(torch.cuda.Event).synchronize = ev_sync
+            _cls(torch.cuda.Stream).synchronize = st_sync
 
     @contextlib.contextmanager
     def window(self, kind: str) -> Iterator[None]:
@@ -470,7 +490,9 @@ class ServingEngine(Engine):
         shared = req.kv.cache_protected_len
         row = self.r2t.req_to_token[req.kv.req_pool_idx, shared : req.seq_len].long()
         evicted = req.kv.get_evicted_seqlen(self._swa_component)
-        self._free_rows(self.allocator, [(row, shared)], swa_evicted_seqlen=evicted, swa_dead_lo=shared)
+        self._free_rows(
+            self.allocator, [(row, shared)], swa_evicted_seqlen=evicted, swa_dead_lo=shared
+        )
         self.r2t.free(req)
 
 
@@ -478,7 +500,9 @@ class ServingEngine(Engine):
 @dataclass
 class StepTimes:
     host: list[float] = field(default_factory=list)  # prepare + process, the loop's wait excluded
-    blocked: list[float] = field(default_factory=list)  # inside the host work, waiting on the device
+    blocked: list[float] = field(
+        default_factory=list
+    )  # inside the host work, waiting on the device
     waits: list[int] = field(default_factory=list)
     loop_wait: list[float] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
@@ -551,7 +575,10 @@ class ServingLoop:
         """Admissions, window eviction, a decode token each: SGLang's get_next_batch_to_run.
         Returns the tokens of the batch (0: nothing to run)."""
         e, spec = self.e, self.spec
-        while self.next_arrival < len(self.trace) and self.trace[self.next_arrival].arrival <= self.step_no:
+        while (
+            self.next_arrival < len(self.trace)
+            and self.trace[self.next_arrival].arrival <= self.step_no
+        ):
             self.waiting.append(self.trace[self.next_arrival])
             self.next_arrival += 1
         admitted: list[Live] = []
@@ -718,7 +745,11 @@ def _paired(num: list[float], den: list[float]) -> dict[str, Any]:
 
 
 def run_one(
-    args: Any, forward_ms: float, label: str, policy: CompactionPolicy, log_progress: Callable[[str], None] | None = None
+    args: Any,
+    forward_ms: float,
+    label: str,
+    policy: CompactionPolicy,
+    log_progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Native and bridged through the same trace at one forward time and one compaction
     setting, in interleaved rounds."""
@@ -751,8 +782,10 @@ def run_one(
         native_e = ServingEngine(shape, dev_name)
         bridged_e = ServingEngine(shape, dev_name)
         ledger = Ledger({"model_name": "kvledger-bench-sglang-serving"})
-        pool_options = {} if args.max_spare_pages is None else {"max_spare_pages": args.max_spare_pages}
-        bridge = attach(
+        pool_options = (
+            {} if args.max_spare_pages is None else {"max_spare_pages": args.max_spare_pages}
+        )
+        bridge: Any = attach(
             bridged_e.pool,
             ledger,
             allocator=bridged_e.allocator,
@@ -784,7 +817,9 @@ def run_one(
         for lp in loops.values():
             lp.hold_prefixes()
         bridge.wait_idle()
-        account = next(a for a in ledger.accounts() if a.family == "swa_kv" and a.owner is Owner.VMM)
+        account = next(
+            a for a in ledger.accounts() if a.family == "swa_kv" and a.owner is Owner.VMM
+        )
         row_bytes = int(bridged_e.pool.swa_kv_pool.kv_buffer[0].shape[1])
         gran = int(bridge.backend.granularity)
         memory = SwaMemory(row_bytes=row_bytes, layers=args.layers, rows=shape.swa_pages)
@@ -842,9 +877,13 @@ def run_one(
             out[k] = {
                 "round_s": _summary(times[k]),
                 "steps_per_s": statistics.median(per_round / t for t in times[k]),
-                "tokens_per_s": statistics.median(n / t for n, t in zip(toks[k], times[k], strict=True)),
+                "tokens_per_s": statistics.median(
+                    n / t for n, t in zip(toks[k], times[k], strict=True)
+                ),
                 "host_us": {a: b * 1e6 if a != "n" else b for a, b in _summary(tm.host).items()},
-                "blocked_us": {a: b * 1e6 if a != "n" else b for a, b in _summary(tm.blocked).items()},
+                "blocked_us": {
+                    a: b * 1e6 if a != "n" else b for a, b in _summary(tm.blocked).items()
+                },
                 "loop_wait_ms": statistics.median(tm.loop_wait) * 1e3,
                 "waits_per_1000_steps": 1000 * sum(tm.waits) / steps_total,
                 "wait_kinds": dict(logs[k].kinds),
@@ -985,3 +1024,184 @@ def report(r: dict[str, Any]) -> list[str]:
                 f"{b['bound_slack']})"
             )
     return out
+
+
+# -- the no-synchronisation proof -----------------------------------------------------------------
+PROOF_PATHS = ("alloc", "decode", "window eviction", "free", "compaction", "detach")
+
+
+@contextlib.contextmanager
+def _strict(cuda: bool, log: WaitLog) -> Iterator[None]:
+    """CUDA: torch's sync debug mode 'error' and `Event`/`Stream.synchronize` raising too (the
+    debug mode does not see them), on `log.owner`'s thread. The debug mode is process-wide:
+    the background mapper's fence waits raise too while a path runs (the mapper logs and
+    retries them; nothing of the path's result depends on it). Host: nothing (the waits go to
+    `log`)."""
+    if not cuda:
+        yield
+        return
+    import torch
+
+    ev, st = torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize
+
+    def refuse(kind: str, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        def wrapper(self: Any) -> None:
+            if threading.get_ident() == log.owner:
+                raise RuntimeError(f"{kind} on the scheduler thread")
+            fn(self)
+
+        return wrapper
+
+    _cls(torch.cuda.Event).synchronize = refuse("torch.cuda.Event.synchronize", ev)
+    _cls(torch.cuda.Stream).synchronize = refuse("torch.cuda.Stream.synchronize", st)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        _cls(torch.cuda.Event).synchronize = ev
+        _cls(torch.cuda.Stream).synchronize = st
+
+
+def _proof_one(name: str, shape: Shape, device: str, dev: Any, forward_ms: float) -> dict[str, str]:
+    """The proof's paths on one engine (`name`: native or bridged)."""
+    import torch
+
+    from accounting.ledger import Ledger
+    from kvledger.engines.sglang.bridge import ENV_ENABLE, attach
+
+    cuda = device.startswith("cuda")
+    e = ServingEngine(shape, device)
+    log = WaitLog()
+    log.owner = threading.get_ident()
+    bridge = None
+    if name == "bridged":
+        bridge = attach(
+            e.pool, Ledger({}), allocator=e.allocator, env={ENV_ENABLE: "1"}, require=True
+        )
+        if not cuda:
+            model_reader(bridge, dev, log)
+    reqs: list[Request] = []
+    policy = CompactionPolicy()
+    res: dict[str, str] = {}
+    failed = False
+
+    def admit() -> None:
+        for _ in range(120):
+            r = e.admit(200)
+            assert r is not None
+            reqs.append(r)
+
+    def decode() -> None:
+        for _ in range(3):
+            e.decode_some(reqs)
+
+    def evict() -> None:
+        for r in reqs:
+            r.seq_len += 0
+        e.evict_windows(reqs)
+
+    def free() -> None:
+        for r in reqs[::3] + reqs[1::3]:
+            e.release(r)
+        del reqs[:]
+
+    def compaction() -> None:
+        if bridge is None:
+            raise _NotApplicable
+        if policy.step(bridge) == 0:
+            raise RuntimeError("compaction: the policy moved no row (not due)")
+
+    def detach() -> None:
+        if bridge is None:
+            raise _NotApplicable
+        bridge.detach()
+
+    paths = dict(zip(PROOF_PATHS, (admit, decode, evict, free, compaction, detach), strict=True))
+    for path, fn in paths.items():
+        if cuda:
+            torch.cuda.synchronize()
+        elif bridge is not None:
+            bridge.wait_idle()
+        # the forward in flight (host: until the path is done, or waited for)
+        dev.launch(forward_ms / 1000 if cuda else None)
+        w0 = log.waits
+        try:
+            with _strict(cuda, log):
+                fn()
+            got = "ok" if log.waits == w0 else f"{log.waits - w0} waits ({dict(log.kinds)})"
+        except _NotApplicable:
+            got = "n/a"
+        except Exception as ex:
+            got = f"raised {type(ex).__name__}: {str(ex).splitlines()[0][:160]}"
+            failed = True
+        if failed and got != "n/a" and not got.startswith("raised"):
+            got += " (after an earlier path raised)"
+        res[path] = got
+        log.kinds.clear()
+        dev.wait(dev.launched)  # (host: releases the held forward)
+    if bridge is not None:
+        bridge.detach()
+    return res
+
+
+def sync_proof(device: str = "cpu", forward_ms: float = 20.0) -> dict[str, dict[str, str]]:
+    """Every path of the bridged engine (and of a native one, the control) run on the
+    scheduler's stream with a forward in flight on the forward stream. CUDA: under
+    `torch.cuda.set_sync_debug_mode('error')` (and Event/Stream.synchronize refused): "ok" or
+    the error. Host: the waits `ModelReader` counted ("ok" when none). Each path runs on
+    state the paths before it left; one that raised may leave the next on odd state (said)."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    shape = Shape(layers=4, swa_pages=256, full_pages=1024, requests=130, max_context=4096)
+    out: dict[str, dict[str, str]] = {}
+    with published(), contextlib.ExitStack() as stack:
+        dev: Any = CudaDevice(device) if cuda else HostDevice()
+        stack.callback(dev.close)
+        if cuda:
+            stack.enter_context(torch.cuda.stream(dev.sched))
+        for name in ("native", "bridged"):
+            out[name] = _proof_one(name, shape, device, dev, forward_ms)
+    return out
+
+
+def _cls(c: Any) -> Any:
+    """A torch class whose method is swapped for the time of a measurement (untyped here)."""
+    return c
+
+
+class _NotApplicable(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvledger.tools.bench.sglang_serving proof [--device cuda]`: the proof's table."""
+    import argparse
+    import json
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    p = argparse.ArgumentParser(prog="python -m kvledger.tools.bench.sglang_serving")
+    p.add_argument("what", choices=("proof",))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--forward-ms", type=float, default=20.0)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    dev = "cuda:0" if a.device == "cuda" else "cpu"
+    r = sync_proof(dev, a.forward_ms)
+    mode = (
+        f"sync debug mode 'error', a {a.forward_ms:g} ms forward in flight"
+        if a.device == "cuda"
+        else "host model of CUDA's order, a forward in flight until the path ends"
+    )
+    print(f"no-synchronisation proof on {dev} ({mode}):")
+    for path in PROOF_PATHS:
+        print(f"  {path:16s} native: {r['native'][path]:40s} bridged: {r['bridged'][path]}")
+    if a.json:
+        print(json.dumps(r, indent=2))
+    bad = [p for p in PROOF_PATHS if r["bridged"][p] not in ("ok", "n/a")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

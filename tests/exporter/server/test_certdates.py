@@ -41,7 +41,6 @@ def test_validity_dates_read_as_openssl_reads_them(tmp_path, pem):
     assert validity(pem[0].read_bytes())[1] > datetime.now(timezone.utc)
 
 
-
 @pytest.mark.parametrize(
     "pem_text",
     [

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 
 import pytest
 
 from exporter.server import early_signals
-from exporter.server.startup import StartUp, StartupStopped, taken_over
+from exporter.server.startup import StartUp, StartupStopped, signals_deferred, taken_over
 
 
 def test_a_start_up_signal_whose_exception_was_swallowed_still_stops_it():
@@ -35,3 +36,14 @@ def test_taken_over_restores_the_handlers_and_counts_an_early_ctrl_c(monkeypatch
     with pytest.raises(StartupStopped, match="SIGINT"), taken_over():
         pytest.fail("a Ctrl-C recorded before the start-up must end it at once")
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_signal_inside_a_deferred_block_arrives_as_it_ends() -> None:
+    reached = []
+    with pytest.raises(StartupStopped, match="SIGINT"), taken_over():
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            reached.append("the block ran to its end")
+        reached.append("never: the signal is delivered as the block ends")
+    assert reached == ["the block ran to its end"]
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == set()  # nothing left blocked

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-import ssl
 import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest

@@ -3,6 +3,8 @@ itself runs in tests/kvledger/tools/bench/test_command.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvledger.tools.bench.scrape_latency import SCRAPE_CASES, percentile, report_scrape
 
 
@@ -23,7 +25,7 @@ def _case(p99: float, server: bool) -> dict[str, float]:
 
 
 def test_report_names_every_case_and_judges_the_republished_gets():
-    scrape = {"ranks": 2, "buffers": 334, "series": 350, "exposition_bytes": 60_000}
+    scrape: dict[str, Any] = {"ranks": 2, "buffers": 334, "series": 350, "exposition_bytes": 60_000}
     for key in SCRAPE_CASES:
         scrape[key] = _case(6.0 if key == "http_republished_gzip" else 4.0, key.startswith("http"))
     lines = report_scrape(scrape)

@@ -1,0 +1,42 @@
+"""The no-synchronisation proof on the GPU: every path of SGLang's allocator, native and bridged,
+on the scheduler's stream with a forward in flight, under torch.cuda.set_sync_debug_mode('error')
+(`kvledger.tools.bench.sglang_serving.sync_proof`). Run by scripts/gpu-serving; skipped without
+a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
+
+
+def _proof() -> dict[str, dict[str, str]]:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kvledger.tools.bench.sglang_serving import sync_proof
+
+    r = sync_proof("cuda:0", 20.0)
+    print(r)
+    return r
+
+
+def test_the_decode_paths_make_no_synchronisation() -> None:
+    r = _proof()
+    # native is the control: SGLang's own calls as its scheduler makes them
+    for path in ("alloc", "decode", "window eviction", "free"):
+        assert r["native"][path] == "ok", (path, r["native"][path])
+    # the bridge on the decode path adds none
+    for path in ("alloc", "decode", "window eviction", "free"):
+        assert r["bridged"][path] == "ok", (path, r["bridged"][path])
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="compaction waits for its copies' fence on the scheduler thread (host model: "
+    "tests/kvledger/engines/sglang/bridge/test_scheduler_waits.py); detach copies rows back",
+)
+def test_compaction_and_detach_make_no_synchronisation() -> None:
+    r = _proof()
+    assert r["bridged"]["compaction"] == "ok", r["bridged"]["compaction"]
+    assert r["bridged"]["detach"] == "ok", r["bridged"]["detach"]

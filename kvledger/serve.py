@@ -216,11 +216,16 @@ def _one_line(e: BaseException) -> str:
 
 def status_line(sources: Any, source: Any, elapsed: float) -> str:
     """One line: sources, the workload, and per-figure totals across live sources."""
+    from kvledger.engines.vllm import views as vllm_views  # exporter-side: no vLLM import
+
     views = sources.read().views
     up = [v for v in views if v.up]
+    # A vLLM engine core's figures are blocks (its bytes are its workers'): said in blocks.
+    vllm_cores = [v for v in up if vllm_views.role(v.summary.labels) == vllm_views.SCHEDULER]
+    others = [v for v in up if vllm_views.role(v.summary.labels) is None]
     physical = sum(v.summary.totals.physical_bytes for v in up)
     mapped = sum(v.summary.totals.mapped_bytes for v in up)
-    occupied = sum(v.summary.totals.occupied_bytes for v in up)
+    occupied = sum(v.summary.totals.occupied_bytes for v in others)
     parts = [f"t={elapsed:.0f}s", f"sources {len(up)}/{len(views)} up"]
     if source is not None:
         s = source.workload.stats()
@@ -232,11 +237,20 @@ def status_line(sources: Any, source: Any, elapsed: float) -> str:
         parts.append(f"swa slots {swa.occupied_slots}/{swa.capacity_slots}")
     # Each figure right after its own value, in its own unit; the headline gauge is the
     # physical figure in GiB, named as such (never a decimal "GB" after a binary figure).
-    parts.append(
-        f"physical {format_size(physical)} "
+    headline = (
         f"(sglang:kv_cache_memory_usage_gb {physical / 2**30:.3f} GiB) "
-        f"mapped {format_size(mapped)} occupied {format_size(occupied)}"
+        if others or not vllm_cores
+        else ""
     )
+    parts.append(f"physical {format_size(physical)} {headline}mapped {format_size(mapped)}")
+    if others or not vllm_cores:
+        parts.append(f"occupied {format_size(occupied)}")
+    for v in vllm_cores:
+        e = vllm_views.engine_view(v.summary)
+        parts.append(
+            f"vllm {v.summary.labels.get('model_name', '?')}/{v.summary.labels.get('engine', '0')} "
+            f"blocks occupied {e.occupied_blocks}/{e.blocks} evictable {e.evictable_blocks}"
+        )
     unattributed = [
         r.unattributed_bytes
         for v in up

@@ -16,8 +16,14 @@ uvicorn's h11 protocol, the one foreign API this module speaks):
   EMFILE and nothing else in the process (the directory scan) runs out of
   descriptors. A connection past the cap closes the one that has waited longest
   without a complete request (an idle client gives way to a scraper that sends its
-  request at once); when every held connection is being answered, the new one is
-  refused with 503 and closed. A client over a cap is refused, never served late;
+  request at once); then the one whose answers have gone unread longest (below);
+  when every held connection is being answered and read, the new one is refused with
+  503 and closed. A client over a cap is refused, never served late;
+- a connection whose answers are not read (its write buffer over the transport's
+  high-water mark, so uvicorn's flow control parks the response) is closed once that
+  has lasted `request_timeout` seconds, and the ones parked longest are closed as soon
+  as all the parked connections' unread bytes add up past `UNREAD_BUDGET`: a client
+  that pipelines requests and never reads holds neither a connection nor memory;
 - a request with more than `max_headers` header fields is answered 431 and closed.
 
 `ConnectionGuard` counts what it closed, by reason (`CLOSE_REASONS`; `bad_request`: a
@@ -47,7 +53,14 @@ except ImportError:  # httptools not installed: uvicorn's h11 protocol is guarde
 
 log = logging.getLogger(__name__)
 
-CLOSE_REASONS = ("request_timeout", "evicted", "refused", "too_many_headers", "bad_request")
+CLOSE_REASONS = (
+    "request_timeout",
+    "evicted",
+    "refused",
+    "too_many_headers",
+    "bad_request",
+    "slow_reader",
+)
 
 DEFAULT_HEADER_BYTES = 16 * 1024  # h11's own default; node's and Go's are 16 KiB and 1 MiB
 DEFAULT_MAX_HEADERS = 100  # as node's http server
@@ -59,6 +72,10 @@ BACKLOG = 64  # connections the kernel queues; also the most one accept round ta
 # reads, worker threads, the log, the demo's files. Beyond the ones open at start.
 FD_RESERVE = 2 * BACKLOG + 128
 MIN_CONNECTIONS = 8
+# Unread response bytes all parked connections may hold together; past it the connection
+# parked longest is closed (one parked connection holds at most one response beyond the
+# transport's high-water mark: uvicorn waits for the buffer to drain between writes).
+UNREAD_BUDGET = 32 << 20
 LOG_EVERY_S = 60.0
 
 
@@ -131,11 +148,15 @@ def fd_budget(soft_limit: int, in_use: int) -> int:
 
 class ConnectionGuard:
     """The shared state of one server's connections: those waiting for a complete request
-    head, oldest first, and the counts of connections closed by reason."""
+    head, oldest first; those whose answers go unread (`stalled`), longest first, and the
+    bytes they hold unread; and the counts of connections closed by reason."""
 
     def __init__(self, limits: Limits, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
         self.waiting: OrderedDict[Any, asyncio.TimerHandle] = OrderedDict()
+        self.stalled: OrderedDict[Any, asyncio.TimerHandle] = OrderedDict()
+        self.unread = 0
+        self.unread_budget = UNREAD_BUDGET
         self.closed: dict[str, int] = dict.fromkeys(CLOSE_REASONS, 0)
         self.open = 0
         self._clock = clock
@@ -176,6 +197,8 @@ class _Watch:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.head_bytes = 0  # received since the head was awaited (kept for httptools)
+        self.unread = 0  # bytes in the write buffer when it went over the high-water mark
+        self.is_closed = False
 
     @property
     def waiting_for_head(self) -> bool:
@@ -190,6 +213,8 @@ class _Watch:
         self.arm()
         if guard.open > guard.limits.max_connections:
             victim = next((w for w in guard.waiting if w is not self), None)
+            if victim is None:
+                victim = next(iter(guard.stalled), None)
             if victim is not None:
                 victim.drop("evicted")
             else:
@@ -199,8 +224,35 @@ class _Watch:
                 guard.count("refused")
 
     def closed(self) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
         self.guard.open -= 1
         self.disarm()
+        self.unstall()
+
+    def write_paused(self) -> None:
+        """The write buffer went over the high-water mark: the client is not reading. Closed
+        if it stays so for `request_timeout`, or sooner when the parked connections' unread
+        bytes pass the budget (the longest parked first)."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self in self.guard.stalled:
+            return
+        guard = self.guard
+        self.unread = transport.get_write_buffer_size()
+        guard.unread += self.unread
+        guard.stalled[self] = self.loop.call_later(
+            guard.limits.request_timeout, self.drop, "slow_reader"
+        )
+        while guard.unread > guard.unread_budget and guard.stalled:
+            next(iter(guard.stalled)).drop("slow_reader")
+
+    def unstall(self) -> None:
+        timer = self.guard.stalled.pop(self, None)
+        if timer is not None:
+            timer.cancel()
+            self.guard.unread -= self.unread
+            self.unread = 0
 
     def head_complete(self, headers: int) -> bool:
         """A request head came in: True when it is to be answered now. False on a closing
@@ -246,6 +298,7 @@ class _Watch:
 
     def drop(self, reason: str) -> None:
         self.disarm()
+        self.unstall()
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.abort()
@@ -270,6 +323,14 @@ class _Watched(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._watch.closed()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch.write_paused()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._watch.unstall()
 
 
 def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
@@ -355,6 +416,22 @@ def guarded_httptools(guard: ConnectionGuard) -> type[asyncio.Protocol]:
             super().on_response_complete()
             if not pipelined:
                 self._watch.response_complete()
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            self._running = cycle
+            super()._start_asgi_task(cycle, app)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            # uvicorn marks only the last request read (`self.cycle`) disconnected: with
+            # requests pipelined, the one being answered, parked in the flow control's
+            # drain, would wake up and write to the closed transport (a RuntimeError
+            # traceback under uvloop). Every unanswered one is told.
+            cycles = [getattr(self, "_running", None), *(c for c, _ in self.pipeline)]
+            super().connection_lost(exc)
+            for cycle in cycles:
+                if cycle is not None and not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
 
     return GuardedHttpToolsProtocol
 

@@ -19,9 +19,9 @@ from tests.ledgers import small_ledger
 def test_a_killed_publishers_file_is_removed_once_forgotten(tmp_path: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    with small_ledger({"model_name": "m", "engine_type": "vllm_scheduler"}) as sl:
-        with Publisher(sl.ledger, tmp_path, interval=1000) as pub:
-            envelope, rows = parse(Path(pub.path).read_bytes())
+    labels = {"model_name": "m", "engine_type": "vllm_scheduler"}
+    with small_ledger(labels) as sl, Publisher(sl.ledger, tmp_path, interval=1000) as pub:
+        envelope, rows = parse(Path(pub.path).read_bytes())
     dead = tmp_path / "dead.json"
     dead.write_bytes(
         json.dumps({**envelope, "source": "dead", "pid": child.pid}).encode() + b"\n" + rows

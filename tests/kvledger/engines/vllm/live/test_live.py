@@ -166,17 +166,17 @@ def _run_engine(tmp_path: Path, config: dict[str, Any], groups: int, label: str)
             record["blocks"] = fig.blocks
             record["groups"] = groups
 
-            # 1. Load: 4 shared prefixes of 2 blocks, 4 requests each; one of each first,
+            # 1. Load: 4 shared prefixes of 8 blocks, 4 requests each; one of each first,
             # so the others hit its cached blocks while it runs.
             prompts = _prompts(4, 4, prefix=256, suffix=40)
             with Poller(serve.url, vllm.url) as poller, ThreadPoolExecutor(16) as pool:
                 t_load = time.monotonic()
-                firsts = [pool.submit(vllm.complete, prompts[i * 4], 64) for i in range(4)]
+                firsts = [pool.submit(vllm.complete, prompts[i * 4], 200) for i in range(4)]
                 time.sleep(0.3)
-                rest = [pool.submit(vllm.complete, p, 64) for i, p in enumerate(prompts) if i % 4]
+                rest = [pool.submit(vllm.complete, p, 200) for i, p in enumerate(prompts) if i % 4]
                 done = [f.result() for f in firsts + rest]
                 load_s = time.monotonic() - t_load
-            assert all(d["usage"]["completion_tokens"] == 64 for d in done)
+            assert all(d["usage"]["completion_tokens"] == 200 for d in done)
             assert not poller.errors, poller.errors[:3]
             busy = [f for _, f, _ in poller.seen if f.occupied > 1]
             assert busy, "no scrape saw the engine loaded"
@@ -199,14 +199,16 @@ def _run_engine(tmp_path: Path, config: dict[str, Any], groups: int, label: str)
             # stepping; kvledger's figures must equal vLLM's own, exactly.
             long = _prompts(1, 6, prefix=256, suffix=24)
             with ThreadPoolExecutor(6) as pool:
-                futures = [pool.submit(vllm.complete, p, 400, 300) for p in long]
+                futures = [pool.submit(vllm.complete, p, 700, 300) for p in long]
                 wait_until(
-                    lambda: one(vllm.metrics(), "vllm:num_requests_running", **E) == 6,
+                    lambda: one(vllm.metrics(), "vllm:num_requests_running", **E) >= 1,
                     60,
-                    "6 requests running",
-                    interval=0.05,
+                    "requests running",
+                    interval=0.02,
                 )
-                vllm.post("/pause?mode=keep")
+                # keep: requests stay, holding their blocks; clear_cache=false, else vLLM
+                # resets the prefix cache, preempting them (their blocks freed).
+                vllm.post("/pause?mode=keep&clear_cache=false")
                 time.sleep(INTERVAL + SCRAPE_SLACK)
 
                 def paused_equal() -> tuple[Figures, int] | None:
@@ -218,6 +220,7 @@ def _run_engine(tmp_path: Path, config: dict[str, Any], groups: int, label: str)
                 got = wait_until(paused_equal, 5, "kvledger equals vLLM while paused", 0.1)
                 fig, v = got
                 running = one(vllm.metrics(), "vllm:num_requests_running", **E)
+                assert running >= 1
                 record["paused"] = {
                     "vllm_running": running,
                     "vllm_blocks": v,
@@ -228,7 +231,7 @@ def _run_engine(tmp_path: Path, config: dict[str, Any], groups: int, label: str)
                 vllm.post("/resume")
                 results = [f.result() for f in futures]
             t_last = time.monotonic()
-            assert all(r["usage"]["completion_tokens"] == 400 for r in results)
+            assert all(r["usage"]["completion_tokens"] == 700 for r in results)
 
             # 3. Idle: vLLM stops calling schedule(); the figures must reach its truth
             # (nothing held but the null block) within one publish interval.

@@ -14,6 +14,12 @@ only carries it, as it carries `accounting.tp_status.TpStatus`:
 - `running_requests`, `request_bytes_counts`, `request_bytes_sum`: the KV bytes of every
   running request as a distribution over `REQUEST_BYTES_BUCKETS` (per-bucket counts, the
   last one past every bound; not cumulative), what `/metrics` exports instead of ids.
+
+A listed request holds no more than is occupied (`request_violations`): in each family at
+most the family's occupied bytes, over all families at most the source's. The footprints
+and the occupancy are read at the same publish, so a request past them is a counting or
+reading bug, or a lie: a violation listed in the snapshot (`accounting.snapshot`), never
+believed silently.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from accounting.relations import Violation
 
 MAX_NOTES = 16
 MAX_NOTE = 512  # characters of one note
@@ -155,3 +163,37 @@ def engine_state(
         request_bytes_counts=dist.counts,
         requests=tuple(top),
     )
+
+
+# -- what a listed request may claim ------------------------------------------------------
+REQUEST_WITHIN_OCCUPIED = "request bytes <= occupied_bytes"
+REQUEST_FAMILY_WITHIN_OCCUPIED = "request bytes_by_family <= the family's occupied_bytes"
+
+
+def request_violations(state: EngineState | None, occupied: Mapping[str, int]) -> list[Violation]:
+    """The listed requests that claim more than is occupied: `occupied` is each family's
+    occupied bytes (every owner together); a request's bytes at most their sum, each of
+    its `bytes_by_family` at most its family's (a family not in `occupied` holds 0)."""
+    if state is None or not state.requests:
+        return []
+    total = sum(occupied.values())
+    out: list[Violation] = []
+    for r in state.requests:
+        subject = f"request {r.rid}"
+        if r.bytes > total:
+            out.append(
+                Violation(
+                    subject, REQUEST_WITHIN_OCCUPIED, f"bytes={r.bytes}, occupied_bytes={total}"
+                )
+            )
+        for family, nbytes in sorted(r.bytes_by_family.items()):
+            held = occupied.get(family, 0)
+            if nbytes > held:
+                out.append(
+                    Violation(
+                        subject,
+                        REQUEST_FAMILY_WITHIN_OCCUPIED,
+                        f"{family}: bytes={nbytes}, occupied_bytes={held}",
+                    )
+                )
+    return out

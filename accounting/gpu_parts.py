@@ -212,6 +212,11 @@ def process_total(parts: Mapping[str, int]) -> int:
     return sum(parts[name] for name in PROCESS_PARTS)
 
 
+PART_WITHIN_TOTAL = "every GPU part within the device's total"
+SUM_WITHIN_TOTAL = "sum of GPU parts <= device total"
+PARTS_HELD = "GPU parts held against NVML device used or the device total"
+
+
 def check_parts(
     parts: Mapping[str, int],
     *,
@@ -219,10 +224,15 @@ def check_parts(
     process_used: int | None,
     basis: str,
     subject: str = "gpu",
+    total_bytes: int | None = None,
 ) -> list[Violation]:
     """The relations of the parts: each one named, none negative but `unattributed`, all
     of them adding up to NVML's device-wide used memory, and (basis process) the
-    process's parts plus `unattributed` to NVML's per-process figure."""
+    process's parts plus `unattributed` to NVML's per-process figure. With the device's
+    size (`total_bytes`), every part (`unattributed` either way) and their sum at most
+    that: a part of 500 GiB on an 80 GiB card is a violation even where NVML's used figure
+    is missing (which would skip the sum). Parts with neither figure to be held against
+    are a violation too: nothing bounds them."""
     out: list[Violation] = []
     missing = [n for n in PART_NAMES if n not in parts]
     extra = sorted(set(parts) - set(PART_NAMES))
@@ -246,6 +256,22 @@ def check_parts(
                 f"sum={total}, device_used={device_used}",
             )
         )
+    if total_bytes is not None:
+        for name in PART_NAMES:
+            if abs(parts[name]) > total_bytes:
+                out.append(
+                    Violation(
+                        subject,
+                        PART_WITHIN_TOTAL,
+                        f"{name}={parts[name]}, total_bytes={total_bytes}",
+                    )
+                )
+        if total > total_bytes:
+            out.append(
+                Violation(subject, SUM_WITHIN_TOTAL, f"sum={total}, total_bytes={total_bytes}")
+            )
+    elif device_used is None:
+        out.append(Violation(subject, PARTS_HELD, "neither used_bytes nor total_bytes is given"))
     if basis == "process" and process_used is not None:
         mine = process_total(parts) + parts["unattributed"]
         if mine != process_used:

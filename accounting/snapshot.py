@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.buffers import Owner
-from accounting.engine_state import EngineState
+from accounting.engine_state import EngineState, request_violations
 from accounting.figures import FIGURE_NAMES, FIGURES
 from accounting.gpu_parts import check_parts
 from accounting.relations import Violation, check_account, check_buffer
@@ -28,18 +28,42 @@ SCHEMA_VERSION = 2
 TRUTH_SUBJECT = "truth "  # subject of a truth result's violations: "truth nvml"
 
 
+UNATTRIBUTED_WITHIN_TOTAL = "|unattributed_bytes| <= device total"
+
+
 def parts_violations(r: Mapping[str, Any]) -> list[Violation]:
-    """The relations of a truth result's GPU parts (none for a result without parts)."""
+    """The relations of a truth result: its GPU parts' (`accounting.gpu_parts.check_parts`,
+    none without parts), and, where the device's size is known, its unattributed bytes
+    (device_bytes - ledger_bytes, recomputed) at most that size either way: a device
+    cannot hold, or miss, more than it has."""
+    subject = f"{TRUTH_SUBJECT}{r.get('source', 'unknown')}"
+    total = r.get("total_bytes")
+    out: list[Violation] = []
+    device, ledger = r.get("device_bytes"), r.get("ledger_bytes")
+    if (
+        total is not None
+        and device is not None
+        and ledger is not None
+        and abs(device - ledger) > total
+    ):
+        out.append(
+            Violation(
+                subject,
+                UNATTRIBUTED_WITHIN_TOTAL,
+                f"unattributed_bytes={device - ledger}, total_bytes={total}",
+            )
+        )
     parts = r.get("parts") or {}
     if not parts:
-        return []
+        return out
     detail = r.get("detail") or {}
-    return check_parts(
+    return out + check_parts(
         parts,
         device_used=detail.get("used_bytes"),
         process_used=detail.get("process_used_bytes"),
         basis=str(r.get("basis") or ""),
-        subject=f"{TRUTH_SUBJECT}{r.get('source', 'unknown')}",
+        subject=subject,
+        total_bytes=total,
     )
 
 
@@ -75,6 +99,11 @@ class Snapshot:
     ) -> Snapshot:
         violations = [v for b in buffers for v in check_buffer(b)]
         violations += [v for a in accounts for v in check_account(a)]
+        if engine is not None and engine.requests:
+            occupied: dict[str, int] = {}
+            for b in buffers:
+                occupied[b.spec.family] = occupied.get(b.spec.family, 0) + b.occupied_bytes
+            violations += request_violations(engine, occupied)
         return cls(
             epoch=epoch,
             taken_at=taken_at,

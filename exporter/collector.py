@@ -433,7 +433,8 @@ def _build(
             del cache[source]
     top.add(m.BUILD_INFO, _BUILD_LABELS, 1)
     top.add("kvledger_sources_unreadable", {}, scan.files.unreadable)
-    top.add("kvledger_snapshot_dir_usable", {}, 0 if scan.files.directory_problem else 1)
+    unusable = scan.files.directory_problem or scan.files.write_problem
+    top.add("kvledger_snapshot_dir_usable", {}, 0 if unusable else 1)
     for reason, count in sorted(scan.files.error_counts.items()):
         top.add("kvledger_snapshot_file_errors_total", {"reason": reason}, count)
     errors = {**scan.source_errors, **failures.counts}

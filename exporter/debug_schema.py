@@ -26,6 +26,7 @@ from accounting.figures import (
 )
 from accounting.relations import Violation
 from accounting.rows import AccountRow, BufferRow
+from accounting.snapfile.format import DIRECTORY_REASONS, PUBLISH_ERROR_REASONS
 from accounting.snapfile.summary import Reconciliation
 from accounting.tp_status import TpStatus
 from exporter import engines
@@ -143,7 +144,9 @@ class FamilyModel(BaseModel):
 
 
 class LastErrorModel(BaseModel):
-    reason: str = Field(description="no_space, permission, directory or other")
+    reason: str = Field(
+        description="one of " + ", ".join(PUBLISH_ERROR_REASONS) + " (the current cause only)"
+    )
     detail: str
     at: float = Field(description="Unix time")
 
@@ -244,13 +247,17 @@ class SourceBase(BaseModel):
     tp: TpModel | None = Field(None, description="present for a pool under tensor parallelism")
     publish_errors: dict[str, int] = Field(
         default_factory=dict,
-        description="failed publishes per reason (no_space, permission, directory, other), as "
-        "the publisher counted them in its latest file",
+        description="failed publishes per reason ("
+        + ", ".join(PUBLISH_ERROR_REASONS)
+        + "), as the publisher counted them in its latest file",
     )
     last_error: LastErrorModel | None = Field(
         None,
-        description="a down source's last publish error: its publisher's, or no_space when "
-        "the exporter finds no room for its file on the directory's filesystem",
+        description="a down source's current cause: while no publisher can write in the "
+        "snapshot directory, what the exporter sees there ("
+        + ", ".join(DIRECTORY_REASONS)
+        + "), else its publisher's last error from its latest file (unless one of those "
+        "causes that no longer holds)",
     )
     holders: list[HoldersModel] = Field(
         default_factory=list, description="who holds each family's occupied slots and bytes"
@@ -285,7 +292,9 @@ class FileProblemModel(BaseModel):
     name: str = Field(description="file name in the snapshot directory; empty for the directory")
     reason: str = Field(
         description="symlink, not_regular, owner, too_large, open, parse, "
-        "nesting, schema, too_many_files, or directory"
+        "nesting, schema, too_many_files; for the directory itself (empty name): directory "
+        "(missing, unreadable or refused by the rules), or why no publisher can write there "
+        "now: " + ", ".join(DIRECTORY_REASONS)
     )
     detail: str
 

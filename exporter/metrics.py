@@ -25,6 +25,7 @@ from accounting.engine_state import MAX_REQUESTS, REQUEST_BYTES_BUCKETS
 from accounting.figures import FIGURES, HOLDER_NAMES, HOLDER_PRECEDENCE
 from accounting.gpu_parts import PARTS
 from accounting.ledger import MAP_SECONDS_BUCKETS
+from accounting.snapfile.format import DIRECTORY_REASONS, PUBLISH_ERROR_REASONS
 
 ENGINE_LABELS: tuple[str, ...] = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
 OPTIONAL_ENGINE_LABELS: tuple[str, ...] = ("dp_rank",)
@@ -257,20 +258,24 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "kvledger_publish_errors_total",
         "counter",
-        "Publishes of the source that failed, per reason (no_space, permission, directory, "
-        "other), as its publisher counted them in its latest file: a publisher failing now "
-        "and then, or one that recovered, shows here; while it cannot write at all see "
-        "kvledger_source_last_error.",
+        "Publishes of the source that failed, per reason ("
+        + ", ".join(PUBLISH_ERROR_REASONS)
+        + "; no_inodes: no inode left with blocks free, read_only: EROFS), as its publisher "
+        "counted them in its latest file: a publisher failing now and then, or one that "
+        "recovered, shows here; while it cannot write at all see kvledger_source_last_error.",
         ("source", "reason"),
     ),
     MetricSpec(
         "kvledger_source_last_error",
         "gauge",
-        "1, with the reason (no_space, permission, directory, other), for a source that is "
-        "down and whose last publish error is known: from its publisher's latest file, or "
-        "no_space when the snapshot directory's filesystem has no room for the source's "
-        "file (seen by the exporter; a publisher that cannot write cannot say so). "
-        "/debug/kv has the detail.",
+        "1, with the reason ("
+        + ", ".join(PUBLISH_ERROR_REASONS)
+        + "), for a source that is down and whose current cause is known: while no "
+        "publisher can write in the snapshot directory, the cause the exporter sees there ("
+        + ", ".join(DIRECTORY_REASONS)
+        + "; a publisher that cannot write cannot say so), else the last error in its "
+        "publisher's latest file, unless that is one of those causes and it no longer holds. "
+        "A reason shows only while it holds. /debug/kv has the detail.",
         ("source", "reason"),
     ),
     MetricSpec(
@@ -441,10 +446,15 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "kvledger_snapshot_dir_usable",
         "gauge",
-        "1 while the snapshot directory is open and meets the rules (docs/security.md); 0 "
-        "while it is missing, unreadable or refused (replaced by another user's, say): the "
-        "sources it served are then listed with kvledger_up 0, and /debug/kv and /readyz say "
-        "why. 1 for an exporter with no directory.",
+        "1 while the snapshot directory is open, meets the rules (docs/security.md) and "
+        "takes a file; 0 while it is missing, unreadable or refused (replaced by another "
+        "user's, say: the sources it served are then listed with kvledger_up 0), or while no "
+        "publisher can write there: "
+        + ", ".join(DIRECTORY_REASONS)
+        + " (a read-only mount, no write permission for this user, no inode left, no room "
+        "for a file: each source that goes down meanwhile has it as its "
+        "kvledger_source_last_error). /debug/kv's files_not_served names why. 1 for an "
+        "exporter with no directory.",
         (),
         engine=False,
     ),

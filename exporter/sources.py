@@ -20,6 +20,12 @@ A source is down (`up` False, with `stale_reason`) when:
   its figures (an alert fires) but never replace them.
 - its directory became unusable (replaced by one the rules refuse): every source
   it served last is listed down with the directory's problem as the reason.
+A down source carries its last publish error (`last_error`), the current cause only:
+while no publisher can write in the directory (a read-only mount, no permission, no
+inode left, no room: the scan's `write_problem`, `accounting.snapfile.reader`) that cause,
+seen by the exporter, since a publisher that cannot write cannot say so; else its
+publisher's last error from its latest file, unless that is a cause the exporter can see
+(`DIRECTORY_REASONS`) and no longer does.
 A source that is down because its process is gone on this host, while a live
 source with the same engine labels has taken its place (a restart), is dropped
 at once and its file removed. A down source without a successor stays listed
@@ -44,9 +50,15 @@ from typing import Any
 
 from accounting.ledger import Ledger
 from accounting.snapfile.directory import TEMP_GRACE_S
-from accounting.snapfile.format import Envelope, LastError, Refused, source_id
+from accounting.snapfile.format import (
+    DIRECTORY_REASONS,
+    Envelope,
+    LastError,
+    Refused,
+    source_id,
+)
 from accounting.snapfile.head import Head, buffer_map
-from accounting.snapfile.reader import FileScan, Ident, SnapshotFiles
+from accounting.snapfile.reader import NO_SPACE_MIN_BYTES, FileScan, Ident, SnapshotFiles
 from accounting.snapfile.summary import Summary, summary_of
 from accounting.snapfile.writer import proc_stat
 from accounting.snapshot import Snapshot
@@ -65,7 +77,6 @@ STALE_GRACE_S = 1.0
 MAX_BELIEVED_INTERVAL_S = 60.0
 SCAN_LOG_EVERY_S = 60.0  # a failing background scan's log line, at most this often
 TRIM_AFTER_FILES = 256  # files gone from the directory before freed memory is given back
-NO_SPACE_MIN_BYTES = 4096  # less free than this (or than a source's file) is no space
 
 
 class BufferMapError(ValueError):
@@ -167,7 +178,8 @@ class SourceView:
     age_seconds: float  # now - snapshot.taken_at
     heartbeat_age_seconds: float  # now - published_at
     stale_reason: str | None
-    # A down source's last publish error: its publisher's, or the exporter's own no_space.
+    # A down source's last publish error, the current cause only: what the exporter sees on
+    # the directory (read_only, permission, no_inodes, no_space), else its publisher's.
     last_error: LastError | None = None
 
     @property
@@ -310,7 +322,7 @@ class Sources:
             ]
             idents = {f.value.source: (f.name, f.ident) for f in files.served}
             views = self._settle(views, idents)
-            views = self._with_last_errors(views, idents, now)
+            views = self._with_last_errors(views, idents, files, now)
             source_errors = dict(self._failures.counts)
         if self.forget_after is not None:
             limit = self.forget_after
@@ -344,20 +356,40 @@ class Sources:
         return [(p, reason) for p in self._known.values()]
 
     def _with_last_errors(
-        self, views: list[SourceView], idents: dict[str, tuple[str, Ident]], now: float
+        self,
+        views: list[SourceView],
+        idents: dict[str, tuple[str, Ident]],
+        files: FileScan[Published],
+        now: float,
     ) -> list[SourceView]:
-        """Each down source with its last publish error: no_space when the directory's
-        filesystem has no room for its file now (a publisher that cannot write cannot say
-        so), else its publisher's own last error from the file."""
+        """Each down source with its last publish error, the current cause only: the
+        directory's, while no publisher can write there (`files.write_problem`: read_only,
+        permission, no_inodes, no_space, seen by the exporter, since a publisher that cannot
+        write cannot say so), or no_space when the filesystem has no room for this source's
+        file; else its publisher's own last error from the file, unless that is a cause the
+        exporter looks for (`DIRECTORY_REASONS`) and no longer finds."""
         if all(v.up for v in views):
             return views
-        free = self.files.free_bytes() if self.files is not None else None
+        looked = self.files is not None and files.directory_problem is None
+        free = self.files.free_bytes() if looked and self.files is not None else None
+        # What the exporter's look decides. Not permission in group mode: the publishers are
+        # other users of the group, whose rights this user's access check does not tell.
+        seen = {
+            r
+            for r in DIRECTORY_REASONS
+            if looked and not (r == "permission" and self.files and self.files.group_writable)
+        }
         out = []
         for v in views:
             if not v.up:
                 last = v.published.last_error
+                if last is not None and last.reason in seen:
+                    last = None  # the exporter looked: that cause no longer holds
                 size = idents[v.source][1][2] if v.source in idents else 0
-                if free is not None and free < max(size, NO_SPACE_MIN_BYTES):
+                problem = files.write_problem
+                if problem is not None:
+                    last = LastError(problem.reason, problem.detail, now)
+                elif free is not None and free < max(size, NO_SPACE_MIN_BYTES):
                     last = LastError(
                         "no_space",
                         f"the snapshot directory's filesystem has {free} bytes free, less than "

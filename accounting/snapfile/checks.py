@@ -29,10 +29,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from accounting.buffers import Owner
+from accounting.engine_state import EngineState, request_violations
 from accounting.figures import FIGURE_NAMES, Figures
 from accounting.relations import Violation, check_account
 from accounting.rows import AccountRow
-from accounting.snapfile.format import Columns, fail
+from accounting.snapfile.format import MAX_SOURCE_BYTES, MAX_SOURCE_SLOTS, Columns, fail
 from accounting.snapfile.summary import (
     FamilyRow,
     Reconciliation,
@@ -41,7 +42,7 @@ from accounting.snapfile.summary import (
     family_columns,
     family_records,
 )
-from accounting.snapshot import parts_violations
+from accounting.snapshot import UNATTRIBUTED_WITHIN_TOTAL, parts_violations
 
 Key = tuple[str, Owner]
 Table = Mapping[str, list[Any]]
@@ -50,11 +51,6 @@ _gt = operator.gt
 
 
 # -- the relations over records, row by row: what names a fault ----------------------------------
-# What one source (one rank's ledger) can hold, believed at most: 1 PiB of any byte figure
-# is more than any host or GPU node has (a 25,769,803,776 GiB headline is a lie), and
-# 2^48 slots more than any pool indexes.
-MAX_SOURCE_BYTES = 1 << 50
-MAX_SOURCE_SLOTS = 1 << 48
 
 
 def _name(key: Key) -> str:
@@ -216,17 +212,21 @@ def violations_complete_by_row(
 def parts_violations_listed(
     violations: Sequence[Violation], reconciliation: Sequence[Reconciliation]
 ) -> None:
-    """Each truth result's GPU parts held against its NVML figures again
-    (`accounting.snapshot.parts_violations`): a broken relation must be listed."""
+    """Each truth result's GPU parts held against its NVML figures and the device's size
+    again, and its unattributed bytes against that size (`accounting.snapshot.
+    parts_violations`): a broken relation must be listed."""
     listed = set(violations)
     for r in reconciliation:
-        if not r.parts:
+        if not r.parts and r.total_bytes is None:
             continue
         for v in parts_violations(r.to_dict()):
             if v not in listed:
-                raise fail(
-                    "violations", f"{v.subject}: the GPU parts break {v.relation}; not listed"
+                what = (
+                    "its unattributed bytes break"
+                    if v.relation == UNATTRIBUTED_WITHIN_TOTAL
+                    else "the GPU parts break"
                 )
+                raise fail("violations", f"{v.subject}: {what} {v.relation}; not listed")
 
 
 def rows_agree(rows: Summary, head: Summary) -> None:
@@ -365,3 +365,97 @@ def violations_complete(violations: Sequence[Violation], accounts: Table, famili
     relation a family's sums break, listed. Asked of the records only when one may be broken."""
     if _may_break(accounts) or _sums_break(families):
         violations_complete_by_row(violations, account_rows(accounts), family_records(families))
+
+
+# -- a VMM family's bytes against its accounts' pages ----------------------------------------
+def handle_pages_match(families: Table, accounts: Table) -> None:
+    """A VMM family's physical and mapped bytes come from its accounts' pages: each of an
+    account's buffers (at least one, all of its family) holds `handle_pages` pages of its
+    `page_bytes` physically and `mapped_pages` of them mapped (`accounting.ledger.
+    buffer_rows`), so the family holds n_a times each per account. Hence its bytes are at
+    least the accounts' pages once (none when no account holds a page: 6 MiB physical next
+    to handle_pages 0 is refused), and, with one account, exactly n times its pages, the
+    same n for physical and mapped bytes."""
+    held: dict[str, list[tuple[int, int]]] = {}
+    for family, owner, page, handle, mapped in zip(
+        accounts["family"],
+        accounts["owner"],
+        accounts["page_bytes"],
+        accounts["handle_pages"],
+        accounts["mapped_pages"],
+        strict=True,
+    ):
+        if owner == "vmm":
+            held.setdefault(family, []).append((handle * page, mapped * page))
+    f = families
+    for family, owner, physical, mapped in zip(
+        f["family"], f["owner"], f["physical_bytes"], f["mapped_bytes"], strict=True
+    ):
+        if owner != "vmm":
+            continue
+        pages = held.get(family, [])
+        handle_bytes = sum(h for h, _ in pages)
+        mapped_bytes = sum(m for _, m in pages)
+        where = f"families {family}/vmm"
+        if physical < handle_bytes or mapped < mapped_bytes:
+            raise fail(
+                where,
+                f"physical_bytes={physical} mapped_bytes={mapped}, less than its accounts' "
+                f"handle and mapped pages hold once ({handle_bytes} and {mapped_bytes} bytes)",
+            )
+        if (physical and not handle_bytes) or (mapped and not mapped_bytes):
+            raise fail(
+                where,
+                f"physical_bytes={physical} mapped_bytes={mapped}, but its accounts hold "
+                f"{handle_bytes} bytes of handle pages and {mapped_bytes} mapped",
+            )
+        if len(pages) == 1 and handle_bytes:
+            n, rest = divmod(physical, handle_bytes)
+            if rest or mapped != n * mapped_bytes:
+                raise fail(
+                    where,
+                    f"physical_bytes={physical} mapped_bytes={mapped}: not the same number of "
+                    f"buffers times its account's {handle_bytes} bytes of handle pages and "
+                    f"{mapped_bytes} mapped",
+                )
+
+
+# -- the engine's requests against the families ----------------------------------------------
+def requests_known(engine: EngineState | None, families: Table, totals: Figures) -> None:
+    """The engine's figures within the snapshot's: every family a request names is one of
+    the snapshot's families (the footprints are read for the ledger's own families), and
+    no more requests running than the slots of every family together (each running request
+    holds at least a request slot or a token's)."""
+    if engine is None:
+        return
+    if engine.running_requests > totals.capacity_slots:
+        raise fail(
+            "engine",
+            f"running_requests={engine.running_requests}, more than the "
+            f"{totals.capacity_slots} slots of every family together",
+        )
+    names = set(families["family"])
+    for i, r in enumerate(engine.requests):
+        unknown = sorted(set(r.bytes_by_family) - names)
+        if unknown:
+            raise fail(
+                f"engine.requests[{i}]",
+                f"bytes_by_family names {unknown[0]!r:.60}, not a family of this snapshot",
+            )
+
+
+def request_violations_listed(
+    violations: Sequence[Violation], engine: EngineState | None, families: Table
+) -> None:
+    """Every listed request claiming more than its families hold
+    (`accounting.engine_state.request_violations`, recomputed) is a listed violation."""
+    if engine is None or not engine.requests:
+        return
+    occupied: dict[str, int] = {}
+    for family, nbytes in zip(families["family"], families["occupied_bytes"], strict=True):
+        occupied[family] = occupied.get(family, 0) + nbytes
+    listed = Counter(violations)
+    for v in request_violations(engine, occupied):
+        if listed[v] <= 0:
+            raise fail("violations", f"{v.subject:.80}: breaks {v.relation}; not listed")
+        listed[v] -= 1

@@ -329,6 +329,13 @@ class SnapshotDir:
         self.close()
 
 
+def out_of_inodes(fs: os.statvfs_result) -> bool:
+    """No inode left for an unprivileged user (`f_favail` 0) on a filesystem that counts
+    them (`f_files` > 0; btrfs and some network filesystems report 0), with blocks free: no
+    file can be created in it, however much room there is."""
+    return fs.f_files > 0 and fs.f_favail == 0 and fs.f_bavail > 0
+
+
 def _check_name(name: str) -> None:
     if not name or "/" in name or name in (".", "..") or "\0" in name:
         raise ValueError(f"snapshot file name {name!r}: expected a plain name inside the directory")

@@ -30,11 +30,14 @@ a reader tells a dead or hung publisher (heartbeat older than a bound, or its pi
 from an idle one. `process_start` (the kernel's start time of the process, in clock ticks:
 `accounting.snapfile.writer.proc_stat`) tells a reused pid from the original one.
 `publish_errors` and `last_error` say why a publisher's publishes failed, if they did: one
-reason from a fixed set (`PUBLISH_ERROR_REASONS`), counted, and the last one
-(`LastError`), so a source that goes stale can say why. While a publisher cannot write at
-all (a full disk), the exporter sees only a silent source: it then looks at the
-directory's filesystem itself (`exporter.sources`) and gives the stale source a
-`no_space` last error of its own when there is no room for that source's file.
+reason from a fixed set (`PUBLISH_ERROR_REASONS`), counted in every file, and the last one
+(`LastError`) in the file that ends a run of failures only (the first publish that works
+again), so a source that goes stale can say why, and an earlier episode's cause is not
+carried on as the current one. While a publisher cannot write at all (a full disk, no
+inode left, a read-only remount, a directory it may not write), the exporter sees only a
+silent source: it then looks at the directory itself (`exporter.sources`,
+`accounting.snapfile.reader`) and gives the stale source a last error of its own
+(`DIRECTORY_REASONS`) while the cause holds.
 
 A file, or its buffer map, that is not served is `Refused` for one reason from a fixed
 set (`REASONS`): a metric is labelled by the reason (`kvledger_snapshot_file_errors_total`),
@@ -79,6 +82,14 @@ class Refused(ValueError):
         self.reason = reason
         self.detail = detail
         super().__init__(f"{reason}: {detail}")
+
+
+# What one source (one rank's ledger) can hold, believed at most: 1 PiB of any byte figure
+# is more than any host or GPU node has (a 25,769,803,776 GiB headline is a lie), and
+# 2^48 slots more than any pool indexes. Byte figures past it are refused wherever a file
+# carries them (totals, GPU parts, truth figures, request footprints).
+MAX_SOURCE_BYTES = 1 << 50
+MAX_SOURCE_SLOTS = 1 << 48
 
 
 def fail(where: str, what: str) -> Refused:
@@ -143,10 +154,17 @@ def table_of(d: Any, where: str, names: Sequence[str], limit: int) -> Columns:
 # -- why a publish failed, as the envelope carries it -------------------------------------------
 PUBLISH_ERROR_REASONS = (
     "no_space",  # ENOSPC or EDQUOT: the filesystem or the quota is full
-    "permission",  # EACCES, EPERM, EROFS
+    "no_inodes",  # ENOSPC with blocks free but no inode left (statvfs f_favail 0): no file
+    # can be created, however much room there is
+    "read_only",  # EROFS: the filesystem is mounted read-only
+    "permission",  # EACCES, EPERM: the directory does not let this user create files
     "directory",  # the directory was replaced by one the rules refuse, or removed
     "other",  # anything else (the log has the traceback)
 )
+# The reasons the exporter can see for itself on the directory's filesystem (statvfs and an
+# access check), for a publisher that cannot write cannot say so: `exporter.sources` shows
+# them while they hold, and no longer once they do not.
+DIRECTORY_REASONS = ("read_only", "permission", "no_inodes", "no_space")
 MAX_DETAIL = 200
 
 

@@ -140,8 +140,12 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
     labels = labels_of(get_field(snap, "labels", "snapshot"))
     violations = schema.violations_of(get_field(snap, "violations", "snapshot"))
     checks.violations_complete(violations, accounts, families)
+    checks.handle_pages_match(families, accounts)
     reconciliation = schema.reconciliation_of(snap.get("reconciliation"))
     checks.parts_violations_listed(violations, reconciliation)
+    engine = schema.engine_state_of(snap.get("engine"))
+    checks.requests_known(engine, families, totals)
+    checks.request_violations_listed(violations, engine, families)
     return Summary(
         epoch=epoch,
         taken_at=taken_at,
@@ -152,7 +156,7 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
         violations=tuple(violations),
         reconciliation=reconciliation,
         tp=tp,
-        engine=schema.engine_state_of(snap.get("engine")),
+        engine=engine,
     )
 
 
@@ -170,6 +174,7 @@ def buffer_map(head: Head) -> Snapshot:
             accounts=s.accounts,
             buffers=[schema.buffer_row(b, i) for i, b in enumerate(buffers)],
             tp=s.tp,
+            engine=s.engine,
         ).with_reconciliation(r.to_dict() for r in s.reconciliation)
         checks.rows_agree(summary_of(snap), s)
     except Refused as e:

@@ -22,6 +22,14 @@ A scan looks at most `max_files` names and parses at most `max_parses` changed
 files (the others wait for the next scan), so its cost is bounded whatever the
 directory holds; past `max_files`, files already served are kept first, so a
 flood of new files cannot push a live source out.
+
+Each scan also asks whether a publisher could write a file there now (`write_problem`:
+one `fstatvfs` and one `faccessat` of the open directory, no file written): a read-only
+mount (`read_only`), a directory this user may not write (`permission`), no inode left
+(`no_inodes`) or less room than the largest file served (`no_space`). While one holds it is
+the scan's `write_problem` (shown first among the problems, named by its reason), so a
+silent publisher's cause is seen here, and it is gone from the next scan once it no
+longer holds.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from accounting.snapfile.directory import (
     TEMP_GRACE_S,
     SnapshotDir,
     SnapshotDirError,
+    out_of_inodes,
     trusted_owners,
 )
 from accounting.snapfile.format import REASONS, SUFFIX, Refused
@@ -50,6 +59,9 @@ MAX_FILE_BYTES = 8 << 20  # a DeepSeek-V4 rank's file is ~0.2 MiB
 MAX_FILES = 1024  # snapshot files looked at per scan; more are one "too_many_files" problem
 MAX_PARSES = 64  # changed files parsed per scan
 MAX_PROBLEMS_SHOWN = 100  # problems listed in /debug/kv (all are counted)
+NO_SPACE_MIN_BYTES = 4096  # less free than this (or than a file served) is no space
+_ST_RDONLY = getattr(os, "ST_RDONLY", 1)
+_ACCESS_EFFECTIVE = os.access in os.supports_effective_ids
 
 Ident = tuple[int, int, int, int]
 T = TypeVar("T")
@@ -58,7 +70,7 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class FileProblem:
     name: str
-    reason: str  # one of accounting.snapfile.format.REASONS, or "directory"
+    reason: str  # one of REASONS; the directory's (name ""): "directory" or a DIRECTORY_REASONS
     detail: str
 
 
@@ -80,6 +92,9 @@ class FileScan(Generic[T]):
     error_counts: Mapping[str, int] = field(default_factory=dict)  # refusals so far, by reason
     parses: int = 0  # files parsed so far
     directory_problem: str | None = None  # why the directory is not usable now, if it is not
+    # why no publisher can write a file there now, if none can (reason: one of
+    # accounting.snapfile.format.DIRECTORY_REASONS)
+    write_problem: FileProblem | None = None
 
 
 _KIND = {
@@ -132,6 +147,7 @@ class SnapshotFiles(Generic[T]):
         self.problems: dict[str, FileProblem] = {}
         self.error_counts: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.directory_problem: str | None = None
+        self.write_problem: FileProblem | None = None
         self.skipped = 0  # snapshot files past max_files at the last scan
         self.parses = 0  # files parsed so far
         self._open_dir(raise_errors=True)
@@ -166,10 +182,13 @@ class SnapshotFiles(Generic[T]):
                 self._cache.clear()
                 self.problems.clear()
                 served: list[ServedFile[T]] = []
+                self.write_problem = None
             else:
                 assert self._dir is not None
                 served = self._scan(self._dir, now)
                 self._sweep(self._dir, now)
+                need = max((f.ident[2] for f in served), default=0)
+                self._set_write_problem(self._writable(self._dir, need))
             return FileScan(
                 served=tuple(served),
                 problems=tuple(self._shown_problems()),
@@ -177,7 +196,62 @@ class SnapshotFiles(Generic[T]):
                 error_counts=dict(self.error_counts),
                 parses=self.parses,
                 directory_problem=self.directory_problem,
+                write_problem=self.write_problem,
             )
+
+    def _writable(self, d: SnapshotDir, need: int) -> FileProblem | None:
+        """Why a publisher could not write a file of `need` bytes in `d` now, or None: a
+        read-only mount, no write and search permission for this user (an immutable
+        directory too, even for root), no inode left, or fewer free bytes than
+        max(`need`, NO_SPACE_MIN_BYTES). One fstatvfs and one faccessat; nothing written."""
+        try:
+            fs = os.fstatvfs(d.fd)
+        except OSError:
+            return None
+        if fs.f_flag & _ST_RDONLY:
+            return FileProblem(
+                "",
+                "read_only",
+                f"snapshot directory {self.path}: its filesystem is mounted read-only; no "
+                "publisher can write a file there",
+            )
+        try:
+            kwargs = {"effective_ids": True} if _ACCESS_EFFECTIVE else {}
+            writable = os.access(".", os.W_OK | os.X_OK, dir_fd=d.fd, **kwargs)
+        except (OSError, NotImplementedError):
+            writable = True
+        if not writable:
+            mode = stat.S_IMODE(os.fstat(d.fd).st_mode)
+            return FileProblem(
+                "",
+                "permission",
+                f"snapshot directory {self.path} (mode {mode:04o}) does not let uid "
+                f"{os.geteuid()} create files; its publishers of this user cannot write",
+            )
+        free = fs.f_bavail * fs.f_frsize
+        if out_of_inodes(fs):
+            return FileProblem(
+                "",
+                "no_inodes",
+                f"snapshot directory {self.path}: its filesystem has no inode left (0 of "
+                f"{fs.f_files}) with {free} bytes free; no publisher can create a file",
+            )
+        if free < max(need, NO_SPACE_MIN_BYTES):
+            return FileProblem(
+                "",
+                "no_space",
+                f"snapshot directory {self.path}: its filesystem has {free} bytes free, less "
+                f"than a file needs ({max(need, NO_SPACE_MIN_BYTES)} bytes)",
+            )
+        return None
+
+    def _set_write_problem(self, problem: FileProblem | None) -> None:
+        old = self.write_problem
+        if problem is not None and (old is None or old.reason != problem.reason):
+            log.warning("%s; publishers cannot write until it is fixed", problem.detail)
+        elif problem is None and old is not None:
+            log.info("snapshot directory %s: writable again (was %s)", self.path, old.reason)
+        self.write_problem = problem
 
     def _scan(self, d: SnapshotDir, now: float) -> list[ServedFile[T]]:
         names = [
@@ -361,6 +435,8 @@ class SnapshotFiles(Generic[T]):
         if self.skipped:
             detail = f"{self.skipped} files past the first {self.max_files} were not read"
             out.insert(0, FileProblem("", "too_many_files", detail))
+        if self.write_problem is not None:
+            out.insert(0, self.write_problem)
         if self.directory_problem is not None:
             out.insert(0, FileProblem("", "directory", self.directory_problem))
         return out

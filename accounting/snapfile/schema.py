@@ -28,6 +28,7 @@ Whether the parts agree with each other is `accounting.snapfile.checks`' busines
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import json
@@ -55,6 +56,7 @@ from accounting.rows import AccountRow, BufferRow
 from accounting.snapfile.format import (
     ACCOUNT_FIELDS,
     FAMILY_FIELDS,
+    MAX_SOURCE_BYTES,
     Columns,
     Refused,
     columns_of,
@@ -401,11 +403,22 @@ def reconciliation_of(d: Any) -> tuple[Reconciliation, ...]:
     )
 
 
+def bytes_of(d: dict[str, Any], key: str, where: str) -> int | None:
+    """An optional byte figure: an integer in [0, MAX_SOURCE_BYTES] (more than one source
+    can hold is not believed: a ledger of 9.2e18 bytes would make unattributed -9.2e18)."""
+    v = opt_int_of(d, key, where)
+    if v is not None and v > MAX_SOURCE_BYTES:
+        raise fail(
+            where, f"{key}={v}, over the {MAX_SOURCE_BYTES} one source can hold; not believed"
+        )
+    return v
+
+
 def reconciliation_entry(d: Any, i: int) -> Reconciliation:
     where = f"reconciliation[{i}]"
     d = as_dict(d, where)
-    device = opt_int_of(d, "device_bytes", where)
-    ledger = opt_int_of(d, "ledger_bytes", where)
+    device = bytes_of(d, "device_bytes", where)
+    ledger = bytes_of(d, "ledger_bytes", where)
     available = d.get("available", False)
     if not isinstance(available, bool):
         raise fail(where, "available: expected true or false")
@@ -424,22 +437,29 @@ def reconciliation_entry(d: Any, i: int) -> Reconciliation:
     ):
         if key in d:
             checked[key] = str_of(d, key, where, limit)
-    checked["total_bytes"] = opt_int_of(d, "total_bytes", where)
+    checked["total_bytes"] = bytes_of(d, "total_bytes", where)
     checked["parts"] = gpu_parts_of(d.get("parts") or {}, f"{where}.parts")
     return Reconciliation.of(checked)
 
 
 def gpu_parts_of(d: Any, where: str) -> dict[str, int]:
     """The GPU parts of a reconciliation entry: every name one of `accounting.gpu_parts`'s,
-    every value an int of at most MAX_INT bytes either way (`unattributed` may be negative;
-    a negative other part is listed as a violation, not refused)."""
+    every value an int of at most MAX_SOURCE_BYTES either way (`unattributed` may be
+    negative; a negative other part, or one past the device's total, is listed as a
+    violation, not refused: `accounting.gpu_parts.check_parts`)."""
     d = as_dict(d, where)
     out: dict[str, int] = {}
     for name, value in d.items():
         if name not in PART_NAMES:
             raise fail(where, f"{str(name)[:40]!r}: expected one of {', '.join(PART_NAMES)}")
-        if type(value) is not int or abs(value) > MAX_INT:
+        if type(value) is not int:
             raise fail(where, f"{name}: expected an integer number of bytes")
+        if abs(value) > MAX_SOURCE_BYTES:
+            raise fail(
+                where,
+                f"{name}={value}, over the {MAX_SOURCE_BYTES} bytes one source can hold "
+                "either way; not believed",
+            )
         out[name] = value
     return out
 
@@ -500,12 +520,65 @@ def engine_state_of(d: Any) -> EngineState | None:
         )
     if len(requests) > running:
         raise fail(where, f"{len(requests)} requests listed, running_requests={running}")
+    total = int_of(d, "request_bytes_sum", where)
+    _requests_agree(requests, running, total, counts)
     return EngineState(
         holders_from=str_of(d, "holders_from", where),
         notes=tuple(notes),
         retracted_requests_total=int_of(d, "retracted_requests_total", where),
         running_requests=running,
-        request_bytes_sum=int_of(d, "request_bytes_sum", where),
+        request_bytes_sum=total,
         request_bytes_counts=tuple(counts),
         requests=tuple(requests),
     )
+
+
+def _requests_agree(
+    requests: list[RequestHeld], running: int, total: int, counts: list[int]
+) -> None:
+    """The engine's figures are one set of rows told three ways (the listed requests, the
+    histogram, the sum: `accounting.engine_state.RequestBytes`), so they must agree exactly:
+    a request's `bytes_by_family` (when given) sum to its bytes; every byte figure at most
+    what one source can hold; the listed requests fall in buckets the histogram counts;
+    `request_bytes_sum` is the listed requests' sum when every running request is listed
+    (at least it otherwise), and within what the histogram's buckets allow."""
+    where = "engine"
+    for i, r in enumerate(requests):
+        at = f"{where}.requests[{i}]"
+        if r.bytes > MAX_SOURCE_BYTES:
+            raise fail(at, f"bytes={r.bytes}, over the {MAX_SOURCE_BYTES} one source can hold")
+        split = sum(r.bytes_by_family.values())
+        if r.bytes_by_family and split != r.bytes:
+            raise fail(at, f"bytes_by_family sum to {split}, bytes={r.bytes}")
+    if total > MAX_SOURCE_BYTES:
+        raise fail(
+            where, f"request_bytes_sum={total}, over the {MAX_SOURCE_BYTES} one source can hold"
+        )
+    listed = sum(r.bytes for r in requests)
+    if len(requests) == running and total != listed:
+        raise fail(
+            where,
+            f"request_bytes_sum={total}, but the {running} running requests, every one "
+            f"listed, sum to {listed}",
+        )
+    if total < listed:
+        raise fail(where, f"request_bytes_sum={total}, less than the listed requests' {listed}")
+    bounds = REQUEST_BYTES_BUCKETS
+    in_bucket = [0] * len(counts)
+    for r in requests:
+        in_bucket[bisect.bisect_left(bounds, r.bytes)] += 1
+    for i, (n, have) in enumerate(zip(in_bucket, counts, strict=True)):
+        if n > have:
+            le = f"<= {bounds[i]}" if i < len(bounds) else f"> {bounds[-1]}"
+            raise fail(
+                where,
+                f"{n} listed requests hold {le} bytes, request_bytes_counts[{i}]={have}",
+            )
+    lo = sum(n * (bounds[i - 1] + 1) for i, n in enumerate(counts) if i and n)
+    hi = sum(n * bounds[i] for i, n in enumerate(counts[:-1]))
+    if total < lo or (not counts[-1] and total > hi):
+        raise fail(
+            where,
+            f"request_bytes_sum={total}, outside what request_bytes_counts allow "
+            f"([{lo}, {hi if not counts[-1] else 'unbounded'}])",
+        )

@@ -20,9 +20,13 @@ overdue. A second thread publishing beside a busy allocating thread was measured
 to cost that thread ~20% (competition for the interpreter), hence this split.
 
 A failed publish is counted under one reason (`reason_of`: one of
-`format.PUBLISH_ERROR_REASONS`) and the last one kept (`format.LastError`, its detail
-`detail_of` the exception); both ride in the envelope of every file it publishes, so a
-publisher that fails now and then, or that recovers, shows what happened.
+`format.PUBLISH_ERROR_REASONS`, told from the errno and, for ENOSPC, the directory's
+`statvfs`: no inode left with blocks free is `no_inodes`, EROFS `read_only`) and the last
+one kept (`format.LastError`, its detail `detail_of` the exception and the filesystem's
+free blocks and inodes); the counts ride in the envelope of every file it publishes, the
+last error in the file that ends a run of failures (the first publish that works again,
+not the ones after it), so a publisher that fails now and then, or that recovers, shows
+what happened, and a cause that no longer holds is not shown as the current one.
 
 The publisher's pid and `process_start` (field 22 of `/proc/PID/stat`: start time in
 clock ticks since boot, `proc_stat`) ride in the envelope too: a reader on the same host
@@ -41,7 +45,12 @@ import threading
 import time
 
 from accounting.ledger import Ledger
-from accounting.snapfile.directory import TEMP_GRACE_S, SnapshotDir, SnapshotDirError
+from accounting.snapfile.directory import (
+    TEMP_GRACE_S,
+    SnapshotDir,
+    SnapshotDirError,
+    out_of_inodes,
+)
 from accounting.snapfile.format import (
     MAX_DETAIL,
     PUBLISH_ERROR_REASONS,
@@ -61,7 +70,8 @@ from accounting.snapshot import Snapshot
 log = logging.getLogger("accounting.snapfile.publisher")
 FAILURE_LOG_EVERY_S = 60.0  # a publisher that keeps failing logs one line a minute
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
-_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
+_PERMISSION = {errno.EACCES, errno.EPERM}
+_ST_RDONLY = getattr(os, "ST_RDONLY", 1)
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _STAT_MAX = 4096  # /proc/PID/stat is one line of a few hundred bytes
 
@@ -149,9 +159,10 @@ class Publisher:
         except Exception as e:
             self.errors += 1
             self._failing += 1
-            reason = reason_of(e)
+            fs = self._statvfs() if isinstance(e, OSError) else None
+            reason = reason_of(e, fs)
             self.errors_by_reason[reason] += 1
-            self.last_error = LastError(reason, detail_of(e), time.time())
+            self.last_error = LastError(reason, detail_of(e, fs), time.time())
             self._next_due = time.monotonic() + self.interval
             now = time.monotonic()
             if self._failing == 1:
@@ -196,7 +207,9 @@ class Publisher:
                 published_at=time.time(),
                 sequence=self.sequence,
                 publish_errors=counts_of(self.errors_by_reason),
-                last_error=self.last_error,
+                # The last error only in the publish that ends a run of failures: a file
+                # published after that run carries no cause that no longer holds.
+                last_error=self.last_error if self._failing else None,
             )
             self._write(encode(envelope, snap))
             self.last_snapshot = snap
@@ -212,6 +225,13 @@ class Publisher:
                 raise
             self._dir.reopen()
             self._written = self._dir.write_replace(self.name, data, fsync=self.fsync)
+
+    def _statvfs(self) -> os.statvfs_result | None:
+        """The directory's filesystem now, or None when it cannot be read."""
+        try:
+            return os.fstatvfs(self._dir.fd)
+        except (OSError, ValueError):
+            return None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -251,24 +271,36 @@ class Publisher:
 
 
 # -- why a publish failed ------------------------------------------------------------------------
-def reason_of(e: BaseException) -> str:
-    """The reason a publish failed with `e`."""
+def reason_of(e: BaseException, fs: os.statvfs_result | None = None) -> str:
+    """The reason a publish failed with `e`; `fs`, the directory's `statvfs` read after the
+    failure, tells an ENOSPC of no inode left (`no_inodes`) from one of no room."""
     if isinstance(e, SnapshotDirError):
         return "directory"
     if isinstance(e, OSError):
+        if e.errno == errno.EROFS:
+            return "read_only"
         if e.errno in _NO_SPACE:
-            return "no_space"
+            return "no_inodes" if fs is not None and out_of_inodes(fs) else "no_space"
         if e.errno in _PERMISSION:
+            if fs is not None and fs.f_flag & _ST_RDONLY:
+                return "read_only"  # a read-only mount some filesystems report as EACCES
             return "permission"
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             return "directory"
     return "other"
 
 
-def detail_of(e: BaseException) -> str:
-    """`e` as one line of at most MAX_DETAIL characters."""
+def detail_of(e: BaseException, fs: os.statvfs_result | None = None) -> str:
+    """`e` as one line of at most MAX_DETAIL characters; for a full filesystem (ENOSPC,
+    EDQUOT) with `fs` the free bytes and inodes follow, so the line says which ran out."""
     text = " ".join(str(e).split()) or type(e).__name__
-    return f"{type(e).__name__}: {text}"[:MAX_DETAIL]
+    line = f"{type(e).__name__}: {text}"
+    if fs is not None and isinstance(e, OSError) and e.errno in _NO_SPACE:
+        line = (
+            f"{type(e).__name__}: [Errno {e.errno}] {e.strerror}; "
+            f"{fs.f_bavail * fs.f_frsize} bytes and {fs.f_favail} of {fs.f_files} inodes free"
+        )
+    return line[:MAX_DETAIL]
 
 
 # -- the publishing process, as this host's kernel sees it ---------------------------------------

@@ -7,12 +7,15 @@ without them is closed before it is accepted). Lifespan events pass through. The
 `bcrypt` (the optional extra `kvledger[tls]`).
 
 A bcrypt check costs tens of milliseconds by design, so it never runs in the event
-loop: it runs in a worker thread, at most `max_checks` at once (a flood of wrong
-passwords queues there and cannot take every thread). A user and password that passed
-are remembered, as an HMAC under a key of this process (never the password itself),
-so Prometheus's scrape every few seconds costs one check, not one per scrape. An
-unknown user is checked against a hash too, so the answer takes as long as for a
-known one.
+loop: it runs in a worker thread, at most `max_checks` at once, and at most `max_waiting`
+more requests wait for one; a request past that is answered 503 at once (with
+`Retry-After` and `connection: close`), so a flood of wrong passwords neither queues
+without end nor holds connections that the cap would count as being answered. A user
+and password that passed are remembered, as an HMAC under a key of this process (never
+the password itself), so Prometheus's scrape every few seconds costs one check, not one
+per scrape, and never waits behind anyone's check; a pair that failed is remembered too
+(401 at once, no check: the same wrong password sent again costs nothing). An unknown
+user is checked against a hash too, so the answer takes as long as for a known one.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ except ImportError:  # pragma: no cover - the optional extra is missing
 
 REALM = "kvledger"
 MAX_REMEMBERED = 256
+MAX_WAITING = 8  # requests waiting for a check beyond the `max_checks` running
+BUSY = b"too many password checks\n"
 MAX_HEADER = 4096
 INSTALL_HINT = "basic_auth_users needs the bcrypt package: pip install 'kvledger[tls]'"
 
@@ -53,7 +58,14 @@ def hash_password(password: str, rounds: int = 12) -> str:
 
 
 class BasicAuth:
-    def __init__(self, app: Any, users: Mapping[str, bytes], *, max_checks: int = 2) -> None:
+    def __init__(
+        self,
+        app: Any,
+        users: Mapping[str, bytes],
+        *,
+        max_checks: int = 2,
+        max_waiting: int = MAX_WAITING,
+    ) -> None:
         if bcrypt is None:
             raise RuntimeError(INSTALL_HINT)
         if not users:
@@ -65,13 +77,33 @@ class BasicAuth:
         self._decoy = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(rounds))
         self._key = secrets.token_bytes(32)
         self._passed: OrderedDict[bytes, None] = OrderedDict()
+        self._failed: OrderedDict[bytes, None] = OrderedDict()
         self._limit = anyio.CapacityLimiter(max_checks)
+        self._max_checking = max_checks + max_waiting
+        self.checking = 0  # requests running or waiting for a check now
+        self.busy = 0  # requests answered 503: too many waiting for a check
         self._challenge = f'Basic realm="{REALM}", charset="UTF-8"'.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "websocket" and not await self.allowed(_authorization(scope)):
             await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
+            return
+        if kind == "http" and self._must_wait(_authorization(scope)) and self._full():
+            self.busy += 1
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"retry-after", b"1"),
+                        (b"connection", b"close"),
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"content-length", b"%d" % len(BUSY)),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": BUSY})
             return
         if kind == "http" and not await self.allowed(_authorization(scope)):
             await send(
@@ -89,26 +121,50 @@ class BasicAuth:
             return
         await self.app(scope, receive, send)
 
+    def _mark(self, user: bytes, password: bytes) -> bytes:
+        return hmac.new(self._key, user + b"\0" + password, hashlib.sha256).digest()
+
+    def _must_wait(self, header: bytes | None) -> bool:
+        """Whether this header's answer needs a bcrypt check (not remembered either way)."""
+        creds = _credentials(header)
+        if creds is None:
+            return False
+        mark = self._mark(*creds)
+        return mark not in self._passed and mark not in self._failed
+
+    def _full(self) -> bool:
+        return self.checking >= self._max_checking
+
     async def allowed(self, header: bytes | None) -> bool:
         creds = _credentials(header)
         if creds is None:
             return False
         user, password = creds
-        mark = hmac.new(self._key, user + b"\0" + password, hashlib.sha256).digest()
+        mark = self._mark(user, password)
         if mark in self._passed:
             self._passed.move_to_end(mark)
             return True
+        if mark in self._failed:
+            self._failed.move_to_end(mark)
+            return False
         name = user.decode("utf-8", "replace")
         hashed = self.users.get(name)
-        ok = await anyio.to_thread.run_sync(
-            _check, password, hashed if hashed is not None else self._decoy, limiter=self._limit
-        )
-        if not (ok and hashed is not None):
-            return False
-        self._passed[mark] = None
-        if len(self._passed) > MAX_REMEMBERED:
-            self._passed.popitem(last=False)
-        return True
+        self.checking += 1
+        try:
+            ok = await anyio.to_thread.run_sync(
+                _check,
+                password,
+                hashed if hashed is not None else self._decoy,
+                limiter=self._limit,
+            )
+        finally:
+            self.checking -= 1
+        passed = ok and hashed is not None
+        remembered = self._passed if passed else self._failed
+        remembered[mark] = None
+        if len(remembered) > MAX_REMEMBERED:
+            remembered.popitem(last=False)
+        return passed
 
 
 def _check(password: bytes, hashed: bytes) -> bool:

@@ -24,7 +24,11 @@ uvicorn's h11 protocol, the one foreign API this module speaks):
   has lasted `request_timeout` seconds, and the ones parked longest are closed as soon
   as all the parked connections' unread bytes add up past `UNREAD_BUDGET`: a client
   that pipelines requests and never reads holds neither a connection nor memory;
-- a request with more than `max_headers` header fields is answered 431 and closed.
+- a request with more than `max_headers` header fields is answered 431 and closed;
+- a connection with more than `MAX_PIPELINED` requests read ahead of the one being
+  answered (httptools parses all that one read brings) is closed; each connection's
+  kernel send buffer is `SEND_BUFFER`, not autotuned up to 4 MiB, so a client that does
+  not read is noticed after that many bytes of responses, not 4 MiB of them.
 
 `ConnectionGuard` counts what it closed, by reason (`CLOSE_REASONS`; `bad_request`: a
 malformed request or a head over the size cap, answered 400 by uvicorn), for
@@ -34,12 +38,15 @@ malformed request or a head over the size cap, answered 400 by uvicorn), for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
+import socket
+import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -60,6 +67,7 @@ CLOSE_REASONS = (
     "too_many_headers",
     "bad_request",
     "slow_reader",
+    "too_many_pipelined",
 )
 
 DEFAULT_HEADER_BYTES = 16 * 1024  # h11's own default; node's and Go's are 16 KiB and 1 MiB
@@ -76,6 +84,14 @@ MIN_CONNECTIONS = 8
 # parked longest is closed (one parked connection holds at most one response beyond the
 # transport's high-water mark: uvicorn waits for the buffer to drain between writes).
 UNREAD_BUDGET = 32 << 20
+# The kernel's send buffer of each connection (Linux doubles it). Left to autotuning it grows
+# to net.ipv4.tcp_wmem's maximum (4 MiB): a client that pipelines requests and reads none
+# of the answers would have that many bytes of responses made for it, unread, before
+# uvicorn's flow control notices. 256 KiB is still ~100 ms of a 20 Mbit/s link's data.
+SEND_BUFFER = 128 << 10
+# Requests read ahead of the one being answered on one connection (httptools parses every
+# request a read brings; each waits as a request object). Prometheus pipelines none.
+MAX_PIPELINED = 16
 LOG_EVERY_S = 60.0
 
 
@@ -151,8 +167,15 @@ class ConnectionGuard:
     head, oldest first; those whose answers go unread (`stalled`), longest first, and the
     bytes they hold unread; and the counts of connections closed by reason."""
 
-    def __init__(self, limits: Limits, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        *,
+        tls: ssl.SSLContext | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.limits = limits
+        self.tls = tls  # TLS done by the guarded protocol: uvicorn's own ssl stays unset
         self.waiting: OrderedDict[Any, asyncio.TimerHandle] = OrderedDict()
         self.stalled: OrderedDict[Any, asyncio.TimerHandle] = OrderedDict()
         self.unread = 0
@@ -219,8 +242,11 @@ class _Watch:
                 victim.drop("evicted")
             else:
                 self.disarm()
-                transport.write(_REFUSED)
-                transport.close()
+                if guard.tls is None:
+                    transport.write(_REFUSED)
+                    transport.close()
+                else:  # still in its handshake: nothing in plain HTTP
+                    transport.abort()
                 guard.count("refused")
 
     def closed(self) -> None:
@@ -312,17 +338,61 @@ class _Watched(asyncio.Protocol):
 
     _guard: ConnectionGuard
     _watch: _Watch
+    _http = False  # uvicorn's protocol has its connection (for TLS: after the handshake)
     loop: asyncio.AbstractEventLoop
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._watch = _Watch(self._guard, self.loop)
-        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # Not a TCP socket (a test's pipe): its own buffer stays.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         # A stream transport (uvloop's are not asyncio.Transport subclasses: no isinstance).
-        self._watch.opened(cast(asyncio.Transport, transport))
+        stream = cast(asyncio.Transport, transport)
+        tls = self._guard.tls
+        if tls is None:
+            self._http = True
+            super().connection_made(transport)
+            self._watch.opened(stream)
+            return
+        self._http = False  # uvicorn's protocol has no transport until the handshake is done
+        self._watch.opened(stream)
+        if stream.is_closing():  # refused
+            return
+        pending = _Handshaking(self)
+        # start_tls runs up to its wait here, inside connection_made, so that its TLS
+        # protocol has the transport before the first read: uvloop starts reading once
+        # connection_made returns, whatever pause_reading said, and a ClientHello read by
+        # the HTTP protocol would be lost. Its handshake timeout is the request timeout,
+        # which the watch also holds the handshake and the head together to.
+        _run_now(
+            self.loop.start_tls(
+                stream,
+                pending,
+                tls,
+                server_side=True,
+                ssl_handshake_timeout=self._guard.limits.request_timeout,
+            ),
+            lambda wrapped, exc: self._handshake_done(pending, wrapped, exc),
+        )
+
+    def _handshake_done(
+        self, pending: _Handshaking, wrapped: Any, exc: BaseException | None
+    ) -> None:
+        if exc is not None or wrapped is None or wrapped.is_closing():
+            # Failed, timed out, closed or evicted: uvicorn's protocol never saw it.
+            self._watch.closed()
+            return
+        self._watch.transport = wrapped
+        self._http = True
+        super().connection_made(wrapped)
+        pending.connected(wrapped)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._watch.closed()
-        super().connection_lost(exc)
+        if self._http:
+            super().connection_lost(exc)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -331,6 +401,58 @@ class _Watched(asyncio.Protocol):
     def resume_writing(self) -> None:
         super().resume_writing()
         self._watch.unstall()
+
+
+def _run_now(
+    coro: Coroutine[Any, Any, Any], done: Callable[[Any, BaseException | None], None]
+) -> None:
+    """Run `coro` now up to its first wait, in this call, and on as each future it waits
+    for completes (what Python 3.12's eager tasks do; this is 3.11); then `done(result,
+    None)` or `done(None, exception)`. Only for a coroutine that waits on futures alone
+    (loop.start_tls waits on one)."""
+
+    def step(_: object = None) -> None:
+        try:
+            waited = coro.send(None)
+        except StopIteration as stop:
+            done(stop.value, None)
+        except BaseException as e:  # handed to `done`, as a task would keep it
+            done(None, e)
+        else:
+            waited.add_done_callback(step)
+
+    step()
+
+
+class _Handshaking(asyncio.Protocol):
+    """The protocol of a TLS connection from its handshake's end until uvicorn's protocol
+    has it: asyncio's and uvloop's TLS deliver what arrived with the handshake's last
+    message before `start_tls` returns, so it is kept here and handed on in order."""
+
+    def __init__(self, app: asyncio.Protocol) -> None:
+        self.app = app
+        self.early: list[bytes] = []
+        self.eof = False
+        self.lost: tuple[Exception | None] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        self.early.append(data)
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = (exc,)
+
+    def connected(self, transport: asyncio.Transport) -> None:
+        transport.set_protocol(self.app)
+        for data in self.early:
+            self.app.data_received(data)
+        if self.eof:
+            self.app.eof_received()
+        if self.lost is not None:
+            self.app.connection_lost(self.lost[0])
 
 
 def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
@@ -397,6 +519,8 @@ def guarded_httptools(guard: ConnectionGuard) -> type[asyncio.Protocol]:
         def on_headers_complete(self) -> None:
             if self._watch.head_complete(len(self.headers)):
                 super().on_headers_complete()
+                if len(self.pipeline) > MAX_PIPELINED:
+                    self._watch.drop("too_many_pipelined")
 
         # A refused head starts no request: what the parser reads after it is not the app's.
         def on_body(self, body: bytes) -> None:

@@ -56,7 +56,8 @@ def serve(
     app: Any = create_app(sources, token=settings.token, debug_html=html.page)
     if web.users:
         app = BasicAuth(app, web.users)
-    guard = conn.ConnectionGuard(settings.limits)
+    # TLS is the guard's (its handshake counted and timed from the TCP accept), not uvicorn's.
+    guard = conn.ConnectionGuard(settings.limits, tls=web.tls)
     sources.connection_counts = guard.closed.copy
     config = uvicorn.Config(
         app,
@@ -67,9 +68,6 @@ def serve(
         **settings.limits.uvicorn_settings(),
     )
     lograte.install(settings.log_limit)  # uvicorn's handlers exist once its Config is made
-    if web.tls is not None:
-        config.load()
-        config.ssl = web.tls  # the context loaded from the checked files (webconfig)
     server = uvicorn.Server(config)
     before_ready()
     host, port = settings.sock.getsockname()[:2]

@@ -260,3 +260,44 @@ def test_the_segment_walk_is_taken_again_only_when_segments_move(
     now[0] = 10.0
     read()
     assert len(walks) == 3  # and at most max_age apart
+
+
+# -- parts held against the device's size: issue 43 finding 5 -------------------------------------
+GiB = 1 << 30
+
+
+def _parts(**values: int) -> dict[str, int]:
+    return {**dict.fromkeys(PART_NAMES, 0), **values}
+
+
+def test_a_part_past_the_devices_total_is_a_violation_even_without_nvmls_used_figure():
+    """With no used_bytes the sum was not checked: 500 GiB of weights on an 80 GiB card, or
+    an unattributed part of -1 TiB, went out as truth. Held against total_bytes now."""
+    check = gpu_parts.check_parts
+    lie = check(
+        _parts(weights=500 * GiB),
+        device_used=None,
+        process_used=None,
+        basis="device",
+        total_bytes=80 * GiB,
+    )
+    assert [(v.relation, v.detail) for v in lie] == [
+        (gpu_parts.PART_WITHIN_TOTAL, f"weights={500 * GiB}, total_bytes={80 * GiB}"),
+        (gpu_parts.SUM_WITHIN_TOTAL, f"sum={500 * GiB}, total_bytes={80 * GiB}"),
+    ]
+    negative = check(
+        _parts(weights=10 * GiB, unattributed=-(1 << 40)),
+        device_used=None,
+        process_used=None,
+        basis="device",
+        total_bytes=80 * GiB,
+    )
+    assert [v.detail for v in negative] == [f"unattributed={-(1 << 40)}, total_bytes={80 * GiB}"]
+    fits = _parts(weights=10 * GiB, kv=20 * GiB, other_processes=GiB, unattributed=-GiB)
+    assert (
+        check(fits, device_used=None, process_used=None, basis="device", total_bytes=80 * GiB) == []
+    )
+    # Neither NVML's used figure nor the device's size: nothing bounds the parts.
+    (unbounded,) = check(fits, device_used=None, process_used=None, basis="device")
+    assert unbounded.relation == gpu_parts.PARTS_HELD
+    assert check(fits, device_used=30 * GiB, process_used=None, basis="device") == []

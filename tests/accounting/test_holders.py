@@ -113,7 +113,7 @@ def test_holders_travel_in_the_file_and_are_checked_on_read(tmp_path: Path) -> N
 
 def _published_with_engine(tmp_path: Path, state) -> bytes:
     ledger, acc = _ledger()
-    acc.occupy(4)
+    acc.occupy(60)
     ledger.set_engine_state(lambda: state)
     with Publisher(ledger, tmp_path, interval=1, source="s") as pub:
         return Path(pub.path).read_bytes()
@@ -126,7 +126,9 @@ def test_the_engine_state_travels_capped_and_is_checked_on_read(tmp_path: Path) 
     from accounting.engine_state import MAX_REQUESTS, RequestHeld, engine_state
     from accounting.snapfile.format import Refused
 
-    reqs = [RequestHeld(f"r{i}", 10 * i, 1.5, i << 20, {"swa_kv": i << 20}) for i in range(50)]
+    # Footprints within what the ledger holds (c4_kv: 60 slots of 192 bytes occupied):
+    # accounting.engine_state.request_violations.
+    reqs = [RequestHeld(f"r{i}", i, 1.5, i * 192, {"c4_kv": i * 192}) for i in range(50)]
     state = engine_state(holders_from="T", notes=["no host tier"], requests=reqs)
     assert state.running_requests == 50 and len(state.requests) == MAX_REQUESTS
     assert state.requests[0].rid == "r49" and sum(state.request_bytes_counts) == 50

@@ -123,3 +123,57 @@ def test_what_a_snapshot_hands_out_cannot_change_it() -> None:
     assert snap.total("physical_bytes") == physical
     assert snap.rollup("family")[("swa_kv",)]["occupied_slots"] == 57
     assert snap.to_dict()["totals"]["physical_bytes"] == physical
+
+
+# -- what a truth result and the engine's requests may claim: issue 43 finding 5 ------------------
+def test_unattributed_bytes_past_the_devices_total_are_a_violation() -> None:
+    """device_bytes - ledger_bytes of +-1 TiB on an 80 GiB card is no device's figure: a
+    violation of the truth result, listed, not a believed leak of a terabyte."""
+    from accounting.reconcile import result
+    from accounting.snapshot import UNATTRIBUTED_WITHIN_TOTAL, parts_violations
+
+    total = 80 << 30
+    for device, ledger in ((1 << 40, 0), (0, 1 << 40)):
+        r = result("nvml", ledger_bytes=ledger, device_bytes=device, total_bytes=total)
+        (v,) = parts_violations(r)
+        assert (v.subject, v.relation) == ("truth nvml", UNATTRIBUTED_WITHIN_TOTAL)
+        assert v.detail == f"unattributed_bytes={device - ledger}, total_bytes={total}"
+    fits = result("nvml", ledger_bytes=5 << 30, device_bytes=6 << 30, total_bytes=total)
+    assert parts_violations(fits) == []
+    unknown = result("host_memfd", ledger_bytes=0, device_bytes=1 << 40)  # no size known
+    assert parts_violations(unknown) == []
+    snap = (
+        _busy_ledger()
+        .snapshot()
+        .with_reconciliation(
+            [result("nvml", ledger_bytes=0, device_bytes=1 << 40, total_bytes=total)]
+        )
+    )
+    assert [v.relation for v in snap.violations] == [UNATTRIBUTED_WITHIN_TOTAL]
+
+
+def test_a_request_claiming_more_than_is_occupied_is_a_listed_violation() -> None:
+    """A request of 1 PiB next to a few KiB occupied, or one family's bytes past that
+    family's occupied bytes, is a violation of the snapshot, not a believed footprint."""
+    from accounting.engine_state import (
+        REQUEST_FAMILY_WITHIN_OCCUPIED,
+        REQUEST_WITHIN_OCCUPIED,
+        RequestHeld,
+        engine_state,
+    )
+
+    ledger = _busy_ledger()
+    occupied = {
+        f: figs["occupied_bytes"] for (f,), figs in ledger.snapshot().rollup("family").items()
+    }
+    fits = RequestHeld("ok", 10, 1.0, occupied["c4_kv"], {"c4_kv": occupied["c4_kv"]})
+    ledger.set_engine_state(lambda: engine_state(holders_from="T", requests=[fits]))
+    assert ledger.snapshot().violations == ()
+    huge = RequestHeld("huge", 10, 1.0, 10**15)
+    over = RequestHeld("over", 10, 1.0, occupied["c4_kv"] + 1, {"c4_kv": occupied["c4_kv"] + 1})
+    ledger.set_engine_state(lambda: engine_state(holders_from="T", requests=[huge, over]))
+    got = [(v.subject, v.relation) for v in ledger.snapshot().violations]
+    assert got == [
+        ("request huge", REQUEST_WITHIN_OCCUPIED),
+        ("request over", REQUEST_FAMILY_WITHIN_OCCUPIED),
+    ]

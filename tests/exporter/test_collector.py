@@ -329,3 +329,24 @@ def test_render_reuses_a_sources_layout_and_writes_what_a_fresh_render_writes():
     # base and more share a layout; no_truth and relabelled each need one, then more again;
     # every fresh collector builds one (6)
     assert len(built) == 6 + 4, built
+
+
+def test_the_directory_gauge_is_0_while_no_publisher_can_write_there():
+    """kvledger_snapshot_dir_usable is 0 while the scan finds a write problem (a read-only
+    mount, no permission, no inode, no room), as for a refused directory (issue 43 finding 4:
+    with no inode left it stayed 1)."""
+    from accounting.snapfile.reader import FileProblem, FileScan
+
+    def usable(files: FileScan) -> float:
+        (got,) = [
+            v
+            for name, _, v in _samples(build_families(Scan((), files)))
+            if name == "kvledger_snapshot_dir_usable"
+        ]
+        return got
+
+    assert usable(FileScan()) == 1
+    for reason in ("read_only", "permission", "no_inodes", "no_space"):
+        problem = FileProblem("", reason, "d")
+        assert usable(FileScan(problems=(problem,), write_problem=problem)) == 0, reason
+    assert usable(FileScan(directory_problem="refused")) == 0

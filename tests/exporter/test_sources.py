@@ -377,3 +377,101 @@ def test_a_background_scan_failing_every_time_logs_once_a_minute(tmp_path, caplo
     lines = [r for r in caplog.records if "background scan" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert "Too many open files" in lines[0].getMessage() and lines[0].exc_info
+
+
+# -- a directory no publisher can write: issue 43 finding 4 ---------------------------------------
+def _fs(*, bavail: int = 1 << 20, favail: int = 900, flag: int = 0):
+    """A filesystem of 4 KiB blocks and 1,000 inodes as os.fstatvfs reports it."""
+    return os.statvfs_result((4096, 4096, 1 << 21, bavail, bavail, 1000, favail, favail, flag, 255))
+
+
+def _down(tmp_path, pub):
+    """Sources over `tmp_path` whose clock puts `pub`'s heartbeat 6 s old (down)."""
+    d, _ = parse(Path(pub.path).read_bytes())
+    return Sources(tmp_path, stale_after=5, clock=lambda: d["published_at"] + 6)
+
+
+@pytest.mark.parametrize(
+    "fs, writable, reason, needle",
+    [
+        (_fs(favail=0), True, "no_inodes", "no inode left"),
+        (_fs(flag=os.ST_RDONLY), False, "read_only", "mounted read-only"),
+        (_fs(), False, "permission", "does not let uid"),
+        (_fs(bavail=0), True, "no_space", "0 bytes free"),
+    ],
+)
+def test_a_down_source_names_the_directorys_cause_while_it_holds(
+    tmp_path, monkeypatch, fs, writable, reason, needle
+):
+    """No inodes, a read-only mount, no permission: each is the down source's last error
+    (kvledger_source_last_error, /debug/kv) and the scan's write problem (the directory
+    gauge) while it holds, and neither once it does not. Before, no inodes, read-only and
+    permission showed nothing but an old heartbeat."""
+    with Publisher(Ledger({"tp_rank": "0"}), tmp_path, interval=1000) as pub:
+        src = _down(tmp_path, pub)
+        [v] = src.read().views
+        assert not v.up and v.last_error is None
+        with monkeypatch.context() as m:
+            m.setattr(os, "fstatvfs", lambda fd: fs)
+            m.setattr(os, "access", lambda *a, **k: writable)
+            scan = src.read()
+        [v] = scan.views
+        assert v.last_error is not None and v.last_error.reason == reason, v.last_error
+        assert needle in v.last_error.detail
+        assert scan.files.write_problem is not None
+        assert scan.files.write_problem.reason == reason
+        scan = src.read()  # it no longer holds
+        [v] = scan.views
+        assert v.last_error is None and scan.files.write_problem is None
+        src.close()
+
+
+def test_an_earlier_episodes_cause_is_not_shown_as_the_current_one(tmp_path, monkeypatch):
+    """A publisher that recovered from a full disk, then went silent under a read-only
+    remount: the source shows read_only (before: no_space, the earlier episode's), and
+    once the mount is writable and roomy no cause at all (the exporter looked: no_space
+    no longer holds)."""
+    real_open = os.open
+
+    def no_room(path, flags, *args, **kwargs):
+        if isinstance(path, str) and path.startswith(".") and path.endswith(".tmp"):
+            raise OSError(28, "No space left on device", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    with Publisher(Ledger({"tp_rank": "0"}), tmp_path, interval=1000) as pub:
+        with monkeypatch.context() as m:
+            m.setattr(os, "open", no_room)
+            m.setattr(os, "fstatvfs", lambda fd: _fs(bavail=0))
+            pub._publish_safely()
+        pub._publish_safely()  # room again: this file names the no_space it ends
+        assert parse(Path(pub.path).read_bytes())[0]["last_error"]["reason"] == "no_space"
+        src = _down(tmp_path, pub)
+        with monkeypatch.context() as m:
+            m.setattr(os, "fstatvfs", lambda fd: _fs(flag=os.ST_RDONLY))
+            m.setattr(os, "access", lambda *a, **k: False)
+            [v] = src.read().views
+        assert not v.up and v.last_error is not None and v.last_error.reason == "read_only"
+        [v] = src.read().views
+        assert v.last_error is None, v.last_error
+        src.close()
+
+
+def test_a_publishers_own_cause_the_exporter_cannot_see_is_still_shown(tmp_path, monkeypatch):
+    """What the exporter cannot look for itself (an error of the engine's, `other`) stays the
+    down source's last error, from the file that ended the failures."""
+    ledger = Ledger({"tp_rank": "0"})
+    broken = {"on": True}
+
+    def truth(snap):
+        if broken["on"]:
+            raise RuntimeError("device gone")
+        return []
+
+    ledger.add_truth(truth)
+    with Publisher(ledger, tmp_path, interval=1000) as pub:
+        broken["on"] = False
+        pub._publish_safely()
+        src = _down(tmp_path, pub)
+        [v] = src.read().views
+        assert v.last_error is not None and v.last_error.reason == "other"
+        src.close()

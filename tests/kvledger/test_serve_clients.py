@@ -367,3 +367,44 @@ def test_the_limits_are_documented_in_help():
     doc = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
     for flag in ("--max-connections", "--request-timeout", "--max-header-bytes", "--max-headers"):
         assert f"`{flag}" in doc, flag
+
+
+@pytest.mark.parametrize(
+    ("fd_limit", "pipelined"),
+    [(FD_LIMIT, 256), (None, 256), (FD_LIMIT, 16)],
+    ids=["fd1024-pipelined256", "fd-default-pipelined256", "fd1024-pipelined16"],
+)
+def test_slow_readers_of_pipelined_requests_do_not_stop_the_scraper(tmp_path, fd_limit, pipelined):
+    """Issue 43 finding 1, scaled to this machine: 48 connections (cap 32), each with a
+    2 KiB receive buffer sending pipelined GET /metrics and never reading the answers,
+    reopened when closed. Before, a connection whose head was parsed counted as being
+    answered for ever: parked in uvicorn's drain (once the kernel's send buffer, autotuned
+    to 4 MiB, was full: 256 answers of ~21 KB), never evicted, so the cap filled and every
+    /healthz and /metrics got 503, and each request read ahead held memory. Now more than
+    16 requests read ahead close the connection; under that, a parked connection is
+    evicted past the cap and closed after the request timeout (the kernel's buffer is
+    256 KiB, so 16 answers park it). The scraper (a new connection each time) gets every
+    answer, p99 under 50 ms, no traceback, and memory comes back once the attack ends."""
+    from tests.floods import SlowReaders, probe, raw_get, rss_kib
+
+    args = ("--max-connections", "32", "--request-timeout", "3")
+    with _serve(tmp_path, *args, fd_limit=fd_limit) as (server, log):
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        get = raw_get((host, int(port)))
+        probe(get, 0.5)  # warm
+        rss0 = rss_kib(server.proc.pid)
+        with SlowReaders((host, int(port)), 48, pipelined=pipelined) as attack:
+            wait_until(lambda: attack.opened >= 48, 20, "every slow reader connected")
+            time.sleep(1.0)  # their responses parked
+            got = probe(get, 6)
+        print(f"slow readers ({fd_limit=}, {pipelined=}): {got.summary()}; {attack.opened} opened")
+        assert not got.failures, got.summary()
+        assert got.p99() < 0.05, got.summary()
+        closed = _closed(server.url)
+        reason = "too_many_pipelined" if pipelined > 16 else "slow_reader"
+        assert closed[reason] >= 16, closed
+        wait_until(
+            lambda: rss_kib(server.proc.pid) <= rss0 * 1.2, 10, f"RSS back near {rss0} KiB"
+        )
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text and "RuntimeError" not in text, text[-3000:]

@@ -29,12 +29,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from accounting.buffers import Owner
 from accounting.ledger import Account, Ledger
 from accounting.snapfile.writer import Publisher
 from kvledger.engines.sglang.bridge.compact_policy import CompactionPolicy
 from kvledger.tools.bench import bootstrap
-from kvledger.tools.bench.sglang_engine import PAGE, WINDOW, Engine, Request, Shape, published
+from kvledger.tools.bench.sglang_engine import (
+    PAGE,
+    WINDOW,
+    Engine,
+    Request,
+    Shape,
+    attach_bridge,
+    published,
+    swa_vmm_account,
+)
 from kvledger.tools.bench.sglang_memory import SwaMemory
 
 # The counter of allocations that waited for a driver map (Bridge.stats(), docs/sglang-bridge.md).
@@ -200,8 +208,6 @@ def shape_for(args: Any) -> Shape:
 def variants(args: Any) -> Iterator[Variants]:
     """`native` and `control` (two identical native engines: how far apart the same thing
     reads on this machine, the resolution of the ratios) and `bridged`."""
-    from kvledger.engines.sglang.bridge import ENV_ENABLE, attach
-
     shape = shape_for(args)
     device = "cuda:0" if args.device == "cuda" else "cpu"
     with published(), contextlib.ExitStack() as stack:
@@ -210,19 +216,10 @@ def variants(args: Any) -> Iterator[Variants]:
         engine = Engine(shape, device)
         ledger = Ledger({"model_name": "kvledger-bench-sglang"})
         directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvledger-bench-"))
-        bridge = attach(
-            engine.pool,
-            ledger,
-            allocator=engine.allocator,
-            env={ENV_ENABLE: "1"},
-            require=True,
-            pool_options={"max_spare_pages": args.max_spare_pages},
-        )
+        bridge = attach_bridge(engine, ledger, {"max_spare_pages": args.max_spare_pages})
         stack.callback(bridge.detach)
         stack.enter_context(Publisher(ledger, directory, interval=1.0, source="bench"))
-        account = next(
-            a for a in ledger.accounts() if a.family == "swa_kv" and a.owner is Owner.VMM
-        )
+        account = swa_vmm_account(ledger)
         yield native, control, Variant("bridged", engine, bridge, account)
 
 

@@ -23,9 +23,12 @@ import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvledger.tools.bench.sglang_pool import Sizes, build_allocator, build_pool, build_req_to_token
+
+if TYPE_CHECKING:
+    from accounting.ledger import Account, Ledger
 
 PAGE = 256  # DeepSeek-V4's page in SGLang (forced)
 WINDOW = 128  # DeepSeek-V4's sliding window
@@ -187,19 +190,25 @@ class Engine:
         self.running.append(req)
         return req
 
+    def _to_dev(self, t: Any) -> Any:
+        """A host tensor on the engine's device, as the scheduler's calls take it."""
+        return t.to(self.device)
+
     def decode(self) -> None:
         """One decode step of every running request: one token each."""
+        self.decode_some(self.running)
+
+    def decode_some(self, reqs: list[Request]) -> None:
+        """One decode step of `reqs`: one token each."""
         torch = self._torch
-        reqs = self.running
         if not reqs:
             return
-        dev = self.device
-        idx = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64, device=dev)
+        idx = self._to_dev(torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64))
         pos_cpu = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
-        pos = pos_cpu.to(dev)
+        pos = self._to_dev(pos_cpu)
         last = self.r2t.req_to_token[idx, pos - 1].long()
         lens_cpu = pos_cpu + 1
-        out = self.allocator.alloc_decode(lens_cpu.to(dev), lens_cpu, last)
+        out = self.allocator.alloc_decode(self._to_dev(lens_cpu), lens_cpu, last)
         if out is None:
             raise RuntimeError("decode: SGLang's allocator is out of pages")
         self.r2t.req_to_token[idx, pos] = out.to(torch.int32)
@@ -248,6 +257,29 @@ class Engine:
     def sync(self) -> None:
         if self.device != "cpu":
             self._torch.cuda.synchronize(self.device)
+
+
+def attach_bridge(
+    engine: Engine, ledger: Ledger, pool_options: dict[str, Any] | None = None
+) -> Any:
+    """kvledger's bridge attached to `engine`'s pool and allocator (enabled, required)."""
+    from kvledger.engines.sglang.bridge import ENV_ENABLE, attach
+
+    return attach(
+        engine.pool,
+        ledger,
+        allocator=engine.allocator,
+        env={ENV_ENABLE: "1"},
+        require=True,
+        pool_options=pool_options,
+    )
+
+
+def swa_vmm_account(ledger: Ledger) -> Account:
+    """The ledger's account of the bridged swa_kv family (its map and unmap totals)."""
+    from accounting.buffers import Owner
+
+    return next(a for a in ledger.accounts() if a.family == "swa_kv" and a.owner is Owner.VMM)
 
 
 def pin_torch_native(allocator: Any) -> None:

@@ -330,8 +330,10 @@ ALERTS: tuple[Alert, ...] = (
         "The kvledger snapshot directory on {{ $labels.instance }} is not usable",
         "The exporter's snapshot directory is missing, unreadable or refused (replaced by a "
         "directory another user controls, say): no engine's figures are read from it, and "
-        "every source it served is listed down. /debug/kv and /readyz on the exporter say "
-        "why.",
+        "every source it served is listed down; or no engine can write there (a read-only "
+        "mount, no write permission, no inode left, no room): each engine that goes down "
+        "meanwhile shows the cause in kvledger_source_last_error{reason}. /debug/kv and "
+        "/readyz on the exporter say why.",
     ),
     Alert(
         "KvLedgerConnectionsShed",

@@ -54,3 +54,14 @@ def rows_refused(data: bytes) -> Refused:
         buffer_map(head)
     assert e.value.reason == "buffers" and "\n" not in str(e.value)
     return e.value
+
+
+def with_snapshot(published, *, violations=(), **snapshot) -> bytes:
+    """The published file with the snapshot's keys `snapshot` set (an engine state, a
+    reconciliation) and `violations` listed besides its own."""
+    envelope, rows = copy_of(published)
+    envelope["snapshot"].update(snapshot)
+    envelope["snapshot"]["violations"] += [
+        v if isinstance(v, dict) else v.to_dict() for v in violations
+    ]
+    return file_bytes(envelope, rows)

@@ -11,7 +11,15 @@ from accounting.ledger import MAP_SECONDS_BUCKETS
 from accounting.relations import check_account
 from accounting.rows import AccountRow
 from accounting.snapfile.checks import account_may_break
-from tests.accounting.snapfile.files import copy_of, file_bytes, load_s, refused, rows_refused
+from accounting.snapfile.format import Refused
+from tests.accounting.snapfile.files import (
+    copy_of,
+    file_bytes,
+    load_s,
+    refused,
+    rows_refused,
+    with_snapshot,
+)
 
 
 def _append_row(columns: dict, i: int) -> None:
@@ -167,3 +175,168 @@ def test_account_may_break_knows_every_relation_check_account_checks(figs):
         **figs,
     )
     assert bool(check_account(row)) == account_may_break(row)
+
+
+# -- lies a trusted writer could tell with every sum intact: issue 43 finding 5 -------------------
+GiB = 1 << 30
+
+
+def _nvml(parts: dict, **changes) -> dict:
+    from accounting.gpu_parts import PART_NAMES
+    from accounting.reconcile import result
+
+    entry = result(
+        "nvml",
+        ledger_bytes=0,
+        device_bytes=0,
+        basis="device",
+        detail={},  # no used_bytes: the sum of the parts was not checked
+        parts={**dict.fromkeys(PART_NAMES, 0), **parts},
+        total_bytes=80 * GiB,
+    )
+    return {**entry, **changes}
+
+
+@pytest.mark.parametrize(
+    "entry, relation",
+    [
+        (_nvml({"weights": 500 * GiB}), "every GPU part within the device's total"),
+        (_nvml({"unattributed": -(1 << 40)}), "every GPU part within the device's total"),
+        (_nvml({}, device_bytes=1 << 40), "|unattributed_bytes| <= device total"),
+        (_nvml({}, ledger_bytes=1 << 40), "|unattributed_bytes| <= device total"),
+        (
+            _nvml({"weights": GiB}, detail={}, total_bytes=None),
+            "GPU parts held against NVML device used or the device total",
+        ),
+    ],
+)
+def test_truth_figures_past_the_devices_total_are_flagged_never_silent(published, entry, relation):
+    """500 GiB of weights on an 80 GiB card with no used_bytes, or unattributed bytes of
+    +-1 TiB, were exported with kvledger_relation_violations 0. The relation is recomputed:
+    unlisted, the file is refused; listed, the figures go out with their violation."""
+    from accounting.snapfile.summary import Reconciliation
+    from accounting.snapshot import parts_violations
+
+    e = refused(with_snapshot(published, reconciliation=[entry]))
+    assert e.reason == "schema" and f"{relation}; not listed" in e.detail, e.detail
+    found = parts_violations(Reconciliation.of(entry).to_dict())
+    assert relation in {v.relation for v in found}
+    head = load_s(with_snapshot(published, reconciliation=[entry], violations=found))
+    assert set(found) <= set(head.summary.violations)
+
+
+def _vmm(s: dict, **figures) -> None:
+    i = s["accounts"]["owner"].index("vmm")
+    for name, value in figures.items():
+        s["accounts"][name][i] = value
+
+
+@pytest.mark.parametrize(
+    "figures, needle",
+    [
+        (  # handle_pages 0 next to 6 MiB physical (mapped 0 too: no relation of its own breaks)
+            {"handle_pages": 0, "mapped_pages": 0},
+            "physical_bytes=6291456 mapped_bytes=6291456, but its accounts hold 0 bytes of "
+            "handle pages and 0 mapped",
+        ),
+        (  # 2 pages of 2 MiB per buffer: 6 MiB is no whole number of buffers of them
+            {"handle_pages": 2},
+            "not the same number of buffers times its account's 4194304 bytes",
+        ),
+        (  # 4 pages per buffer: more than the family's 6 MiB hold
+            {"handle_pages": 4, "mapped_pages": 4},
+            "less than its accounts' handle and mapped pages hold once",
+        ),
+    ],
+)
+def test_a_vmm_familys_bytes_must_come_from_its_accounts_pages(published, figures, needle):
+    envelope, rows = copy_of(published)
+    _vmm(envelope["snapshot"], **figures)
+    e = refused(file_bytes(envelope, rows))
+    assert e.reason == "schema" and e.detail.startswith("families swa_kv/vmm: "), e.detail
+    assert needle in e.detail, e.detail
+
+
+def test_a_vmm_family_of_several_accounts_is_held_to_their_pages_once(published):
+    """Two accounts of one family (a draft pool beside the main one, as the ledger allows):
+    their bytes at least each account's pages once; a family with pages but no bytes, or
+    bytes but no pages, is refused."""
+    from accounting.snapfile.checks import handle_pages_match
+
+    accounts = {
+        "family": ["swa_kv", "swa_kv"],
+        "owner": ["vmm", "vmm"],
+        "page_bytes": [4096, 4096],
+        "handle_pages": [3, 1],
+        "mapped_pages": [2, 1],
+    }
+
+    def family(physical: int, mapped: int) -> dict:
+        return {
+            "family": ["swa_kv"],
+            "owner": ["vmm"],
+            "physical_bytes": [physical],
+            "mapped_bytes": [mapped],
+        }
+
+    handle_pages_match(family(3 * 3 * 4096 + 4096, 3 * 2 * 4096 + 4096), accounts)  # 3 + 1 buffers
+    for physical, mapped in ((3 * 4096, 3 * 4096), (4 * 4096, 2 * 4096)):
+        with pytest.raises(Refused, match="less than its accounts' handle and mapped pages"):
+            handle_pages_match(family(physical, mapped), accounts)
+    none = {**accounts, "handle_pages": [0, 0], "mapped_pages": [0, 0]}
+    handle_pages_match(family(0, 0), none)
+    with pytest.raises(Refused, match="but its accounts hold 0 bytes of handle pages"):
+        handle_pages_match(family(4096, 0), none)
+
+
+def _engine(*requests, **changes) -> dict:
+    from accounting.engine_state import RequestHeld, engine_state
+
+    reqs = [RequestHeld(f"r{i}", 1, 1.0, b, by) for i, (b, by) in enumerate(requests)]
+    return {**engine_state(holders_from="T", requests=reqs).to_dict(), **changes}
+
+
+@pytest.mark.parametrize(
+    "state, needle",
+    [
+        (
+            _engine((1000, {"vram": 1000})),
+            "engine.requests[0]: bytes_by_family names 'vram', not a",
+        ),
+        (  # 10^9 running requests (the histogram made to agree) in 2,143 slots
+            _engine(running_requests=10**9, request_bytes_counts=[10**9] + [0] * 9),
+            "running_requests=1000000000, more than the 2143 slots of every family together",
+        ),
+    ],
+)
+def test_engine_figures_the_snapshot_cannot_hold_are_refused(published, state, needle):
+    e = refused(with_snapshot(published, engine=state))
+    assert e.reason == "schema" and needle in e.detail, e.detail
+
+
+@pytest.mark.parametrize(
+    "request_, relation",
+    [
+        ((10**15, {}), "request bytes <= occupied_bytes"),  # 1 PiB next to 541 KB occupied
+        ((15768 + 1, {"c4_kv": 15768 + 1}), "request bytes_by_family <= the family's occupied"),
+        ((1, {"c4_attn_state": 1}), "request bytes_by_family <= the family's occupied"),
+    ],
+)
+def test_a_request_claiming_more_than_is_occupied_is_flagged_never_silent(
+    published, request_, relation
+):
+    """A request of 1 PiB (or of more bytes of a family than the family holds) went out as
+    its footprint with no violation. Recomputed: unlisted, the file is refused; listed, the
+    footprint goes out with its violation (kvledger_relation_violations)."""
+    from accounting.engine_state import EngineState, request_violations
+    from accounting.snapfile.head import buffer_map
+
+    state = _engine(request_)
+    e = refused(with_snapshot(published, engine=state))
+    assert e.reason == "schema" and f"breaks {relation}" in e.detail, e.detail
+    occupied = {"c4_attn_state": 0, "c4_kv": 15768, "swa_kv": 525600}
+    found = request_violations(EngineState.from_dict(state), occupied)
+    assert len(found) == 1 and found[0].relation.startswith(relation), found
+    head = load_s(with_snapshot(published, engine=state, violations=found))
+    assert set(found) <= set(head.summary.violations)
+    assert set(found) <= set(buffer_map(head).violations)  # the rows bear the first line out

@@ -263,3 +263,68 @@ def test_close_leaves_an_event_hook_someone_installed_since(tmp_path):
         assert ledger.event_hook is not None
         ledger.set_event_hook(theirs)
     assert ledger.event_hook is theirs
+
+
+# -- why a publish failed: issue 43 finding 4 ----------------------------------------------------
+def _statvfs(*, bavail: int = 256, files: int = 8, favail: int = 8, flag: int = 0):
+    """A filesystem of 4 KiB blocks as os.fstatvfs reports it."""
+    return os.statvfs_result((4096, 4096, 256, bavail, bavail, files, favail, favail, flag, 255))
+
+
+def _creating_fails(monkeypatch, err: int, fs) -> None:
+    """Creating the temporary file fails with `err` (what a full inode table, a read-only
+    mount or a directory without write permission give), the directory's statvfs is `fs`."""
+    import errno as errno_
+
+    real_open = os.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if isinstance(path, str) and path.startswith(".") and path.endswith(".tmp"):
+            raise OSError(err, os.strerror(err), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    assert err in errno_.errorcode
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "fstatvfs", lambda fd: fs)
+
+
+@pytest.mark.parametrize(
+    "err, fs, reason, needle",
+    [
+        (28, _statvfs(favail=0), "no_inodes", "1048576 bytes and 0 of 8 inodes free"),
+        (28, _statvfs(bavail=0), "no_space", "0 bytes and 8 of 8 inodes free"),
+        (28, _statvfs(files=0, favail=0), "no_space", "of 0 inodes"),  # btrfs counts none
+        (30, _statvfs(flag=os.ST_RDONLY), "read_only", "Read-only file system"),
+        (13, _statvfs(), "permission", "Permission denied"),
+        (13, _statvfs(flag=os.ST_RDONLY), "read_only", "Permission denied"),
+    ],
+)
+def test_a_failed_publish_names_its_own_cause(tmp_path, monkeypatch, err, fs, reason, needle):
+    """No inode left (ENOSPC with blocks free) is not no_space, EROFS is not permission: each
+    has a reason of its own, and the detail says which of blocks and inodes ran out."""
+    with Publisher(Ledger({"tp_rank": "0"}), tmp_path, interval=1000) as pub:
+        with monkeypatch.context() as m:
+            _creating_fails(m, err, fs)
+            pub._publish_safely()
+        assert pub.last_error is not None
+        assert (pub.last_error.reason, pub.errors) == (reason, 1), pub.last_error
+        assert needle in pub.last_error.detail, pub.last_error.detail
+        assert {r: n for r, n in pub.errors_by_reason.items() if n} == {reason: 1}
+
+
+def test_the_last_error_rides_only_in_the_publish_that_ends_the_failures(tmp_path, monkeypatch):
+    """A cause that no longer holds is not carried on: the first file after a run of
+    failures names the last one, the next files do not (their counts still do)."""
+    with Publisher(Ledger({"tp_rank": "0"}), tmp_path, interval=1000) as pub:
+        with monkeypatch.context() as m:
+            _creating_fails(m, 28, _statvfs(bavail=0))
+            pub._publish_safely()
+            pub._publish_safely()
+        pub._publish_safely()  # room again
+        first = _read(pub.path)
+        assert first["last_error"]["reason"] == "no_space"
+        assert first["publish_errors"] == {"no_space": 2}
+        pub._publish_safely()
+        later = _read(pub.path)
+        assert later["last_error"] is None and later["publish_errors"] == {"no_space": 2}
+        assert pub.last_error is not None and pub.last_error.reason == "no_space"  # kept here

@@ -1,7 +1,7 @@
 """The waits the bridge makes on SGLang's scheduler thread, counted on the CPU.
 
 The bridge's id reader is replaced by the serving bench's `ModelReader`
-(`kvledger.tools.bench.sglang_serving`): its reads and fences land only once the forwards
+(`kvledger.tools.bench.sglang_waits`): its reads and fences land only once the forwards
 launched before them have run (CUDA's order under SGLang's overlap loop, whose WAR barrier
 puts the scheduler's stream behind the forward in flight), and a wait for one before that
 blocks and is counted. Each scheduler step below runs with a forward in flight, as under
@@ -26,7 +26,9 @@ from accounting.ledger import Ledger
 from kvledger.engines.sglang.bridge import ENV_ENABLE, attach
 from kvledger.engines.sglang.bridge.compact_policy import CompactionPolicy
 from kvledger.tools.bench.sglang_engine import Shape, published
-from kvledger.tools.bench.sglang_serving import HostDevice, ModelReader, ServingEngine, WaitLog
+from kvledger.tools.bench.sglang_forward import HostDevice
+from kvledger.tools.bench.sglang_loop import ServingEngine
+from kvledger.tools.bench.sglang_waits import WaitLog, model_reader
 
 pytestmark = pytest.mark.sglang
 
@@ -59,9 +61,7 @@ def rig() -> Iterator[Rig]:
         bridge = attach(
             e.pool, Ledger({}), allocator=e.allocator, env={ENV_ENABLE: "1"}, require=True
         )
-        reader = ModelReader(dev, log)
-        policy: Any = bridge.policy
-        policy.reader = policy.journal.reader = reader
+        model_reader(bridge, dev, log)
         try:
             yield Rig(e, bridge, dev, log)
         finally:

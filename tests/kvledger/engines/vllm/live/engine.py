@@ -216,6 +216,29 @@ class VllmServer:
         r.raise_for_status()
         return dict(r.json())
 
+    def stream(self, prompt: list[int], max_tokens: int, started: Any, timeout: float = 300) -> int:
+        """A streamed completion: `started.release()` at its first chunk (the request is
+        running); returns the chunks received."""
+        body = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "min_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "detokenize": False,
+            "stream": True,
+        }
+        chunks = 0
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=timeout) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if chunks == 1:
+                        started.release()
+        return chunks
+
     def post(self, path: str) -> None:
         httpx.post(self.url + path, timeout=30).raise_for_status()
 

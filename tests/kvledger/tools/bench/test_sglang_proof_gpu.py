@@ -1,6 +1,6 @@
 """The no-synchronisation proof on the GPU: every path of SGLang's allocator, native and bridged,
 on the scheduler's stream with a forward in flight, under torch.cuda.set_sync_debug_mode('error')
-(`kvledger.tools.bench.sglang_serving.sync_proof`). Run by scripts/gpu-serving; skipped without
+(`kvledger.tools.bench.sglang_proof.sync_proof`). Run by scripts/gpu-serving; skipped without
 a GPU."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def _proof() -> dict[str, dict[str, str]]:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from kvledger.tools.bench.sglang_serving import sync_proof
+    from kvledger.tools.bench.sglang_proof import sync_proof
 
     r = sync_proof("cuda:0", 20.0)
     print(r)

@@ -22,12 +22,11 @@ import logging
 import operator
 import platform
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
-from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from accounting.buffers import Owner
@@ -40,9 +39,16 @@ from accounting.snapfile.summary import Summary
 from accounting.tp_status import TP_COUNTERS
 from exporter import engine_values, engines
 from exporter import metrics as m
-from exporter.exposition import Block, LabelMemo, content_type, number, write_blocks
+from exporter.exposition import LabelMemo, content_type, write_blocks
 from exporter.failures import SourceFailures
 from exporter.metrics import EngineKey, device_labels, engine_key, engine_labels
+from exporter.series import (
+    LayoutLines,
+    MetricFamilies,
+    SampleLines,
+    SeriesSet,
+    SourceSeries,
+)
 from exporter.sources import Published, Scan, Sources, SourceView
 from exporter.version import VERSION
 
@@ -75,280 +81,7 @@ def live_by_engine(views: Sequence[SourceView]) -> list[SourceView]:
     return sorted(best.values(), key=lambda v: v.source)
 
 
-class _SeriesSet(Protocol):
-    """Series being built for one scrape, added one sample at a time by table name."""
-
-    def add(
-        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
-    ) -> None: ...
-
-    def add_row(
-        self, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
-    ) -> None:
-        """One series of each metric in `names`, all under `labels`, valued `values`."""
-
-
-def _add_each(
-    fam: _SeriesSet, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
-) -> None:
-    for name, value in zip(names, values, strict=True):
-        fam.add(name, labels, value)
-
-
-class _MetricFamilies:
-    """A whole scrape as prometheus-client Metric families, one per table entry (collect())."""
-
-    def __init__(self) -> None:
-        self._by_name = {s.name: Metric(s.family_name, s.help, s.type) for s in m.METRICS}
-
-    def add(
-        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
-    ) -> None:
-        self._by_name[name].samples.append(Sample(sample or name, labels, float(value), None, None))
-
-    def add_row(
-        self, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
-    ) -> None:
-        _add_each(self, names, labels, values)
-
-    def extend(self, series: dict[str, list[Any]]) -> None:
-        for name, samples in series.items():
-            self._by_name[name].samples.extend(samples)
-
-    def part(self, previous: _SourceSeries | None = None) -> _SourceSeries:
-        return _SourceSamples()
-
-    def __iter__(self) -> Iterator[Metric]:
-        return iter(self._by_name.values())
-
-
-class _SourceSeries:
-    """One source's engine series, by table name: kept while its snapshot is unchanged."""
-
-    def __init__(self) -> None:
-        self.by_name: dict[str, list[Any]] = {}
-
-    def add(
-        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
-    ) -> None:
-        raise NotImplementedError
-
-    def add_row(
-        self, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
-    ) -> None:
-        _add_each(self, names, labels, values)
-
-    def done(self) -> None:
-        """Called once every series was added."""
-
-
-class _SourceSamples(_SourceSeries):
-    """One source's engine series as prometheus-client Samples (collect())."""
-
-    def add(
-        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
-    ) -> None:
-        self.by_name.setdefault(name, []).append(
-            Sample(sample or name, labels, float(value), None, None)
-        )
-
-
-class _SampleLines(_SourceSeries):
-    """Exposition sample lines by table name, written straight away (render()): one source's
-    engine series, or a whole scrape, which `blocks()` hands to the writer."""
-
-    def __init__(self, label_str: LabelMemo) -> None:
-        super().__init__()
-        self._label_str = label_str
-        # The series of one row share one labels dict: written once per row, not per series.
-        self._last: tuple[dict[str, str] | None, str] = (None, "")
-
-    def add(
-        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
-    ) -> None:
-        last, text = self._last
-        if labels is not last:
-            text = self._label_str(labels)
-            self._last = (labels, text)
-        line = f"{sample or name}{text} {number(value)}\n"
-        lines = self.by_name.get(name)
-        if lines is None:
-            self.by_name[name] = [line]
-        else:
-            lines.append(line)
-
-    def extend(self, series: dict[str, list[Any]]) -> None:
-        by_name = self.by_name
-        for name, lines in series.items():
-            by_name.setdefault(name, []).extend(lines)
-
-    def part(self, previous: _SourceSeries | None = None) -> _SourceSeries:
-        return _LayoutLines(self._label_str, previous)
-
-    def blocks(self) -> list[Block]:
-        return [(s.family_name, s.type, s.help, self.by_name.get(s.name, ())) for s in m.METRICS]
-
-
-_EXACT = 2**53  # ints below this are written as they are (exposition.number)
-# What was added, in order: (metric names, sample name of a lone metric or None, labels).
-Shape = list[tuple[tuple[str, ...], "str | None", dict[str, str]]]
-
-
-class Layout(NamedTuple):
-    """How a shape's values become lines: the series ordered by metric (each metric's in the
-    order added), their line prefixes (name and label string) in that order, `pick` taking
-    the values into it, and each metric's span of the lines."""
-
-    prefixes: list[str]
-    pick: Callable[[Sequence[float]], Sequence[float]]
-    spans: tuple[tuple[str, int, int], ...]
-
-
-class _LayoutLines(_SourceSeries):
-    """One source's engine series as sample lines (render()), in two steps: while
-    `_add_engine_series` adds them, each row's names and labels (the shape) and its values
-    are recorded; at `done()` each line is its prefix (name and label string, the layout)
-    and its value. The layout is written once and reused while the shape is the one of the
-    source's previous snapshot, the usual case (a new snapshot of a rank changes values,
-    not series): a republished rank then costs a line per value instead of a label string
-    and a dictionary per series. The shapes are compared in full (names and label values),
-    so a series that changed labels gets a layout of its own."""
-
-    def __init__(self, label_str: LabelMemo, previous: _SourceSeries | None) -> None:
-        super().__init__()
-        self._label_str = label_str
-        self._previous = previous if isinstance(previous, _LayoutLines) else None
-        self.shape: Shape = []
-        self._values: list[float] = []
-        self.layout = _NO_LAYOUT
-        self._picked: Sequence[float] | None = None  # the values written, in line order
-        # What decides the shape (`engine_values.shape_key`), when the layout can take values
-        # read from the columns; None when it cannot (a vLLM source, or values that differ).
-        self.key: Hashable | None = None
-
-    def add(
-        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
-    ) -> None:
-        self.shape.append(((name,), sample, labels))
-        self._values.append(value)
-
-    def add_row(
-        self, names: tuple[str, ...], labels: dict[str, str], values: Sequence[float]
-    ) -> None:
-        if len(names) != len(values):
-            raise ValueError(f"{names[:1]}...: {len(values)} values for {len(names)} metrics")
-        self.shape.append((names, None, labels))
-        self._values.extend(values)
-
-    def done(self) -> None:
-        previous, self._previous = self._previous, None
-        if previous is not None and previous.shape == self.shape:
-            self.layout = previous.layout
-        else:
-            self.layout = _layout(self.shape, self._label_str)
-        self.write(self._values, previous)
-        self._values = []
-
-    def write(self, values: Sequence[float], previous: _LayoutLines | None = None) -> None:
-        """The lines of `values` (in the order added) under this part's layout. A metric
-        whose values are those of `previous` (the source's last snapshot, same layout) keeps
-        its lines: equal values are written alike (`exposition.number`: 1 and 1.0 both "1"),
-        and a republished rank changes the values of a few metrics, not of all."""
-        prefixes, pick, spans = self.layout
-        picked = self._picked = pick(values)
-        before = (
-            previous._picked if previous is not None and previous.layout is self.layout else None
-        )
-        if before is None or len(before) != len(picked):
-            lines = _lines(prefixes, picked)
-            self.by_name = {name: lines[start:end] for name, start, end in spans}
-            return
-        kept = previous.by_name if previous is not None else {}
-        by_name = self.by_name = {}
-        for name, start, end in spans:
-            these, those = picked[start:end], before[start:end]
-            if these == those:
-                by_name[name] = kept[name]
-            else:  # only the lines whose values changed (a held row: 1 of a family's 4)
-                by_name[name] = _changed_lines(prefixes[start:end], these, those, kept[name])
-
-    def from_columns(self, v: SourceView, eng: dict[str, str]) -> bool:
-        """One source's lines written from its summary's columns (`exporter.engine_values`)
-        under the previous snapshot's layout, when the shape is that one's: True if done."""
-        previous = self._previous
-        if previous is None or previous.key is None:
-            return False
-        try:
-            key = engine_values.shape_key(v.summary, eng)
-            values = engine_values.values(v.summary) if key == previous.key else None
-        except Exception:  # the columns cannot say: `_add_engine_series` (which names why)
-            log.debug("source %s: series from the columns failed", v.source, exc_info=True)
-            return False
-        if values is None:
-            return False
-        self._previous = None
-        self.layout, self.key = previous.layout, key
-        self.write(values, previous)
-        return True
-
-    def keep_key(self, v: SourceView, eng: dict[str, str], added: list[float]) -> None:
-        """After a build through `_add_engine_series` (values `added`): this layout's shape
-        key, kept only if the columns' values are those very values."""
-        try:
-            if engine_values.same(engine_values.values(v.summary), added):
-                self.key = engine_values.shape_key(v.summary, eng)
-        except Exception:  # no key: this source's layouts keep being built the other way
-            log.debug("source %s: no series from the columns", v.source, exc_info=True)
-
-
-def _lines(prefixes: Sequence[str], values: Sequence[float]) -> list[str]:
-    """Each prefix (name and labels) with its value, a line each."""
-    # Most values are small ints, written as str() writes them (number() says the same).
-    return [
-        f"{p}{v}\n" if type(v) is int and -_EXACT < v < _EXACT else f"{p}{number(v)}\n"
-        for p, v in zip(prefixes, values, strict=True)
-    ]
-
-
-def _changed_lines(
-    prefixes: Sequence[str], values: Sequence[float], before: Sequence[float], lines: list[str]
-) -> list[str]:
-    """`lines` (of the values `before`) with the lines of the values that differ written
-    again: equal values are written alike (`exposition.number`)."""
-    return [
-        line if v == b else _lines((p,), (v,))[0]
-        for p, v, b, line in zip(prefixes, values, before, lines, strict=True)
-    ]
-
-
-def _layout(shape: Shape, label_str: LabelMemo) -> Layout:
-    by_metric: dict[str, list[int]] = {}
-    series: list[str] = []  # each series' line prefix, in the order added
-    for names, sample, labels in shape:
-        text = label_str(labels)
-        for name in names:
-            by_metric.setdefault(name, []).append(len(series))
-            series.append(f"{sample or name}{text} ")
-    order = [i for where in by_metric.values() for i in where]
-    spans, start = [], 0
-    for name, where in by_metric.items():
-        spans.append((name, start, start + len(where)))
-        start += len(where)
-    # zero or one series: already in order (an itemgetter of one index returns no tuple)
-    pick: Callable[[Sequence[float]], Sequence[float]] = (
-        operator.itemgetter(*order) if len(order) > 1 else _as_is
-    )
-    return Layout([series[i] for i in order], pick, tuple(spans))
-
-
-def _as_is(values: Sequence[float]) -> Sequence[float]:
-    return values
-
-
-_NO_LAYOUT = Layout([], _as_is, ())
-
-
-EngineCache = dict[str, tuple[Published, _SourceSeries]]
+EngineCache = dict[str, tuple[Published, SourceSeries]]
 
 
 class KvLedgerCollector(Collector):
@@ -384,7 +117,7 @@ class KvLedgerCollector(Collector):
         """
         scan = self.sources.read()
         with self._lock:
-            families = _build(_MetricFamilies(), scan, self._samples, self.failures)
+            families = _build(MetricFamilies(), scan, self._samples, self.failures)
         return iter(families)
 
     def render(self, accept: str | None, scan: Scan | None = None) -> tuple[bytes, str]:
@@ -395,18 +128,18 @@ class KvLedgerCollector(Collector):
         if scan is None:
             scan = self.sources.read()
         with self._lock:
-            lines = _build(_SampleLines(self._label_str), scan, self._lines, self.failures)
+            lines = _build(SampleLines(self._label_str), scan, self._lines, self.failures)
         return write_blocks(lines.blocks(), openmetrics=openmetrics), ctype
 
 
-_ScrapeT = TypeVar("_ScrapeT", _MetricFamilies, _SampleLines)
+_ScrapeT = TypeVar("_ScrapeT", MetricFamilies, SampleLines)
 
 
 def build_families(scan: Scan, *, cache: EngineCache | None = None) -> list[Metric]:
     """Every metric family from `scan`. With `cache`, a source's engine series are built
     once per published snapshot and reused while it is unchanged."""
     failures = SourceFailures(("render",), log)
-    return list(_build(_MetricFamilies(), scan, cache, failures))
+    return list(_build(MetricFamilies(), scan, cache, failures))
 
 
 def _build(
@@ -445,13 +178,13 @@ def _build(
     return top
 
 
-def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> _SourceSeries:
+def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> SourceSeries:
     """One live source's engine series, built once per published snapshot with `cache`."""
     hit = cache.get(v.source) if cache is not None else None
     if hit is not None and hit[0] is v.published:
         return hit[1]
     part = top.part(hit[1] if hit is not None else None)
-    if isinstance(part, _LayoutLines):
+    if isinstance(part, LayoutLines):
         _engine_lines(part, v)
     else:
         _add_engine_series(part, v)
@@ -461,7 +194,7 @@ def _engine_part(top: _ScrapeT, v: SourceView, cache: EngineCache | None) -> _So
     return part
 
 
-def _engine_lines(part: _LayoutLines, v: SourceView) -> None:
+def _engine_lines(part: LayoutLines, v: SourceView) -> None:
     """A source's sample lines: from its columns under its previous layout when its shape is
     unchanged, else through `_add_engine_series` (which also sets the layout's key)."""
     s = v.summary
@@ -513,7 +246,7 @@ _VMM_ACCOUNT_METRICS = tuple(_VMM_ACCOUNT)
 _vmm_account_values = operator.attrgetter(*_VMM_ACCOUNT.values())
 
 
-def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
+def _add_engine_series(fam: SeriesSet, v: SourceView) -> None:
     """The engine series of one live source, from its snapshot summary (no buffer rows)."""
     s = v.summary
     eng = _engine_labels(s)
@@ -575,7 +308,7 @@ def _add_engine_series(fam: _SeriesSet, v: SourceView) -> None:
 
 
 def _add_histogram(
-    fam: _SeriesSet,
+    fam: SeriesSet,
     name: str,
     labels: dict[str, str],
     counts: Sequence[int],

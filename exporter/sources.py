@@ -372,12 +372,12 @@ class Sources:
             return views
         looked = self.files is not None and files.directory_problem is None
         free = self.files.free_bytes() if looked and self.files is not None else None
-        # What the exporter's look decides. Not permission in group mode: the publishers are
-        # other users of the group, whose rights this user's access check does not tell.
+        # What the exporter's look decides: permission only where this user's access tells
+        # the publishers' (its own directory, no group mode).
         seen = {
             r
             for r in DIRECTORY_REASONS
-            if looked and not (r == "permission" and self.files and self.files.group_writable)
+            if looked and (r != "permission" or (self.files and self.files.permission_checked))
         }
         out = []
         for v in views:

@@ -7,8 +7,13 @@ and mapped bytes whole pages, every relation an account breaks (recomputed by
 `accounting.relations.check_account`) is listed, and a family whose sums break a
 relation that holds buffer by buffer lists a violation of it. Between the two lines
 (`accounting.snapfile.head.buffer_map`): the rollups and violations rebuilt from the
-buffer rows equal the first line's. A file that breaks one is refused ("schema") with
-the relation and the figures that broke it.
+buffer rows equal the first line's. A VMM family's bytes come from its accounts' pages
+(`handle_pages_match`), and the engine's requests name only the snapshot's families and
+run no more than its slots (`requests_known`). A file that breaks one is refused
+("schema") with the relation and the figures that broke it. Relations a genuine writer's
+reads could break are violations it must list, recomputed here: the GPU parts and
+unattributed bytes against the device's size (`parts_violations_listed`), a listed
+request's footprint against the occupied bytes (`request_violations_listed`).
 
 Each relation of the first line has two forms here. The one `load` calls
 (`families_match_accounts`, `whole_pages`, `violations_complete`, over the account and

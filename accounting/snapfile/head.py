@@ -10,8 +10,12 @@ heartbeat no more than MAX_SKEW_S in the future, a sequence number, the publish 
 every account, family row, violation and reconciliation entry
 (`accounting.snapfile.schema`; the account and family parts are columns); then the
 relations between them (`accounting.snapfile.checks`), recomputed: a file whose own
-figures disagree is refused. No account, family or holder record is built here: the
-`Summary` holds their columns and builds the records when someone reads them.
+figures disagree is refused (a VMM family's bytes against its accounts' pages, the engine's
+requests against the families included), and one that does not list a violation it breaks
+(an account's, a family's sums', the GPU parts' and unattributed bytes' against the
+device, a request's footprint against the occupied bytes) is refused too. No account,
+family or holder record is built here: the `Summary` holds their columns and builds the
+records when someone reads them.
 
 JSON nested deeper than the parser allows is refused as "nesting"; anything nested
 deeper than the schema is a "schema" refusal.

@@ -199,11 +199,25 @@ class SnapshotFiles(Generic[T]):
                 write_problem=self.write_problem,
             )
 
+    @property
+    def permission_checked(self) -> bool:
+        """Whether this user's access to the directory tells its publishers': the directory
+        is this user's and not shared with a group (root's directory read by another user
+        is written by root's publishers, a group's by its members)."""
+        d = self._dir
+        if d is None or self.group_writable:
+            return False
+        try:
+            return os.fstat(d.fd).st_uid == os.geteuid()
+        except OSError:
+            return False
+
     def _writable(self, d: SnapshotDir, need: int) -> FileProblem | None:
         """Why a publisher could not write a file of `need` bytes in `d` now, or None: a
-        read-only mount, no write and search permission for this user (an immutable
-        directory too, even for root), no inode left, or fewer free bytes than
-        max(`need`, NO_SPACE_MIN_BYTES). One fstatvfs and one faccessat; nothing written."""
+        read-only mount, no write and search permission for this user where that tells
+        (`permission_checked`; an immutable directory too, even for root), no inode left,
+        or fewer free bytes than max(`need`, NO_SPACE_MIN_BYTES). One fstatvfs, one fstat
+        and one faccessat; nothing written."""
         try:
             fs = os.fstatvfs(d.fd)
         except OSError:
@@ -215,11 +229,13 @@ class SnapshotFiles(Generic[T]):
                 f"snapshot directory {self.path}: its filesystem is mounted read-only; no "
                 "publisher can write a file there",
             )
-        try:
-            kwargs = {"effective_ids": True} if _ACCESS_EFFECTIVE else {}
-            writable = os.access(".", os.W_OK | os.X_OK, dir_fd=d.fd, **kwargs)
-        except (OSError, NotImplementedError):
-            writable = True
+        writable = True
+        if self.permission_checked:
+            try:
+                kwargs = {"effective_ids": True} if _ACCESS_EFFECTIVE else {}
+                writable = os.access(".", os.W_OK | os.X_OK, dir_fd=d.fd, **kwargs)
+            except (OSError, NotImplementedError):
+                pass
         if not writable:
             mode = stat.S_IMODE(os.fstat(d.fd).st_mode)
             return FileProblem(

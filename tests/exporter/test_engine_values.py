@@ -10,8 +10,9 @@ import pytest
 from accounting.engine_state import REQUEST_BYTES_BUCKETS, EngineState
 from accounting.tp_status import TpStatus
 from exporter import collector as c
-from exporter import engine_values
+from exporter import engine_values, series
 from exporter.collector import KvLedgerCollector
+from exporter.exposition import LabelMemo
 from exporter.sources import Published, Scan, Sources
 from tests.ledgers import small_ledger
 
@@ -62,7 +63,7 @@ def test_the_columns_give_the_values_add_engine_series_adds(versions):
     view, _, snaps = versions
     for i, snap in enumerate(snaps):
         v = _scan(view, snap, i).views[0]
-        part = c._LayoutLines(c.LabelMemo(), None)
+        part = series.LayoutLines(LabelMemo(), None)
         c._add_engine_series(part, v)
         assert snap.reconciliation, "a truth result, so its series are compared too"
         assert engine_values.same(engine_values.values(v.summary), part._values), i
@@ -71,7 +72,7 @@ def test_the_columns_give_the_values_add_engine_series_adds(versions):
 def test_a_republished_source_is_written_from_its_columns_as_a_fresh_render_writes(versions):
     view, src, snaps = versions
     used = []
-    real = c._LayoutLines.from_columns
+    real = series.LayoutLines.from_columns
 
     def spy(self, v, eng):
         used.append(real(self, v, eng))
@@ -79,7 +80,7 @@ def test_a_republished_source_is_written_from_its_columns_as_a_fresh_render_writ
 
     collector = KvLedgerCollector(src)
     steps = [snaps[i] for i in (0, 1, 2, 1, 2, 0, 2)]
-    c._LayoutLines.from_columns = spy  # type: ignore[method-assign]
+    series.LayoutLines.from_columns = spy  # type: ignore[method-assign]
     try:
         for i, snap in enumerate(steps):
             scan = _scan(view, snap, i + 1)
@@ -88,7 +89,7 @@ def test_a_republished_source_is_written_from_its_columns_as_a_fresh_render_writ
                 fresh, _ = KvLedgerCollector(src).render(accept, scan)
                 assert body == fresh, (i, accept)
     finally:
-        c._LayoutLines.from_columns = real  # type: ignore[method-assign]
+        series.LayoutLines.from_columns = real  # type: ignore[method-assign]
     # 0 -> 1 adds the TP and engine series (a new shape), 1 -> 2, 2 -> 1 and 1 -> 2 are values
     # only (from the columns), 2 -> 0 and 0 -> 2 new shapes again (a fresh collector's first
     # render of a source is never from columns; the second format is a cache hit).

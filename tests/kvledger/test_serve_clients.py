@@ -403,8 +403,6 @@ def test_slow_readers_of_pipelined_requests_do_not_stop_the_scraper(tmp_path, fd
         closed = _closed(server.url)
         reason = "too_many_pipelined" if pipelined > 16 else "slow_reader"
         assert closed[reason] >= 16, closed
-        wait_until(
-            lambda: rss_kib(server.proc.pid) <= rss0 * 1.2, 10, f"RSS back near {rss0} KiB"
-        )
+        wait_until(lambda: rss_kib(server.proc.pid) <= rss0 * 1.2, 10, f"RSS back near {rss0} KiB")
     text = log.read_text(errors="replace")
     assert "Traceback" not in text and "RuntimeError" not in text, text[-3000:]

@@ -19,7 +19,10 @@ TESTED = "0.33"
 # once built (a BlockPool's free queue) are checked where they are read.
 CLASSES: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", ("initialize_kv_cache_tensors",)),
-    "vllm.v1.core.sched.scheduler": ("Scheduler", ("__init__", "schedule", "has_requests", "shutdown")),
+    "vllm.v1.core.sched.scheduler": (
+        "Scheduler",
+        ("__init__", "schedule", "has_requests", "shutdown"),
+    ),
     "vllm.v1.core.block_pool": (
         "BlockPool",
         ("get_num_free_blocks", "free_blocks", "evict_blocks", "reset_prefix_cache"),

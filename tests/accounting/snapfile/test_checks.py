@@ -214,11 +214,11 @@ def test_truth_figures_past_the_devices_total_are_flagged_never_silent(published
     """500 GiB of weights on an 80 GiB card with no used_bytes, or unattributed bytes of
     +-1 TiB, were exported with kvledger_relation_violations 0. The relation is recomputed:
     unlisted, the file is refused; listed, the figures go out with their violation."""
+    e = refused(with_snapshot(published, reconciliation=[entry]))
+    assert e.reason == "schema" and f"{relation}; not listed" in e.detail, e.detail
     from accounting.snapfile.summary import Reconciliation
     from accounting.snapshot import parts_violations
 
-    e = refused(with_snapshot(published, reconciliation=[entry]))
-    assert e.reason == "schema" and f"{relation}; not listed" in e.detail, e.detail
     found = parts_violations(Reconciliation.of(entry).to_dict())
     assert relation in {v.relation for v in found}
     head = load_s(with_snapshot(published, reconciliation=[entry], violations=found))
@@ -328,12 +328,12 @@ def test_a_request_claiming_more_than_is_occupied_is_flagged_never_silent(
     """A request of 1 PiB (or of more bytes of a family than the family holds) went out as
     its footprint with no violation. Recomputed: unlisted, the file is refused; listed, the
     footprint goes out with its violation (kvledger_relation_violations)."""
-    from accounting.engine_state import EngineState, request_violations
-    from accounting.snapfile.head import buffer_map
-
     state = _engine(request_)
     e = refused(with_snapshot(published, engine=state))
     assert e.reason == "schema" and f"breaks {relation}" in e.detail, e.detail
+    from accounting.engine_state import EngineState, request_violations
+    from accounting.snapfile.head import buffer_map
+
     occupied = {"c4_attn_state": 0, "c4_kv": 15768, "swa_kv": 525600}
     found = request_violations(EngineState.from_dict(state), occupied)
     assert len(found) == 1 and found[0].relation.startswith(relation), found

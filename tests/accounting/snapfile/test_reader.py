@@ -73,3 +73,24 @@ def test_no_space_is_less_room_than_the_largest_file_served(tmp_path, monkeypatc
                     )
         finally:
             files.close()
+
+
+@pytest.mark.parametrize("other_user, group_writable", [(True, False), (False, True)])
+def test_permission_is_told_only_where_this_users_access_tells_the_publishers(
+    tmp_path, monkeypatch, other_user, group_writable
+):
+    """Root's directory read by another user is written by root's publishers, a group's by
+    its members: this user's lack of write access says nothing of theirs, so it is no
+    write problem there (the gauge would otherwise stay 0 on a working deployment)."""
+    files = SnapshotFiles(tmp_path, lambda head, path: head, group_writable=group_writable)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(os, "access", lambda *a, **k: False)
+            if other_user:
+                euid = os.stat(tmp_path).st_uid + 1000
+                m.setattr(os, "geteuid", lambda: euid)
+            assert not files.permission_checked
+            assert files.scan(time.time()).write_problem is None
+        assert files.permission_checked is (not group_writable)
+    finally:
+        files.close()

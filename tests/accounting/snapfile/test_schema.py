@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from accounting.gpu_parts import PART_NAMES
 from accounting.snapfile.format import Refused
 from accounting.snapfile.schema import parse_json
 from tests.accounting.snapfile.files import file_bytes, refused, with_snapshot
@@ -50,7 +51,6 @@ def test_an_integer_beyond_64_bits_comes_back_as_a_float():
 
 # -- figures no source can hold, and engine figures that disagree: issue 43 finding 5 -------------
 def _nvml(**changes) -> dict:
-    from accounting.gpu_parts import PART_NAMES
     from accounting.reconcile import result
 
     entry = result(
@@ -62,21 +62,21 @@ def _nvml(**changes) -> dict:
         parts={**dict.fromkeys(PART_NAMES, 0), "other_processes": 1000},
         total_bytes=80 << 30,
     )
-    return {**entry, **changes}
+    parts = {**entry["parts"], **changes.pop("parts", {})}  # every part named
+    return {**entry, **changes, "parts": parts}
 
 
 @pytest.mark.parametrize(
     "entry, needle",
     [
         (  # every part at 2^63-1 (no used_bytes, no total: nothing else would bound them)
-            _nvml(
-                parts={n: 2**63 - 1 for n in ("weights", "kv", "unattributed")},
-                detail={},
-                total_bytes=None,
-            ),
+            _nvml(parts=dict.fromkeys(PART_NAMES, 2**63 - 1), detail={}, total_bytes=None),
             f"weights={2**63 - 1}, over the {1 << 50} bytes one source can hold",
         ),
-        (_nvml(parts={"unattributed": -(2**63 - 1)}), "unattributed=-9223372036854775807, over"),
+        (
+            _nvml(parts={"unattributed": -(2**63 - 1)}, detail={}, total_bytes=None),
+            "unattributed=-9223372036854775807, over",
+        ),
         (_nvml(ledger_bytes=2**63 - 1), "ledger_bytes=9223372036854775807, over the"),
         (_nvml(device_bytes=1 << 51), f"device_bytes={1 << 51}, over the"),
         (_nvml(total_bytes=2**63 - 1), "total_bytes=9223372036854775807, over the"),

@@ -124,7 +124,13 @@ class VllmServer:
     whatever is left of it."""
 
     def __init__(
-        self, model_dir: Path, snapdir: Path, log: Path, *, interval: float, extra_env: dict[str, str]
+        self,
+        model_dir: Path,
+        snapdir: Path,
+        log: Path,
+        *,
+        interval: float,
+        extra_env: dict[str, str],
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -261,7 +267,12 @@ class VllmServer:
 
 @contextlib.contextmanager
 def vllm_server(
-    model_dir: Path, snapdir: Path, log: Path, *, interval: float, extra_env: dict[str, str] | None = None
+    model_dir: Path,
+    snapdir: Path,
+    log: Path,
+    *,
+    interval: float,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[VllmServer]:
     server = VllmServer(model_dir, snapdir, log, interval=interval, extra_env=extra_env or {})
     try:

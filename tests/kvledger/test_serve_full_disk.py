@@ -110,7 +110,7 @@ def test_a_full_disk_shows_as_no_space_then_recovers():
 
 
 def _use_every_inode(directory: Path) -> list[Path]:
-    made = []
+    made: list[Path] = []
     try:
         while True:
             path = directory / f"inode-{len(made)}"

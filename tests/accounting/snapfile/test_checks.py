@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -263,7 +265,7 @@ def test_a_vmm_family_of_several_accounts_is_held_to_their_pages_once(published)
     bytes but no pages, is refused."""
     from accounting.snapfile.checks import handle_pages_match
 
-    accounts = {
+    accounts: dict[str, list[Any]] = {
         "family": ["swa_kv", "swa_kv"],
         "owner": ["vmm", "vmm"],
         "page_bytes": [4096, 4096],

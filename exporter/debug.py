@@ -43,6 +43,7 @@ from exporter.debug_schema import (
     RankModel,
     ReconciliationModel,
     SourceBase,
+    TotalsModel,
     TpModel,
     ViolationModel,
     models,
@@ -102,7 +103,7 @@ def build(
                 up=v.up,
                 engine_labels=engine_labels(v.labels),
                 memory_usage_gb=v.summary.totals.physical_bytes / GIB,
-                totals=_figures(v.summary.totals),
+                totals=_totals(v),
             )
             for v in views
         ],
@@ -116,6 +117,16 @@ def build(
 
 def _figures(f: Figures) -> Any:
     return FiguresModel(**f.to_dict())
+
+
+def _totals(v: SourceView) -> Any:
+    """The source's figures summed over its families; the slot figures null where its
+    engine export says its families' slots are of kinds that do not add (vLLM's)."""
+    values: dict[str, int | None] = dict(v.summary.totals.to_dict())
+    export = engines.claiming(v.summary.labels)
+    if export is not None and not export.slots_add_up:
+        values.update({f.name: None for f in FIGURES if f.per_account})
+    return TotalsModel(**values)
 
 
 def _buffers(v: SourceView) -> tuple[Sequence[BufferRow], str | None]:
@@ -186,7 +197,7 @@ def _source(model: Any, v: SourceView, *, family: str | None, layer: int | None)
         heartbeat_age_seconds=v.heartbeat_age_seconds,
         interval_seconds=p.interval,
         memory_usage_gb=d.totals.physical_bytes / GIB,
-        totals=_figures(d.totals),
+        totals=_totals(v),
         families=[
             FamilyModel(family=f.family, owner=f.owner.value, figures=_figures(f.figures))
             for f in d.families

@@ -43,6 +43,30 @@ FiguresModel: Any = create_model(
     **_FIGURE_FIELDS,
 )
 
+# A source's totals: the bytes figures add up over families; the slot figures are the sum
+# over families only where the source's families count slots of one kind, else null.
+_TOTAL_FIELDS: dict[str, Any] = {
+    f.name: (
+        (int, Field(description=f"{f.meaning} (unit: {f.unit}), summed over families."))
+        if not f.per_account
+        else (
+            int | None,
+            Field(
+                description=f"{f.meaning} (unit: {f.unit}), summed over families; null for a "
+                "source whose families count slots of different kinds that do not add (a vLLM "
+                "source: blocks in kv_pool, tokens or states in each group): read them family "
+                "by family."
+            ),
+        )
+    )
+    for f in FIGURES
+}
+TotalsModel: Any = create_model(
+    "Totals",
+    __doc__="A source's figures summed over its families (slot figures: see each field).",
+    **_TOTAL_FIELDS,
+)
+
 # The rows of a snapshot: fields from accounting's dataclasses (exporter.models), described here.
 FigureDef: Any = model_of(
     Figure,
@@ -229,7 +253,7 @@ class SourceBase(BaseModel):
     heartbeat_age_seconds: float
     interval_seconds: float
     memory_usage_gb: float = Field(description="physical bytes of all families / 2^30")
-    totals: FiguresModel
+    totals: TotalsModel
     families: list[FamilyModel]
     accounts: list[AccountModel]
     buffers: list[BufferModel]
@@ -269,15 +293,18 @@ class SourceBase(BaseModel):
 
 class RankModel(BaseModel):
     """Per-rank totals (one source is one engine process, i.e. one rank). The bytes figures
-    add up over families; the slot figures of `totals` add index spaces of different kinds
-    (tokens, compressed rows, state rows) and are not a quantity: compare slots family by
-    family (the source's `families`), as the page does."""
+    add up over families. The slot figures of `totals` are null for a source whose engine
+    export says its families' slots do not add (a vLLM source: `kv_pool` counts blocks, each
+    group tokens or states, and the groups alias the pool's blocks); an SGLang source's are
+    its families' sum, which adds index spaces of different kinds (tokens, compressed rows,
+    state rows) when it has several and is then not a quantity either: compare slots family
+    by family (the source's `families`), as the page does."""
 
     source: str
     up: bool
     engine_labels: dict[str, str]
     memory_usage_gb: float
-    totals: FiguresModel
+    totals: TotalsModel
 
 
 class Filters(BaseModel):

@@ -37,6 +37,10 @@ class EngineExport(Protocol):
     # The pydantic model of its /debug/kv section, and that section's description.
     debug_model: type[Any]
     debug_description: str
+    # Whether a source's slot figures add up over its families (one kind of slot). False
+    # where they do not (vLLM: blocks in one family, tokens or states in the others): the
+    # /debug/kv totals then carry no slot figures (null).
+    slots_add_up: bool
 
     def claims(self, labels: Mapping[str, str]) -> bool:
         """Whether a source with these ledger labels is this engine's."""

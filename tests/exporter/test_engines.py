@@ -26,6 +26,7 @@ class _Export:
         )
         self.debug_model = _Section
         self.debug_description = "a test section"
+        self.slots_add_up = True
 
     def claims(self, labels: Mapping[str, str]) -> bool:
         return labels.get("engine_type") == self.engine_type

@@ -47,8 +47,8 @@ EngineModel: Any = model_of(
     views.EngineView,
     name="VllmEngineModel",
     doc="A vLLM engine core's block pool (shared by every group) and each group's slots.",
-    drop=("groups",),
-    extra={"groups": list[EngineGroupModel]},
+    drop=("groups", "held_blocks"),
+    extra={"groups": list[EngineGroupModel], "held_blocks": dict[str, int]},
 )
 
 
@@ -69,6 +69,9 @@ class VllmExport:
     metrics = metrics.METRICS
     debug_model = VllmModel
     debug_description = "present for a vLLM source (docs/vllm.md)"
+    # `kv_pool` counts blocks (and `kv_pool_evictable`, on an engine core), each group its
+    # tokens or states, all of them aliasing the pool's blocks: their sum is no quantity.
+    slots_add_up = False
 
     def claims(self, labels: Mapping[str, str]) -> bool:
         return views.role(labels) is not None
@@ -91,6 +94,8 @@ class VllmExport:
             names, fields, group_fields = _ENGINE, _ENGINE, _ENGINE_GROUP
         for name, field in zip(names, fields, strict=True):
             add(metrics.PREFIX + name, labels, getattr(found, field))
+        for holder, blocks in getattr(found, "held_blocks", ()):
+            add(metrics.PREFIX + "held_blocks", {**labels, "holder": holder}, blocks)
         for g in found.groups:
             gl = {**labels, "group": str(g.group), "kind": g.kind}
             for field in group_fields:
@@ -116,7 +121,10 @@ class VllmExport:
 
 
 def _as_dict(found: Any) -> dict[str, Any]:
-    return {**dataclasses.asdict(found), "groups": [dataclasses.asdict(g) for g in found.groups]}
+    out = {**dataclasses.asdict(found), "groups": [dataclasses.asdict(g) for g in found.groups]}
+    if "held_blocks" in out:
+        out["held_blocks"] = dict(found.held_blocks)  # holder -> blocks
+    return out
 
 
 EXPORT = VllmExport()

@@ -105,6 +105,16 @@ def _specs() -> tuple[MetricSpec, ...]:
             "included: what new requests can take.",
         ),
         (
+            "held_blocks",
+            e,
+            ("holder",),
+            "Blocks holding KV, by holder (SGLang's holder names, accounting.figures): "
+            "tree_protected (in use and in the prefix cache), request_only (in use, not cached; "
+            "the null block among them), unattributed (in use, holder not read), tree_evictable "
+            "(free but cached: = kvledger_vllm_evictable_blocks). tree_protected + request_only "
+            "+ unattributed = kvledger_vllm_occupied_blocks, vLLM's blocks in use.",
+        ),
+        (
             "group_capacity_slots",
             e,
             GROUP_LABELS,

@@ -22,7 +22,21 @@ Accounts (no bytes: the bytes are the workers'; slots only):
   per publish, about 30 ns a block.)
 
 Free blocks = `kv_pool` capacity - `kv_pool` occupied; of them `kv_pool_evictable` hold
-cached prefixes. Duck-typed; nothing here imports vLLM.
+cached prefixes.
+
+Holders (accounting.figures.Held, SGLang's holder names), O(1) per publish, never a walk
+over blocks: `EvictableCounter` also keeps the blocks holding a prefix-cache hash, by
+wrapping the pool's `_insert_block_hash` and `_remove_cached_block_hashes` (where every
+block gains or loses its hash) and `reset_prefix_cache`. A hashed block is free (counted
+evictable) or in use, so of the blocks in use `tree_protected` = hashed - evictable and
+`request_only` = the rest (the null block, held for good by vLLM itself, among them);
+without prefix caching every block in use is `request_only`. vLLM counts a cached block
+with ref count 0 as free, and kvledger keeps `kv_pool`'s occupied equal to vLLM's
+"in use" (what `vllm:kv_cache_usage_perc` counts), so those blocks are not among
+`kv_pool`'s holders: they are `kv_pool_evictable`'s, all `tree_evictable`. Each account's
+holders add up to its own occupied slots, as the ledger requires. The groups' accounts
+carry no holders (their occupied slots are `unattributed`). Duck-typed; nothing here
+imports vLLM.
 """
 
 from __future__ import annotations
@@ -64,6 +78,9 @@ class EvictableCounter:
 
     _QUEUE_METHODS = ("append", "append_n", "prepend_n", "popleft", "popleft_n", "remove")
     _POOL_METHODS = ("evict_blocks", "reset_prefix_cache")
+    # Where a block gains and loses its prefix-cache hash (vLLM 0.32 and 0.33: every
+    # set_block_hash / reset_hash of the pool goes through them, reset_prefix_cache aside).
+    _HASH_METHODS = ("_insert_block_hash", "_remove_cached_block_hashes")
 
     def __init__(self, block_pool: Any) -> None:
         self.pool = block_pool
@@ -78,6 +95,9 @@ class EvictableCounter:
                 raise AttributeError(
                     f"{type(owner).__name__}.{name}: missing, expected vLLM 0.33's block pool"
                 )
+        # Blocks holding a hash, in use or free: kept only where the pool's hash methods
+        # can be wrapped (else None: the holders of the blocks in use are not read).
+        self.hashed: int | None = None
         # Hashed blocks already in the queue (none in a new pool): counted once, here.
         block = q.fake_free_list_head.next_free_block
         while block is not None and block is not q.fake_free_list_tail:
@@ -92,6 +112,11 @@ class EvictableCounter:
         self._wrap(q, "remove", self._removing)
         self._wrap(p, "evict_blocks", self._evict_wrapper)
         self._wrap(p, "reset_prefix_cache", self._reset_wrapper)
+        if all(callable(getattr(p, n, None)) for n in self._HASH_METHODS):
+            # Once, at start-up (none in a new pool); then O(1) per hash added or removed.
+            self.hashed = sum(1 for b in p.blocks if b.block_hash is not None)
+            self._wrap(p, "_insert_block_hash", self._inserting_hash)
+            self._wrap(p, "_remove_cached_block_hashes", self._removing_hashes)
 
     def _wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         owner.__dict__[name] = make(getattr(owner, name))
@@ -160,9 +185,38 @@ class EvictableCounter:
             done = orig()
             if done:
                 self.count = 0
+                if self.hashed is not None:
+                    self.hashed = 0
             return done
 
         return reset_prefix_cache
+
+    # A block gaining its first hash, or losing all of them.
+    def _inserting_hash(self, orig: Any) -> Any:
+        def _insert_block_hash(block_hash: Any, block: Any, *rest: Any, **kw: Any) -> Any:
+            before = block.block_hash is None
+            result = orig(block_hash, block, *rest, **kw)
+            if before and block.block_hash is not None and self.hashed is not None:
+                self.hashed += 1
+            return result
+
+        return _insert_block_hash
+
+    def _removing_hashes(self, orig: Any) -> Any:
+        def _remove_cached_block_hashes(block: Any, *rest: Any, **kw: Any) -> Any:
+            before = block.block_hash is not None
+            result = orig(block, *rest, **kw)
+            if before and block.block_hash is None and self.hashed is not None:
+                self.hashed -= 1
+            return result
+
+        return _remove_cached_block_hashes
+
+    @property
+    def protected(self) -> int | None:
+        """Hashed blocks in use (ref count > 0): in the prefix cache and held by a
+        request. A hashed block is either in the free queue (`count`) or in use."""
+        return None if self.hashed is None else max(self.hashed - self.count, 0)
 
     def close(self) -> None:
         while self._installed:
@@ -217,13 +271,18 @@ class SchedulerOccupancy:
             raise
 
     def counts(self) -> dict[str, int]:
-        """Blocks: in use, free, evictable; and each group's slots in use."""
+        """Blocks: in use, free, evictable, in use and cached (`protected`; -1 when not
+        read); and each group's slots in use."""
         free = int(self.block_pool.free_block_queue.num_free_blocks)
+        protected: int | None = 0  # no prefix caching: no block in use is cached
+        if self.evictable is not None:
+            protected = self.evictable.protected
         out = {
             "blocks": self.num_blocks,
             "in_use": self.num_blocks - free,
             "free": free,
             "evictable": self.evictable.count if self.evictable is not None else 0,
+            "protected": -1 if protected is None else protected,
         }
         null = id(self.null_block)
         for g, manager in zip(self.layouts, self.managers, strict=True):
@@ -238,6 +297,14 @@ class SchedulerOccupancy:
         c = self.counts()
         _set(self.pool_account, c["in_use"])
         _set(self.evictable_account, c["evictable"])
+        # Holders (accounting.figures.Held), O(1): of the blocks in use, the cached ones are
+        # tree_protected and the rest request_only (the null block among them); the
+        # evictable blocks, free to vLLM, are their own account's, all tree_evictable.
+        if c["protected"] < 0:
+            self.pool_account.clear_holders()
+        else:
+            self.pool_account.set_holders(min(c["protected"], max(c["in_use"] - 1, 0)), 0)
+        self.evictable_account.set_holders(0, c["evictable"])
         for g, acc in zip(self.layouts, self.group_accounts, strict=True):
             _set(acc, min(c[g.family], acc.capacity_slots))
         return c

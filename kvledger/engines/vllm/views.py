@@ -142,6 +142,9 @@ class EngineView:
     evictable_blocks: int  # free blocks holding a cached prefix (reusable on a hit)
     free_blocks: int  # blocks - occupied_blocks; evictable ones among them
     groups: tuple[EngineGroup, ...]
+    # Blocks holding KV by holder (accounting.figures' names): tree_protected, request_only
+    # and unattributed split occupied_blocks; tree_evictable = evictable_blocks (free to vLLM).
+    held_blocks: tuple[tuple[str, int], ...] = ()
 
 
 def _accounts(summary: Summary) -> dict[str, AccountRow]:
@@ -228,7 +231,19 @@ def engine_view(summary: Summary) -> EngineView:
             )
         )
     groups.sort(key=lambda g: g.group)
-    return EngineView(blocks, occupied, cached, free, tuple(groups))
+    return EngineView(blocks, occupied, cached, free, tuple(groups), _held_blocks(summary))
+
+
+def _held_blocks(summary: Summary) -> tuple[tuple[str, int], ...]:
+    """The pool's blocks by holder: `kv_pool`'s holders (its blocks in use) with the
+    tree_evictable of `kv_pool_evictable` (free blocks holding a cached prefix)."""
+    by = {h.family: h.slots for h in summary.holders}
+    pool, evictable = by.get(POOL_FAMILY), by.get(EVICTABLE_FAMILY)
+    if pool is None:
+        return ()
+    held = pool.to_dict()
+    held["tree_evictable"] = evictable.total() if evictable is not None else 0
+    return tuple(held.items())
 
 
 class _WorkerCache:

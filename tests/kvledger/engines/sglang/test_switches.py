@@ -77,8 +77,9 @@ def test_compaction_is_on_unless_its_switch_says_off() -> None:
 
 
 def test_the_compaction_slack_is_a_count_of_page_ids() -> None:
-    assert switches.compaction_slack({}) == 0
-    assert switches.compaction_slack({switches.COMPACT_SLACK: " "}) == 0
+    assert switches.compaction_slack({}) == switches.DEFAULT_COMPACT_SLACK == 2
+    assert switches.compaction_slack({switches.COMPACT_SLACK: " "}) == 2
+    assert switches.compaction_slack({switches.COMPACT_SLACK: "0"}) == 0
     assert switches.compaction_slack({switches.COMPACT_SLACK: " 2 "}) == 2
     top = switches.MAX_COMPACT_SLACK
     assert switches.compaction_slack({switches.COMPACT_SLACK: str(top)}) == top

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from accounting.buffers import BufferSpec, Owner
-from accounting.ledger import Ledger
+from accounting.ledger import Account, Ledger
 from accounting.snapfile.writer import Publisher
 from exporter import engines
 from exporter import metrics as m
@@ -71,10 +71,11 @@ def _kind_of(spec) -> str:
     return spec.kind
 
 
-def _slots(ledger: Ledger, family: str, capacity: int, occupied: int) -> None:
+def _slots(ledger: Ledger, family: str, capacity: int, occupied: int) -> Account:
     spec = BufferSpec(family, family, "vllm", Owner.RUNTIME, None, "none", (), 0, capacity, 0, 0)
     acc = ledger.add_account([spec], key=f"vllm/{family}")
     acc.on_slots(occupied, occupied)
+    return acc
 
 
 def _engine_ledger(
@@ -152,6 +153,37 @@ def test_worker_and_engine_core_exported_under_vllms_labels() -> None:
     assert ups == {"vllm_worker": 1, "vllm_scheduler": 1}
 
 
+def test_an_engine_cores_blocks_by_holder() -> None:
+    """kv_pool's holders split its blocks in use; kv_pool_evictable's (free, cached) are
+    tree_evictable: the series add up to occupied + evictable, each relation kept."""
+    ledger = Ledger(ENGINE)
+    pool = _slots(ledger, "kv_pool", BLOCKS, 6)
+    evictable = _slots(ledger, "kv_pool_evictable", BLOCKS, 2)
+    _slots(ledger, "g0_full_attention", BLOCKS * BLOCK, 5 * BLOCK)
+    with Sources() as sources:
+        sources.add_ledger(ledger, "e")
+        s = _samples(sources)  # no holders read: every block in use unattributed
+        assert _get(s, "kvledger_vllm_held_blocks", holder="unattributed") == 6
+        pool.set_holders(4, 0)  # as kvledger.engines.vllm.occupancy sets them
+        evictable.set_holders(0, 2)
+        s = _samples(sources)
+        held = {
+            h: _get(s, "kvledger_vllm_held_blocks", holder=h)
+            for h in ("tree_protected", "tree_evictable", "request_only", "unattributed")
+        }
+        assert held == {
+            "tree_protected": 4,
+            "tree_evictable": 2,
+            "request_only": 2,
+            "unattributed": 0,
+        }
+        occupied = _get(s, "kvledger_vllm_occupied_blocks", model_name="tiny")
+        assert held["tree_protected"] + held["request_only"] + held["unattributed"] == occupied
+        assert held["tree_evictable"] == _get(s, "kvledger_vllm_evictable_blocks", engine="0")
+        debug = EXPORT.debug(sources.read().views[0])
+        assert debug.engine is not None and debug.engine.held_blocks == held
+
+
 def test_every_vllm_metric_is_declared_and_cannot_clash_with_vllms_names() -> None:
     specs = vllm_metrics.METRICS
     assert specs and all(s.name.startswith("kvledger_vllm_") for s in specs)
@@ -168,7 +200,11 @@ def test_registering_is_idempotent_and_refuses_a_clash() -> None:
     engines.register(EXPORT)
     assert before == m.METRICS
     clash = SimpleNamespace(
-        name="other", metrics=(vllm_metrics.METRICS[0],), debug_model=None, debug_description=""
+        name="other",
+        metrics=(vllm_metrics.METRICS[0],),
+        debug_model=None,
+        debug_description="",
+        slots_add_up=True,
     )
     with pytest.raises(ValueError, match="declared already"):
         engines.register(clash)
@@ -177,6 +213,7 @@ def test_registering_is_idempotent_and_refuses_a_clash() -> None:
         metrics=(m.MetricSpec("kvledger_shaped_x", "gauge", "h", ()),),
         debug_model=None,
         debug_description="",
+        slots_add_up=True,
     )
     with pytest.raises(ValueError, match="engine=False"):
         engines.register(sglang_shaped)
@@ -221,6 +258,16 @@ def test_a_published_worker_through_the_app_and_debug_view(tmp_path) -> None:
             "tp_rank": "1",
             "pp_rank": "0",
         }
+        # Totals: the bytes add up (the storage, once); the slots do not (kv_pool's blocks,
+        # the groups' tokens aliasing them): null, in the sources and in the ranks alike.
+        for totals in [s["totals"] for s in debug["sources"]] + [
+            r["totals"] for r in debug["ranks"]
+        ]:
+            assert totals["capacity_slots"] is None and totals["occupied_slots"] is None
+        [worker_totals] = [
+            s["totals"] for s in debug["sources"] if s["vllm"]["role"] == "vllm_worker"
+        ]
+        assert worker_totals["physical_bytes"] == worker_totals["tensor_bytes"] == nbytes
 
 
 def test_a_worker_whose_buffer_rows_fail_is_left_out_and_the_rest_served(tmp_path) -> None:

@@ -57,6 +57,9 @@ def _truth(manager) -> dict[object, int]:
             1 for b in pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None
         ),
     }
+    out["protected"] = sum(
+        1 for b in pool.blocks if b.ref_cnt > 0 and not b.is_null and b.block_hash is not None
+    )
     null = pool.null_block
     for i, m in enumerate(manager.coordinator.single_type_managers):
         # Distinct blocks: one shared by several requests (a prefix hit) counts once.
@@ -78,6 +81,14 @@ def _agree(occ: SchedulerOccupancy, ledger: Ledger, manager) -> dict[object, int
     assert by[EVICTABLE_FAMILY].occupied_slots == truth["evictable"]
     for g in occ.layouts:
         assert by[g.family].occupied_slots == truth[g.index], g.family
+    # Holders: of the blocks in use, the cached ones are tree_protected, the rest (the null
+    # block among them) request_only; the evictable blocks are their own account's.
+    pool = by["kv_pool"]
+    assert (pool.held_tree_protected, pool.held_tree_evictable) == (truth["protected"], 0)
+    assert pool.held_request_only == truth["in_use"] - truth["protected"]
+    assert pool.held_unattributed == 0
+    ev = by[EVICTABLE_FAMILY]
+    assert (ev.held_tree_evictable, ev.held_request_only) == (truth["evictable"], 0)
     assert not snap.violations
     return truth
 
@@ -110,6 +121,7 @@ def test_figures_follow_the_pool(cfg, hybrid: bool) -> None:
     hit = _run(b, manager)
     assert hit > 0
     t = _agree(occ, ledger, manager)
+    assert t["protected"] > 0  # b holds the cached prefix it hit
     # Another request hits b's prefix while b runs: the shared blocks count once per group.
     c = _request("c", list(range(100)) + [9] * 20)
     assert _run(c, manager) > 0
@@ -146,6 +158,7 @@ def test_figures_follow_the_pool(cfg, hybrid: bool) -> None:
     occ.close()
     assert "append_n" not in vars(manager.block_pool.free_block_queue)
     assert "evict_blocks" not in vars(manager.block_pool)
+    assert "_insert_block_hash" not in vars(manager.block_pool)
     assert ledger.accounts() == ()
 
 

@@ -112,7 +112,8 @@ def test_bad_settings_are_refused_naming_the_value(field: str, bad: int) -> None
 
 def test_from_env_reads_the_switch_and_the_slack() -> None:
     assert CompactionPolicy.from_env({}).enabled
-    assert CompactionPolicy.from_env({}).excess_pages == 0
+    assert CompactionPolicy.from_env({}).excess_pages == 2  # switches.DEFAULT_COMPACT_SLACK
+    assert CompactionPolicy.from_env({"KVLEDGER_SGLANG_DSV4_COMPACT_SLACK": "0"}).excess_pages == 0
     assert not CompactionPolicy.from_env({"KVLEDGER_SGLANG_DSV4_COMPACT": "0"}).enabled
     assert CompactionPolicy.from_env({"KVLEDGER_SGLANG_DSV4_COMPACT_SLACK": "3"}).excess_pages == 3
     with pytest.raises(ValueError, match="KVLEDGER_SGLANG_DSV4_COMPACT_SLACK='-3'"):

@@ -325,7 +325,7 @@ def test_bridge_on_swa_is_vmm_owned_and_moves_with_sglang_allocations(
 
 @pytest.mark.parametrize(
     ("switch", "slack", "compacts"),
-    [("", "", True), ("0", "", False), ("", "1", True), ("", "1024", False)],
+    [("", "0", True), ("0", "0", False), ("", "1", True), ("", "1024", False)],
 )
 def test_the_plugin_compacts_a_fragmented_bridged_pool_when_idle(
     snapdir: Path, switch: str, slack: str, compacts: bool

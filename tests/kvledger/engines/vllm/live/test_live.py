@@ -74,6 +74,15 @@ class Figures:
         """What holds in every snapshot: the groups' distinct blocks are the pool's blocks
         in use less the null block (a shared prefix block counted once, as vLLM counts it)."""
         assert sum(self.groups.values()) == self.occupied - 1, (self.groups, self.occupied)
+        # Holders: the blocks in use split into tree_protected, request_only (unattributed 0:
+        # the pool's hash methods were wrapped); the evictable ones are tree_evictable.
+        held = {
+            h: int(one(self.samples, "kvledger_vllm_held_blocks", **E, holder=h))
+            for h in ("tree_protected", "tree_evictable", "request_only", "unattributed")
+        }
+        assert held["unattributed"] == 0, held
+        assert held["tree_protected"] + held["request_only"] == self.occupied, held
+        assert held["tree_evictable"] == self.evictable, held
 
 
 def _vllm_blocks(samples: dict[str, float], blocks: int) -> int:

@@ -239,8 +239,10 @@ def test_a_planted_file_is_refused_and_the_good_sources_keep_flowing(rig, attack
 
 
 def test_a_forged_file_cannot_replace_the_engine_series(rig):
-    """Owned by another user: refused. Owned by a trusted user but imitating the demo's
-    engine labels: a conflict, neither is exported, and the 80 GiB figure never is."""
+    """Owned by another user: refused. Owned by a trusted user, claiming 80 GiB: refused by
+    the first-line checks, or in conflict with the demo. Imitating the demo's engine labels
+    with figures that add up: a conflict, neither is exported, and the 80 GiB figure never
+    is."""
     forged = _plant(rig, "forged.json", _forged(rig, "forged.json"))
     envelope, rows = _demo_file(rig)
     buffers = json.loads(rows)
@@ -265,6 +267,19 @@ def test_a_forged_file_cannot_replace_the_engine_series(rig):
             os.chown(forged, 0, -1)
             os.utime(forged)  # a new version: read again
         views = lambda: {s["source"]: s for s in rig.debug()["sources"]}  # noqa: E731
+        # Refused by the first-line checks where the demo's accounts hold pages that cannot
+        # add up to 80 GiB, else read and in conflict with the demo: never exported.
+        wait_until(
+            lambda: rig.refused().get("forged.json") == "schema" or "forged" in views(),
+            10,
+            "the 80 GiB file judged",
+        )
+        assert all(v < 1.0 for v in rig.headlines().values())
+        # The demo's own file under another name: figures that add up, the demo's labels.
+        envelope, rows = _demo_file(rig)
+        forged.write_bytes(
+            json.dumps({**envelope, "source": "forged", "interval": 5.0}).encode() + b"\n" + rows
+        )
         wait_until(lambda: "forged" in views(), 10, "the forged file is read")
         both = views()
         assert not both["forged"]["up"] and "conflict" in both["forged"]["stale_reason"]

@@ -89,6 +89,16 @@ def deepseek_v4_specs(cfg: Any, *, backend: str = "flashmla") -> tuple[dict[str,
         bool(attn.use_fp8_ds_mla_layout), cache_config.cache_dtype, cache_config
     )
     index_row = _indexer_row(cfg, int(hf.index_head_dim))
+
+    def state_cache(head_dim: int, ratio: int, prefix: str) -> Any:
+        """A compressor's state rows (the attention's or the indexer's), fp32."""
+        return CompressorStateCache(
+            state_dim=2 * _coff(ratio) * head_dim,
+            dtype=torch.float32,
+            compress_ratio=ratio,
+            prefix=prefix,
+        )
+
     specs: dict[str, Any] = {}
     with set_current_vllm_config(cfg):
         for i in range(int(hf.num_hidden_layers)):
@@ -112,12 +122,7 @@ def deepseek_v4_specs(cfg: Any, *, backend: str = "flashmla") -> tuple[dict[str,
                 kv_cache_torch_dtype=kv_torch_dtype,
             )
             specs[p] = DeepseekV4Attention.get_kv_cache_spec(stand_in, cfg)
-            state = CompressorStateCache(
-                state_dim=2 * _coff(ratio) * int(hf.head_dim),
-                dtype=torch.float32,
-                compress_ratio=ratio,
-                prefix=f"{p}.compressor.state_cache",
-            )
+            state = state_cache(int(hf.head_dim), ratio, f"{p}.compressor.state_cache")
             specs[state.prefix] = state.get_kv_cache_spec(cfg)
             if ratio != 4:
                 continue
@@ -129,11 +134,8 @@ def deepseek_v4_specs(cfg: Any, *, backend: str = "flashmla") -> tuple[dict[str,
                 compress_ratio=ratio,
             )
             specs[k_cache.prefix] = k_cache.get_kv_cache_spec(cfg)
-            istate = CompressorStateCache(
-                state_dim=2 * _coff(ratio) * int(hf.index_head_dim),
-                dtype=torch.float32,
-                compress_ratio=ratio,
-                prefix=f"{p}.indexer.compressor.state_cache",
+            istate = state_cache(
+                int(hf.index_head_dim), ratio, f"{p}.indexer.compressor.state_cache"
             )
             specs[istate.prefix] = istate.get_kv_cache_spec(cfg)
     backends = [attn.backend_cls, attn.swa_backend_cls, CompressorBackend, DeepseekV4IndexerBackend]

@@ -84,27 +84,24 @@ def holders_cost(
                 tree_components=(ComponentType.FULL, ComponentType.SWA),
             )
         )
-        ledger = Ledger({"model_name": "bench-holders"})
-        inv = register_pool(ledger, e.pool, name="dsv4")
-        reader = HolderReader(
-            ledger,
-            {a.family: a for a in inv.accounts},
-            tree=tree,
-            allocator=e.allocator,
-            req_to_token=e.r2t,
-            units=dsv4_units(e.pool),
-            running=lambda: e.running,
-        )
-        core_ledger = Ledger({"model_name": "bench-holders-core"})
-        core_inv = register_pool(core_ledger, e.pool, name="dsv4")
-        core = HolderReader(  # the holders alone, without the per-request footprints
-            core_ledger,
-            {a.family: a for a in core_inv.accounts},
-            tree=tree,
-            allocator=e.allocator,
-            req_to_token=e.r2t,
-            units=dsv4_units(e.pool),
-        )
+
+        def reader_of(model_name: str, **running: Any) -> Any:
+            ledger = Ledger({"model_name": model_name})
+            inv = register_pool(ledger, e.pool, name="dsv4")
+            reader = HolderReader(
+                ledger,
+                {a.family: a for a in inv.accounts},
+                tree=tree,
+                allocator=e.allocator,
+                req_to_token=e.r2t,
+                units=dsv4_units(e.pool),
+                **running,
+            )
+            return reader
+
+        reader = reader_of("bench-holders", running=lambda: e.running)
+        # the holders alone, without the per-request footprints
+        core = reader_of("bench-holders-core")
         try:
             for _ in range(requests):
                 e.prefill(PAGE + 16)

@@ -161,6 +161,16 @@ class SilentTLS(_Flood):
                 self._sent[s.fileno()] = (sent + 1, now)
 
 
+def read_some(s: socket.socket) -> bytes | None:
+    """What a ready socket has (b"" once it is closed or broken), None if it has nothing yet."""
+    try:
+        return s.recv(65536)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
 @dataclass
 class Probed:
     """What a well-behaved client got: (path, status or error name, seconds) per request."""
@@ -288,12 +298,9 @@ class WrongPasswords:
         while not self._stop.is_set():
             for key, _ in sel.select(0.05):
                 s = key.fileobj
-                try:
-                    data = s.recv(65536)  # type: ignore[union-attr]
-                except BlockingIOError:
+                data = read_some(s)  # type: ignore[arg-type]
+                if data is None:
                     continue
-                except OSError:
-                    data = b""
                 buf = key.data[0] + data
                 if not data:
                     sel.unregister(s)

@@ -24,6 +24,7 @@ import pytest
 
 from accounting.ledger import Ledger
 from accounting.snapfile.writer import Publisher
+from tests.floods import read_some
 from tests.servers import ServeProcess, wait_until
 
 pytestmark = pytest.mark.slow
@@ -132,12 +133,9 @@ class Attackers:
         while not self._stop.is_set():
             for key, _ in self.sel.select(0.05):
                 s = key.fileobj
-                try:
-                    data = s.recv(65536)  # type: ignore[union-attr]
-                except BlockingIOError:
+                data = read_some(s)  # type: ignore[arg-type]
+                if data is None:
                     continue
-                except OSError:
-                    data = b""
                 if not data:
                     slow, _, opened = key.data
                     self.sel.unregister(s)

@@ -37,16 +37,32 @@ with ref count 0 as free, and kvledger keeps `kv_pool`'s occupied equal to vLLM'
 holders add up to its own occupied slots, as the ledger requires. The groups' accounts
 carry no holders (their occupied slots are `unattributed`). Duck-typed; nothing here
 imports vLLM.
+
+Per-request footprints (`RequestFootprints`, `SchedulerOccupancy.footprints`): each running
+request's blocks per group, read from the group managers' `req_to_blocks[request_id]`, and
+its slots (blocks times the group's slots per block). In slots, not bytes: the engine core's
+accounts carry no bytes (above), and `accounting.engine_state.request_violations` bounds a
+request's bytes by its families' occupied bytes, which are 0 here, so they are not put in
+an `EngineState` (whose figures are bytes) on this ledger. A request counts every block it
+holds, shared ones (a prefix hit) included: footprints may sum to more than a group's
+occupied slots, which count a shared block once. Cost per read: O(running requests x
+groups), never a walk over the pool's blocks. A request's blocks in a group are its
+list's length less the null blocks vLLM puts in place of blocks it no longer needs (out of
+a sliding window or a local-attention chunk, skipped by a prefix hit): in vLLM 0.32 and
+0.33 those lead the list, so they are found by bisection, O(log blocks). A state group
+(`mamba`) may null blocks anywhere in the list: there the list is walked (one entry per
+`block_size` tokens, a Mamba group's block size being large), O(that request's blocks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from accounting.buffers import BufferSpec, Owner
 from accounting.ledger import Account, Ledger
-from kvledger.engines.vllm.groups import POOL_FAMILY, GroupLayout, layouts
+from kvledger.engines.vllm.groups import POOL_FAMILY, STATE_KINDS, GroupLayout, layouts
 
 EVICTABLE_FAMILY = "kv_pool_evictable"
 
@@ -224,6 +240,76 @@ class EvictableCounter:
             owner.__dict__.pop(name, None)
 
 
+@dataclass(frozen=True)
+class RequestFootprint:
+    """One running request's KV blocks and slots per KV-cache group (vLLM's group order),
+    the null block excluded; shared blocks (a prefix hit) included."""
+
+    rid: str
+    tokens: int  # `num_computed_tokens`: tokens whose KV is computed
+    blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+
+    @property
+    def total_slots(self) -> int:
+        return sum(self.slots)
+
+
+def _leading_nulls(blocks: Sequence[Any], null: Any) -> int:
+    """How many entries lead `blocks` that are `null` (the null blocks a manager puts before
+    a request's held ones), by bisection: O(log len(blocks))."""
+    lo, hi = 0, len(blocks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if blocks[mid] is null:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+class RequestFootprints:
+    """Reads running requests' footprints from a `KVCacheManager`'s group managers
+    (`coordinator.single_type_managers[i].req_to_blocks`), O(running x groups)."""
+
+    def __init__(self, managers: Sequence[Any], layouts_: Sequence[GroupLayout], null: Any):
+        if len(managers) != len(layouts_):
+            raise ValueError(
+                f"RequestFootprints: {len(managers)} group managers for {len(layouts_)} groups"
+            )
+        self._groups = tuple(
+            (m.req_to_blocks, g.slots_per_block, g.kind in STATE_KINDS)
+            for m, g in zip(managers, layouts_, strict=True)
+        )
+        self._null = null
+
+    def read(self, running: Iterable[Any]) -> list[RequestFootprint]:
+        """The footprints of `running` (vLLM `Request`s: `request_id`, `num_computed_tokens`),
+        in their order; a request no group holds blocks for has all zeros."""
+        null = self._null
+        out = []
+        for req in running:
+            rid = req.request_id
+            blocks: list[int] = []
+            slots: list[int] = []
+            for table, per_block, anywhere in self._groups:
+                held = table.get(rid)  # get: never creates an entry in the defaultdict
+                if not held:
+                    n = 0
+                elif anywhere:
+                    n = sum(1 for b in held if b is not null)
+                else:
+                    n = len(held) - _leading_nulls(held, null)
+                blocks.append(n)
+                slots.append(n * per_block)
+            out.append(
+                RequestFootprint(
+                    str(rid), int(req.num_computed_tokens or 0), tuple(blocks), tuple(slots)
+                )
+            )
+        return out
+
+
 class SchedulerOccupancy:
     """The engine core's accounts, refreshed from a `KVCacheManager` by `refresh()`
     (call it on the scheduler's thread: it reads the managers' request tables)."""
@@ -249,6 +335,7 @@ class SchedulerOccupancy:
             )
         self.num_blocks = int(self.block_pool.num_gpu_blocks)
         self.null_block = self.block_pool.null_block
+        self.request_footprints = RequestFootprints(self.managers, self.layouts, self.null_block)
         self.accounts: list[Account] = []
         self.evictable: EvictableCounter | None = None
         # Set by kvledger's wrapper of Scheduler.schedule: a step ran since the last refresh.
@@ -292,6 +379,11 @@ class SchedulerOccupancy:
             held.discard(null)
             out[g.family] = len(held) * g.slots_per_block
         return out
+
+    def footprints(self, running: Iterable[Any]) -> list[RequestFootprint]:
+        """Each of `running`'s blocks and slots per group (`RequestFootprints.read`); call
+        it on the scheduler's thread, with `Scheduler.running`."""
+        return self.request_footprints.read(running)
 
     def refresh(self) -> dict[str, int]:
         c = self.counts()

@@ -174,3 +174,80 @@ def test_without_prefix_caching_nothing_is_wrapped(cfg) -> None:
     manager.free(r)
     assert _agree(occ, ledger, manager)["evictable"] == 0
     occ.close()
+
+
+def _held_blocks(manager, rid: str) -> list[int]:
+    """A request's non-null blocks per group, walked (the truth footprints are held to)."""
+    null = manager.block_pool.null_block
+    return [
+        sum(1 for b in m.req_to_blocks.get(rid, ()) if b is not null)
+        for m in manager.coordinator.single_type_managers
+    ]
+
+
+class _NoIter(list):
+    """A request's block list that refuses a walk: footprints must bisect, not iterate."""
+
+    def __iter__(self):
+        raise AssertionError("footprints walked a request's blocks")
+
+
+class TestFootprints:
+    @pytest.mark.parametrize("hybrid", [False, True], ids=["full", "full+sliding"])
+    def test_blocks_per_group_match_the_managers(self, cfg, hybrid: bool) -> None:
+        specs = {**vs.full_specs(4), **(vs.sliding_specs(4) if hybrid else {})}
+        manager = _manager(vs.kv_cache_config(cfg, specs, 8 << 20))
+        ledger = Ledger()
+        occ = SchedulerOccupancy(ledger, manager, kind_of=vs.kind_of)
+        a = _request("a", list(range(100)))
+        _run(a, manager)
+        b = _request("b", list(range(100)) + [7] * 200)  # a prefix hit on a's blocks
+        assert _run(b, manager) > 0
+        if hybrid:  # the sliding window's blocks before the window become null blocks
+            for m in manager.coordinator.single_type_managers:
+                m.remove_skipped_blocks("b", b.num_computed_tokens)
+        idle = _request("idle", [1, 2, 3])  # running, no blocks yet
+        got = occ.footprints([a, b, idle])
+        assert [f.rid for f in got] == ["a", "b", "idle"]
+        for f, req in zip(got, (a, b, idle), strict=True):
+            assert list(f.blocks) == _held_blocks(manager, req.request_id)
+            assert f.tokens == req.num_computed_tokens
+            assert f.slots == tuple(
+                n * g.slots_per_block for n, g in zip(f.blocks, occ.layouts, strict=True)
+            )
+        assert got[2].blocks == (0,) * len(occ.layouts)
+        # Reading created no entry in vLLM's tables.
+        assert all("idle" not in m.req_to_blocks for m in manager.coordinator.single_type_managers)
+        if hybrid:
+            window = manager.coordinator.single_type_managers[1].req_to_blocks["b"]
+            assert window[0] is manager.block_pool.null_block  # there were nulls to skip
+        # Shared blocks count in each request that holds them: a and b both count the
+        # prefix, so together they exceed the group's occupied slots.
+        occ.refresh()
+        snap = {x.family: x for x in ledger.snapshot(reconcile=False).accounts}
+        g0 = occ.layouts[0]
+        assert got[0].slots[0] + got[1].slots[0] > snap[g0.family].occupied_slots
+        assert got[1].slots[0] <= snap[g0.family].occupied_slots
+        occ.close()
+
+    def test_reads_no_request_list_and_no_pool_block(self, cfg) -> None:
+        """O(running): a request's list is bisected (never iterated) and the pool's blocks
+        are not touched."""
+        specs = {**vs.full_specs(2), **vs.sliding_specs(2, start=2)}
+        manager = _manager(vs.kv_cache_config(cfg, specs, 8 << 20))
+        ledger = Ledger()
+        occ = SchedulerOccupancy(ledger, manager, kind_of=vs.kind_of)
+        r = _request("r", list(range(300)))
+        _run(r, manager)
+        for m in manager.coordinator.single_type_managers:
+            m.remove_skipped_blocks("r", r.num_computed_tokens)
+        want = _held_blocks(manager, "r")
+        for m in manager.coordinator.single_type_managers:
+            m.req_to_blocks["r"] = _NoIter(m.req_to_blocks["r"])
+        pool_blocks, manager.block_pool.blocks = manager.block_pool.blocks, None
+        try:
+            (f,) = occ.footprints([r])
+        finally:
+            manager.block_pool.blocks = pool_blocks
+        assert list(f.blocks) == want and want[1] < want[0]  # the window dropped blocks
+        occ.close()

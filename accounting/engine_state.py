@@ -15,11 +15,13 @@ only carries it, as it carries `accounting.tp_status.TpStatus`:
   running request as a distribution over `REQUEST_BYTES_BUCKETS` (per-bucket counts, the
   last one past every bound; not cumulative), what `/metrics` exports instead of ids.
 
-A listed request holds no more than is occupied (`request_violations`): in each family at
-most the family's occupied bytes, over all families at most the source's. The footprints
-and the occupancy are read at the same publish, so a request past them is a counting or
-reading bug, or a lie: a violation listed in the snapshot (`accounting.snapshot`), never
-believed silently.
+A listed request holds no more than its families can hold (`request_violations`): in each
+family at most the family's tensor bytes, over all families at most the source's. Not the
+occupied bytes: an engine's footprints come from its token counts, which at a publish can
+run a few slots ahead of its allocator's (6 slots of 585 B in SGLang 0.5.23's own objects,
+tests/kvledger/engines/sglang/test_holders_sglang.py). A request past what its families can
+hold is a counting or reading bug, or a lie (10^15 bytes on a 1,000-byte request): a
+violation listed in the snapshot (`accounting.snapshot`), never believed silently.
 """
 
 from __future__ import annotations
@@ -166,14 +168,15 @@ def engine_state(
 
 
 # -- what a listed request may claim ------------------------------------------------------
-REQUEST_WITHIN_OCCUPIED = "request bytes <= occupied_bytes"
-REQUEST_FAMILY_WITHIN_OCCUPIED = "request bytes_by_family <= the family's occupied_bytes"
+REQUEST_WITHIN_OCCUPIED = "request bytes <= tensor_bytes"
+REQUEST_FAMILY_WITHIN_OCCUPIED = "request bytes_by_family <= the family's tensor_bytes"
 
 
 def request_violations(state: EngineState | None, occupied: Mapping[str, int]) -> list[Violation]:
-    """The listed requests that claim more than is occupied: `occupied` is each family's
-    occupied bytes (every owner together); a request's bytes at most their sum, each of
-    its `bytes_by_family` at most its family's (a family not in `occupied` holds 0)."""
+    """The listed requests that claim more than their families can hold: `occupied` is each
+    family's tensor bytes (every owner together; the name is kept from when it was the
+    occupied bytes); a request's bytes at most their sum, each of its `bytes_by_family` at
+    most its family's (a family not in `occupied` holds 0)."""
     if state is None or not state.requests:
         return []
     total = sum(occupied.values())
@@ -183,7 +186,7 @@ def request_violations(state: EngineState | None, occupied: Mapping[str, int]) -
         if r.bytes > total:
             out.append(
                 Violation(
-                    subject, REQUEST_WITHIN_OCCUPIED, f"bytes={r.bytes}, occupied_bytes={total}"
+                    subject, REQUEST_WITHIN_OCCUPIED, f"bytes={r.bytes}, tensor_bytes={total}"
                 )
             )
         for family, nbytes in sorted(r.bytes_by_family.items()):
@@ -193,7 +196,7 @@ def request_violations(state: EngineState | None, occupied: Mapping[str, int]) -
                     Violation(
                         subject,
                         REQUEST_FAMILY_WITHIN_OCCUPIED,
-                        f"{family}: bytes={nbytes}, occupied_bytes={held}",
+                        f"{family}: bytes={nbytes}, tensor_bytes={held}",
                     )
                 )
     return out

@@ -102,7 +102,7 @@ class Snapshot:
         if engine is not None and engine.requests:
             occupied: dict[str, int] = {}
             for b in buffers:
-                occupied[b.spec.family] = occupied.get(b.spec.family, 0) + b.occupied_bytes
+                occupied[b.spec.family] = occupied.get(b.spec.family, 0) + b.spec.tensor_bytes
             violations += request_violations(engine, occupied)
         return cls(
             epoch=epoch,

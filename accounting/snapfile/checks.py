@@ -13,7 +13,7 @@ run no more than its slots (`requests_known`). A file that breaks one is refused
 ("schema") with the relation and the figures that broke it. Relations a genuine writer's
 reads could break are violations it must list, recomputed here: the GPU parts and
 unattributed bytes against the device's size (`parts_violations_listed`), a listed
-request's footprint against the occupied bytes (`request_violations_listed`).
+request's footprint against its families' tensor bytes (`request_violations_listed`).
 
 Each relation of the first line has two forms here. The one `load` calls
 (`families_match_accounts`, `whole_pages`, `violations_complete`, over the account and
@@ -457,7 +457,7 @@ def request_violations_listed(
     if engine is None or not engine.requests:
         return
     occupied: dict[str, int] = {}
-    for family, nbytes in zip(families["family"], families["occupied_bytes"], strict=True):
+    for family, nbytes in zip(families["family"], families["tensor_bytes"], strict=True):
         occupied[family] = occupied.get(family, 0) + nbytes
     listed = Counter(violations)
     for v in request_violations(engine, occupied):

@@ -24,7 +24,7 @@ def test_a_request_claims_at_most_what_its_families_hold() -> None:
         engine_state(holders_from="T", requests=[pib, split, elsewhere]), occupied
     )
     assert [(v.subject, v.relation, v.detail) for v in got] == [
-        ("request pib", REQUEST_WITHIN_OCCUPIED, f"bytes={1 << 50}, occupied_bytes=266240"),
-        ("request split", REQUEST_FAMILY_WITHIN_OCCUPIED, "c4_kv: bytes=8192, occupied_bytes=4096"),
-        ("request elsewhere", REQUEST_FAMILY_WITHIN_OCCUPIED, "nope: bytes=10, occupied_bytes=0"),
+        ("request pib", REQUEST_WITHIN_OCCUPIED, f"bytes={1 << 50}, tensor_bytes=266240"),
+        ("request split", REQUEST_FAMILY_WITHIN_OCCUPIED, "c4_kv: bytes=8192, tensor_bytes=4096"),
+        ("request elsewhere", REQUEST_FAMILY_WITHIN_OCCUPIED, "nope: bytes=10, tensor_bytes=0"),
     ]

@@ -160,17 +160,15 @@ def test_a_request_claiming_more_than_is_occupied_is_a_listed_violation() -> Non
     from accounting.engine_state import RequestHeld, engine_state
 
     ledger = _busy_ledger()
-    occupied = {
-        f: figs["occupied_bytes"] for (f,), figs in ledger.snapshot().rollup("family").items()
-    }
-    fits = RequestHeld("ok", 10, 1.0, occupied["c4_kv"], {"c4_kv": occupied["c4_kv"]})
+    room = {f: figs["tensor_bytes"] for (f,), figs in ledger.snapshot().rollup("family").items()}
+    fits = RequestHeld("ok", 10, 1.0, room["c4_kv"], {"c4_kv": room["c4_kv"]})
     ledger.set_engine_state(lambda: engine_state(holders_from="T", requests=[fits]))
     assert ledger.snapshot().violations == ()
     huge = RequestHeld("huge", 10, 1.0, 10**15)
-    over = RequestHeld("over", 10, 1.0, occupied["c4_kv"] + 1, {"c4_kv": occupied["c4_kv"] + 1})
+    over = RequestHeld("over", 10, 1.0, room["c4_kv"] + 1, {"c4_kv": room["c4_kv"] + 1})
     ledger.set_engine_state(lambda: engine_state(holders_from="T", requests=[huge, over]))
     got = [(v.subject, v.relation) for v in ledger.snapshot().violations]
     assert got == [
-        ("request huge", "request bytes <= occupied_bytes"),
-        ("request over", "request bytes_by_family <= the family's occupied_bytes"),
+        ("request huge", "request bytes <= tensor_bytes"),
+        ("request over", "request bytes_by_family <= the family's tensor_bytes"),
     ]

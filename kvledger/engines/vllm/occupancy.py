@@ -42,7 +42,7 @@ Per-request footprints (`RequestFootprints`, `SchedulerOccupancy.footprints`): e
 request's blocks per group, read from the group managers' `req_to_blocks[request_id]`, and
 its slots (blocks times the group's slots per block). In slots, not bytes: the engine core's
 accounts carry no bytes (above), and `accounting.engine_state.request_violations` bounds a
-request's bytes by its families' occupied bytes, which are 0 here, so they are not put in
+request's bytes by its families' tensor bytes, which are 0 here, so they are not put in
 an `EngineState` (whose figures are bytes) on this ledger. A request counts every block it
 holds, shared ones (a prefix hit) included: footprints may sum to more than a group's
 occupied slots, which count a shared block once. Cost per read: O(running requests x

@@ -189,6 +189,12 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
         "the next batch in flight) or idle (only with no batch in flight, as the plugin does "
         "under SGLang's overlap loop)",
     )
+    g.add_argument(
+        "--serving-control",
+        action="store_true",
+        help="a second native engine through the same trace, interleaved with the others: "
+        "native/native tokens/s is the loop's own spread (what a ratio can resolve)",
+    )
     g.add_argument("--serving-rounds", type=_positive, default=10, help="rounds a variant (10)")
     g.add_argument("--serving-steps", type=_positive, default=100, help="steps a round (100)")
     g.add_argument(

@@ -139,13 +139,14 @@ def run_one(
             stack.enter_context(torch.cuda.stream(device.sched))
         native_e = ServingEngine(shape, dev_name)
         bridged_e = ServingEngine(shape, dev_name)
+        control = bool(getattr(args, "serving_control", False))
         ledger = Ledger({"model_name": "kvledger-bench-sglang-serving"})
         pool_options = (
             {} if args.max_spare_pages is None else {"max_spare_pages": args.max_spare_pages}
         )
         bridge: Any = attach_bridge(bridged_e, ledger, pool_options)
         stack.callback(bridge.detach)
-        logs = {"native": WaitLog(), "bridged": WaitLog()}
+        logs = {"native": WaitLog(), "bridged": WaitLog(), "control": WaitLog()}
         for lg in logs.values():
             lg.owner = threading.get_ident()
         if not cuda:
@@ -165,6 +166,12 @@ def run_one(
                 log=logs["bridged"], bridge=bridge,
             ),
         }  # fmt: skip
+        if control:  # native again: its ratio to native is the loop's own spread
+            loops["control"] = ServingLoop(
+                "control", ServingEngine(shape, dev_name), trace, spec, device, fwd,
+                max_running=args.serving_max_running, prefill_tokens=args.serving_prefill_tokens,
+                watch=watch, log=logs["control"],
+            )  # fmt: skip
         for lp in loops.values():
             lp.hold_prefixes()
         bridge.wait_idle()
@@ -191,12 +198,13 @@ def run_one(
             bridged_e.held_swa_pages()  # the same bookkeeping on native, minus the bridge's
 
         m0, u0 = account.pages_mapped_total, account.pages_unmapped_total
-        times: dict[str, list[float]] = {"native": [], "bridged": []}
-        toks: dict[str, list[int]] = {"native": [], "bridged": []}
-        order = ("native", "bridged")
+        order = ("native", "bridged", "control") if control else ("native", "bridged")
+        times: dict[str, list[float]] = {k: [] for k in order}
+        toks: dict[str, list[int]] = {k: [] for k in order}
         with watch.installed() if watch is not None else contextlib.nullcontext():
             for i in range(rounds):
-                for k in order if i % 2 == 0 else order[::-1]:
+                # each variant first in turn: no variant always runs after the same one
+                for k in order[i % len(order) :] + order[: i % len(order)]:
                     if watch is not None:
                         watch.log = logs[k]
                     seconds, tokens = loops[k].run(per_round, sample if k == "bridged" else noop)
@@ -238,7 +246,7 @@ def run_one(
                 "wait_kinds": dict(logs[k].kinds),
                 "other_thread_waits": logs[k].other_waits,
             }
-        b, n = loops["bridged"], loops["native"]
+        b = loops["bridged"]
         out["paired"] = {
             "tokens_per_s": _paired(
                 [t / s for t, s in zip(toks["bridged"], times["bridged"], strict=True)],
@@ -246,6 +254,12 @@ def run_one(
             ),
             "steps_per_s": _paired(times["native"], times["bridged"]),
         }
+        if control:
+            out["paired"]["control_tokens_per_s"] = _paired(
+                [t / s for t, s in zip(toks["control"], times["control"], strict=True)],
+                [t / s for t, s in zip(toks["native"], times["native"], strict=True)],
+            )
+            out["same_tokens"] = out["same_tokens"] and toks["control"] == toks["native"]
         out["blocked_added_us_median"] = (
             out["bridged"]["blocked_us"]["median"] - out["native"]["blocked_us"]["median"]
         )
@@ -261,7 +275,7 @@ def run_one(
         )
         out["swa_memory"] = memory.result()
         out["bound"] = {**over, "slack": slack, "mapped_max": mapped_max[0]}
-        for lp in (n, b):
+        for lp in loops.values():
             lp.finish_all()
         if log_progress is not None:
             ci = out["paired"]["tokens_per_s"]
@@ -309,6 +323,7 @@ def run_serving(args: Any, progress: Callable[[str], None] | None = None) -> dic
             "rounds": args.serving_rounds,
             "steps_per_round": args.serving_steps,
             "compact_at": args.serving_compact,
+            "control": bool(getattr(args, "serving_control", False)),
             "curve_ms": curve_ms,
             "window": WINDOW,
             "page": PAGE,
@@ -341,6 +356,13 @@ def report(r: dict[str, Any]) -> list[str]:
             f"steps/s {s['median']:.4f}x [{s['low']:.4f}, {s['high']:.4f}]; native "
             f"{nat['tokens_per_s']:.0f} tokens/s, {nat['steps_per_s']:.1f} steps/s"
         )
+        if "control_tokens_per_s" in p:
+            cc = p["control_tokens_per_s"]
+            out.append(
+                f"    control native/native tokens/s {cc['median']:.4f}x [{cc['low']:.4f}, "
+                f"{cc['high']:.4f}] (min {cc['min']:.4f}, max {cc['max']:.4f}): the loop's own "
+                "spread"
+            )
         for k, v in (("native", nat), ("bridged", br)):
             out.append(
                 f"    {k:8s} host work/step median {v['host_us']['median']:.0f} us, p99 "

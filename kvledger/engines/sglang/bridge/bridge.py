@@ -104,6 +104,7 @@ class Bridge:
         self.runtime_accounts: list[Account] = []
         self.swa_owner: Any = None  # SGLang's SWATokenToKVPoolAllocator (the index mapping)
         self.rows_moved = 0  # rows moved by compaction
+        self.compactions_deferred = 0  # compactions that moved nothing: ids still being read
 
     @property
     def pool(self) -> Any:
@@ -137,6 +138,7 @@ class Bridge:
             "replays": policy.flushes,
             "forced_replays": policy.forced,
             "rows_moved": self.rows_moved,
+            "compactions_deferred": self.compactions_deferred,
         }
 
     def compact(self, max_moves: int | None = None) -> int:

@@ -8,9 +8,19 @@ the mapping's entries that point into it, and swap the two page ids in the free 
 old row becomes free, the new one is taken). `allocator.rows.compaction.plan` picks the moves
 so that the sparsest VMM pages empty into the other pages in use (or, when none can,
 `allocator.rows.compaction.slide` moves the highest pages' rows down to where the held rows
-would lie packed, mapping the gaps it fills when it takes them); the emptied pages are
-unmapped before the call returns (on CUDA after an event recorded behind the copies has
-completed: the fence rule, with a stream's event enough because no batch is in flight).
+would lie packed, mapping the gaps it fills when it takes them).
+
+It never waits for the device on the calling (scheduler's) thread:
+- the journal is replayed without waiting; ids still being read (queued behind a forward
+  that has not run) make the call move nothing and return 0: the next call compacts
+  (`Bridge.compactions_deferred` counts these);
+- spares fenced behind work still queued are not waited for: the background mapper waits
+  for their fences off this thread and unmaps them (the store's trim skips a fenced page);
+- the pages the moves empty carry an event recorded behind the copies (the fence rule,
+  with a stream's event enough because no batch that read them is in flight) and are
+  unmapped by the first trim that finds it signalled, on this thread or the mapper's;
+- on CUDA the row ids go up through pinned memory without blocking, and the mapping's
+  rewrite is computed on the device (no read-back of the pages to rewrite).
 
 When it may run: `Bridge.compact()` is the caller's to call, on the thread that drives
 the allocator, between batches, when no batch that has already translated SWA ids is still
@@ -46,7 +56,12 @@ def compact(bridge: Any, *, max_moves: int = MAX_MOVES) -> int:
     sub = policy.allocator
     if mapping is None or getattr(sub, "staged_pages", None):
         return 0  # no mapping to rewrite, or staged pages: the list is not every free row
-    policy.flush(wait=True)
+    policy.flush(wait=False)
+    if len(policy.journal):
+        # ids SGLang freed are still being read behind work in flight: the follower is not
+        # SGLang's list yet, and waiting for them would block this thread on the device
+        bridge.compactions_deferred += 1
+        return 0
     moved = 0
     with policy.exclusive():
         while moved < max_moves:
@@ -73,10 +88,11 @@ def _next_plan(f: Any, store: Any, max_moves: int) -> tuple[list[int], list[int]
     # mapped the spares it may map ahead
     if not packing.over_bound_soon(f):
         return [], []
-    if store.policy.fences:  # no batch in flight: the device is idle, waiting costs nothing
-        for fence in {id(x): x for x in store.policy.fences.values()}.values():
-            fence.wait()
-        store.policy.trim_locked()  # spares freed by finishes, over the watermark
+    if store.policy.fences:
+        # Spares freed by finishes, over the watermark: those whose fences have signalled go
+        # now; the rest are the background mapper's to wait for, off this thread.
+        store.policy.trim_locked()
+        store.cond.notify_all()
         if not packing.over_bound_soon(f):
             return [], []
     # Over only by the page the mapper may map ahead in a stale spare's place: the stale one
@@ -124,32 +140,42 @@ def _apply(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: lis
     except BaseException:
         f.give_back(targets, policy.reader.fence_now())  # SGLang still holds the sources
         raise
-    # No batch is in flight (the caller's precondition): the copies just queued are the
-    # last work reading the source rows, so an event after them fences their pages.
+    # No batch that read the source rows is in flight (the caller's precondition): the
+    # copies just queued are the last work reading them, so an event after them fences
+    # their pages. Not waited for here: the first trim that finds it signalled unmaps them.
     fence = policy.reader.stream_fence()
     f.give_back(sources, fence, trim=False)
     swapped = dict(zip(targets, sources, strict=True))
     # The new front: the spares get no new fence (no batch in flight).
     policy.pin([swapped.get(r, r) for r in policy.front], fence_spares=False)
-    if fence is not None:
-        fence.wait()  # the copies: a few rows, microseconds on a GPU
     with store.lock:
         if not store.closed:
             store.policy.trim_locked()  # emptied by a move, not by a finish: no grace to wait
+            store.cond.notify_all()  # the mapper unmaps those still fenced once they signal
 
 
 def _move(bridge: Any, mapping: Any, sub: Any, sources: list[int], targets: list[int]) -> None:
     import torch
 
     dev = mapping.device
-    src = torch.tensor(sources, dtype=torch.int64, device=dev)
-    dst = torch.tensor(targets, dtype=torch.int64, device=dev)
+    src = _upload(torch, sources, dev)
+    dst = _upload(torch, targets, dev)
     _copy_rows(bridge.tensors, sources, targets, src, dst)
     rows = bridge.follower.rows
     remap.rewrite(mapping, int(sub.page_size), rows, src, dst)
     swap = torch.arange(rows, dtype=torch.int64, device=dev)
     swap[dst] = src  # the free list: each target's id replaced by its source's
     sub.free_pages = swap[sub.free_pages].to(sub.free_pages.dtype)
+
+
+def _upload(torch: Any, ids: list[int], dev: Any) -> Any:
+    """`ids` as an int64 tensor on `dev`. On a device through pinned memory, without blocking
+    (a copy from pageable memory waits for the stream); torch's pinned-memory cache keeps
+    the host buffer until the copy has run."""
+    host = torch.tensor(ids, dtype=torch.int64)
+    if dev.type == "cpu":
+        return host
+    return host.pin_memory().to(dev, non_blocking=True)
 
 
 def _copy_rows(

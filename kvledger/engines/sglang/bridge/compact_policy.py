@@ -13,8 +13,9 @@ moves at most `max_moves` rows: a budget per step, so that one call costs at mos
 `max_moves` row copies in every layer (128 rows of DeepSeek-V4's 43 layers: about 0.8 GB
 copied, under a millisecond on an H200); a finish that leaves more to move is worked off over
 the next steps. Everything runs on the scheduler's thread: compaction rewrites SGLang's
-index mapping and free list, which only that thread may touch, and unmaps the pages it
-empties there too (a few driver calls, after an event behind its copies).
+index mapping and free list, which only that thread may touch. It never waits for the device
+there: the pages it empties are unmapped once an event behind its copies has signalled, by
+the next trim on that thread or by the background mapper (kvledger.engines.sglang.bridge.compact).
 
 Off with `KVLEDGER_SGLANG_DSV4_COMPACT=0`; `KVLEDGER_SGLANG_DSV4_COMPACT_SLACK=N` sets
 `excess_pages` (kvledger.engines.sglang.switches). With a slack of N a step compacts only once the

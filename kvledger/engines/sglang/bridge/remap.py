@@ -18,12 +18,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def rewrite(mapping: Any, page: int, rows: int, src: Any, dst: Any) -> int:
+def rewrite(
+    mapping: Any, page: int, rows: int, src: Any, dst: Any, *, masked: bool | None = None
+) -> int | None:
     """Point the entries of `mapping` that lie in SWA row `src[i]` at the same offset of row
     `dst[i]` (int64 tensors on the mapping's device; the sources were held, the destinations
-    free). The last entry is SGLang's -1 and stays. Returns the full pages rewritten. On a
-    device the selection of the pages to rewrite is read back (a synchronisation: compaction
-    runs with no batch in flight)."""
+    free). The last entry is SGLang's -1 and stays. On the host returns the full pages
+    rewritten. On a device returns None: selecting the pages to rewrite would read their
+    count back (a synchronisation on the scheduler's thread), so every full page is
+    rewritten through a mask there instead, one elementwise pass over the mapping queued on
+    the stream (the same entries change). `masked` picks the pass (default: on a device)."""
     import torch
 
     body = mapping[:-1]
@@ -37,6 +41,12 @@ def rewrite(mapping: Any, page: int, rows: int, src: Any, dst: Any) -> int:
     shift = torch.zeros(rows, dtype=mapping.dtype, device=dev)  # tokens each row moves by
     shift[src] = (dst - src).to(mapping.dtype) * page
     rep_rows = torch.div(by_page[:, 0], page, rounding_mode="floor")
+    if masked if masked is not None else dev.type != "cpu":
+        own_all = rep_rows.unsqueeze(1)
+        step = shift[rep_rows].unsqueeze(1)  # 0 for a page whose row did not move
+        in_row = torch.div(by_page, page, rounding_mode="floor") == own_all
+        by_page.copy_(torch.where(in_row, by_page + step, by_page))
+        return None
     hit = torch.nonzero(shift[rep_rows]).squeeze(1)
     if hit.numel() == 0:
         return 0

@@ -31,12 +31,16 @@ def test_the_decode_paths_make_no_synchronisation() -> None:
         assert r["bridged"][path] == "ok", (path, r["bridged"][path])
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="compaction waits for its copies' fence on the scheduler thread (host model: "
-    "tests/kvledger/engines/sglang/bridge/test_scheduler_waits.py); detach copies rows back",
-)
-def test_compaction_and_detach_make_no_synchronisation() -> None:
+def test_compaction_makes_no_synchronisation() -> None:
     r = _proof()
     assert r["bridged"]["compaction"] == "ok", r["bridged"]["compaction"]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="detach copies the rows back and closes the store, which waits for the device "
+    "before any unmap (docs/allocator.md, the unmap rule)",
+)
+def test_detach_makes_no_synchronisation() -> None:
+    r = _proof()
     assert r["bridged"]["detach"] == "ok", r["bridged"]["detach"]

@@ -50,3 +50,17 @@ def test_a_tiny_serving_run_reports_every_field_and_the_same_tokens() -> None:
     assert off["bridged"]["rows_moved"] == 0 and off["bridged"]["waits_per_1000_steps"] == 0
     lines = serving.report(r)
     assert any("same tokens native/bridged: True" in x for x in lines)
+
+
+@pytest.mark.sglang
+def test_the_control_runs_native_twice_and_reports_its_spread() -> None:
+    args = _args([*TINY, "--serving-control", "--serving-compaction", "off"])
+    bench.cases.apply_defaults(args)
+    r = serving.run_serving(args)
+    assert r["config"]["control"] is True
+    (run,) = r["runs"]
+    assert run["same_tokens"] is True  # the control ran the same trace, token for token
+    cc = run["paired"]["control_tokens_per_s"]
+    assert cc["n"] == 2 and cc["low"] <= cc["median"] <= cc["high"]
+    assert run["control"]["host_us"]["n"] == 2 * 15
+    assert any("control native/native" in x for x in serving.report(r))

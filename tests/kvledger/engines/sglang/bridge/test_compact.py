@@ -99,6 +99,50 @@ def test_compaction_moves_rows_and_every_token_reads_the_same_bytes(
     assert e.held_swa_pages() == 0
 
 
+def test_compaction_behind_a_busy_stream_unmaps_only_after_its_copies(
+    scattered: tuple[Engine, Any, list[Request]],
+) -> None:
+    """Compaction does not wait for its copies: on CUDA, with a long kernel queued ahead of
+    them on the same stream, it returns at once and unmaps nothing; the pages it emptied go
+    only once the copies have run (the background mapper waits for their event off this
+    thread), and every token still reads its bytes: an unmap before the copies would fault
+    them (an illegal address) or lose the rows."""
+    import time
+
+    import torch
+
+    e, bridge, live = scattered
+    before = token_rows(e, live)
+    layers = e.pool.swa_kv_pool.kv_buffer
+    for i, t in enumerate(layers):
+        for row in set(before.values()):
+            t[row].fill_((row * 7 + i) % 251)
+    cuda = layers[0].is_cuda
+    assert bridge.wait_idle(timeout=30.0)  # the fixture's finishes: their pages gone first
+    if cuda:
+        torch.cuda.synchronize()
+    unmapped0 = bridge.stats()["pages_unmapped_total"]
+    if cuda:
+        torch.cuda._sleep(1_000_000_000)  # several hundred ms on the stream the copies join
+    t0 = time.perf_counter()
+    moved = bridge.compact()
+    took = time.perf_counter() - t0
+    assert moved > 0
+    if cuda:
+        busy = not torch.cuda.current_stream().query()
+        assert busy, "the kernel ahead finished before the check: nothing was proven"
+        assert bridge.stats()["pages_unmapped_total"] == unmapped0, "unmapped before the copies"
+        assert took < 0.2, f"compact() waited {took:.3f} s for the device"
+    assert bridge.wait_idle(timeout=30.0)
+    if cuda:
+        torch.cuda.synchronize()
+    assert bridge.stats()["pages_unmapped_total"] > unmapped0  # the emptied pages went, after
+    after = token_rows(e, live)
+    for key, row in after.items():
+        for i, t in enumerate(layers):
+            assert bool((t[row] == (before[key] * 7 + i) % 251).all()), (key, row)
+
+
 def test_compaction_refuses_another_thread(
     scattered: tuple[Engine, Any, list[Request]],
 ) -> None:

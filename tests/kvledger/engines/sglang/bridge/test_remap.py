@@ -36,8 +36,11 @@ def reference(mapping: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> to
     return out
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["selected", "masked"])
 @pytest.mark.parametrize("seed", range(20))
-def test_rewrite_matches_the_whole_mapping_rewrite(seed: int) -> None:
+def test_rewrite_matches_the_whole_mapping_rewrite(seed: int, masked: bool) -> None:
+    """Both passes: the host's (the pages to rewrite selected) and the device's (every page
+    through a mask, nothing read back), here on the host."""
     rng = random.Random(seed)
     mapping, held = aligned_mapping(rng)
     free = [r for r in range(1, ROWS) if r not in held]
@@ -45,10 +48,19 @@ def test_rewrite_matches_the_whole_mapping_rewrite(seed: int) -> None:
     src = torch.tensor(rng.sample(held, k))
     dst = torch.tensor(rng.sample(free, k))
     want = reference(mapping, src, dst)
-    pages = remap.rewrite(mapping, PAGE, ROWS, src, dst)
+    pages = remap.rewrite(mapping, PAGE, ROWS, src, dst, masked=masked)
     assert torch.equal(mapping, want)
-    assert pages == k  # each held row is one full page's
+    assert pages == (None if masked else k)  # each held row is one full page's
     assert int(mapping[-1]) == -1
+
+
+def test_the_masked_pass_leaves_unmoved_rows_and_zeros_alone() -> None:
+    mapping, held = aligned_mapping(random.Random(5))
+    free = [r for r in range(1, ROWS) if r not in held]
+    before = mapping.clone()
+    src, dst = torch.tensor(free[:2]), torch.tensor(free[2:4])  # rows no entry points into
+    assert remap.rewrite(mapping, PAGE, ROWS, src, dst, masked=True) is None
+    assert torch.equal(mapping, before)
 
 
 def test_no_moved_row_in_the_mapping_rewrites_nothing() -> None:

@@ -60,6 +60,22 @@ def token_rows(e: Engine, reqs: list[Request]) -> dict[tuple[int, int], int]:
     return out
 
 
+def mark_rows(layers: list[Any], rows: dict[tuple[int, int], int]) -> None:
+    """Fill each row the tokens read with a byte of its own per layer."""
+    for i, t in enumerate(layers):
+        for row in set(rows.values()):
+            t[row].fill_((row * 7 + i) % 251)
+
+
+def check_rows(
+    layers: list[Any], before: dict[tuple[int, int], int], after: dict[tuple[int, int], int]
+) -> None:
+    """Every token reads, from its row now, the bytes its row held before."""
+    for key, row in after.items():
+        for i, t in enumerate(layers):
+            assert bool((t[row] == (before[key] * 7 + i) % 251).all()), (key, row)
+
+
 def pages_in_use(bridge: Any) -> int:
     return bridge.store.in_use.count(1)
 
@@ -70,17 +86,13 @@ def test_compaction_moves_rows_and_every_token_reads_the_same_bytes(
     e, bridge, live = scattered
     before = token_rows(e, live)
     layers = e.pool.swa_kv_pool.kv_buffer
-    for i, t in enumerate(layers):
-        for row in set(before.values()):
-            t[row].fill_((row * 7 + i) % 251)
+    mark_rows(layers, before)
     in_use, mapped = pages_in_use(bridge), bridge.stats()["mapped_pages"]
     moved = bridge.compact()
     assert moved > 0 and bridge.stats()["rows_moved"] == moved
     after = token_rows(e, live)
     assert after.keys() == before.keys() and after != before
-    for key, row in after.items():
-        for i, t in enumerate(layers):
-            assert bool((t[row] == (before[key] * 7 + i) % 251).all()), (key, row)
+    check_rows(layers, before, after)
     # The follower holds what SGLang holds; fewer pages in use, the emptied ones unmapped.
     held = sorted(set(after.values()))
     assert bridge.follower.held().tolist() == bridge.policy.held_by_engine() == held
@@ -114,9 +126,7 @@ def test_compaction_behind_a_busy_stream_unmaps_only_after_its_copies(
     e, bridge, live = scattered
     before = token_rows(e, live)
     layers = e.pool.swa_kv_pool.kv_buffer
-    for i, t in enumerate(layers):
-        for row in set(before.values()):
-            t[row].fill_((row * 7 + i) % 251)
+    mark_rows(layers, before)
     cuda = layers[0].is_cuda
     assert bridge.wait_idle(timeout=30.0)  # the fixture's finishes: their pages gone first
     if cuda:
@@ -137,10 +147,7 @@ def test_compaction_behind_a_busy_stream_unmaps_only_after_its_copies(
     if cuda:
         torch.cuda.synchronize()
     assert bridge.stats()["pages_unmapped_total"] > unmapped0  # the emptied pages went, after
-    after = token_rows(e, live)
-    for key, row in after.items():
-        for i, t in enumerate(layers):
-            assert bool((t[row] == (before[key] * 7 + i) % 251).all()), (key, row)
+    check_rows(layers, before, token_rows(e, live))
 
 
 def test_compaction_refuses_another_thread(

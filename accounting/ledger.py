@@ -20,6 +20,7 @@ from typing import Any
 from accounting.buffers import BufferSpec, Owner
 from accounting.engine_state import EngineState
 from accounting.events import PoolEvent
+from accounting.request_slots import RequestSlots
 from accounting.rows import AccountRow, BufferRow
 from accounting.snapshot import Snapshot
 from accounting.tp_status import TpStatus
@@ -359,6 +360,7 @@ class Ledger:
         self._tp_status: Callable[[], TpStatus] | None = None
         self._probes: list[Callable[[], None]] = []
         self._engine_state: Callable[[], EngineState | None] | None = None
+        self._request_slots: Callable[[], RequestSlots | None] | None = None
 
     def add_probe(self, probe: Callable[[], None]) -> None:
         """Call `probe` at the start of every snapshot, before the allocators report: how a
@@ -517,6 +519,14 @@ class Ledger:
             self._engine_state = source
             self._epoch += 1
 
+    def set_request_slots(self, source: Callable[[], RequestSlots | None] | None) -> None:
+        """Carry running requests' slots per family (accounting.request_slots) in each
+        snapshot: `source` is called once per snapshot, under the ledger's lock, and must
+        only return what its engine last read (O(1))."""
+        with self._lock:
+            self._request_slots = source
+            self._epoch += 1
+
     def snapshot(self, *, reconcile: bool = True) -> Snapshot:
         # Under the lock only the account counters are copied (a handful of small rows), so
         # an allocator event waits at most that long; rows, rollups and relation checks are
@@ -544,6 +554,7 @@ class Ledger:
             with self._lock:
                 tp = self._tp_status() if self._tp_status is not None else None
                 engine = self._engine_state() if self._engine_state is not None else None
+                slots = self._request_slots() if self._request_slots is not None else None
                 copied = [(a._row(), a.buffers) for a in self._accounts.values()]
                 epoch = self._epoch
                 labels = dict(self.labels)
@@ -558,6 +569,7 @@ class Ledger:
             buffers=[b for row, specs in copied for b in buffer_rows(row, specs)],
             tp=tp,
             engine=engine,
+            request_slots=slots,
         )
         if readers:
             snap = snap.with_reconciliation(

@@ -18,6 +18,7 @@ from accounting.engine_state import EngineState, request_violations
 from accounting.figures import FIGURE_NAMES, FIGURES
 from accounting.gpu_parts import check_parts
 from accounting.relations import Violation, check_account, check_buffer
+from accounting.request_slots import RequestSlots
 from accounting.rows import AccountRow, BufferRow
 from accounting.tp_status import TpStatus
 
@@ -81,6 +82,9 @@ class Snapshot:
     reconciliation: tuple[dict[str, Any], ...] = ()
     tp: TpStatus | None = None  # this rank's TP control traffic (allocator.tp), None without TP
     engine: EngineState | None = None  # holders' source, notes, requests (accounting.engine_state)
+    # running requests' slots per family, for an engine whose accounts carry no bytes
+    # (accounting.request_slots); written only when present
+    request_slots: RequestSlots | None = None
     _rollups: dict[tuple[str, ...], dict[tuple[str, ...], dict[str, int]]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -96,6 +100,7 @@ class Snapshot:
         buffers: Sequence[BufferRow],
         tp: TpStatus | None = None,
         engine: EngineState | None = None,
+        request_slots: RequestSlots | None = None,
     ) -> Snapshot:
         violations = [v for b in buffers for v in check_buffer(b)]
         violations += [v for a in accounts for v in check_account(a)]
@@ -113,6 +118,7 @@ class Snapshot:
             violations=tuple(violations),
             tp=tp,
             engine=engine,
+            request_slots=request_slots,
         )
 
     def with_reconciliation(self, results: Iterable[dict[str, Any]]) -> Snapshot:
@@ -162,7 +168,7 @@ class Snapshot:
 
     # -- serialisation ------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema": SCHEMA_VERSION,
             "epoch": self.epoch,
             "taken_at": self.taken_at,
@@ -179,6 +185,9 @@ class Snapshot:
             "tp": self.tp.to_dict() if self.tp is not None else None,
             "engine": self.engine.to_dict() if self.engine is not None else None,
         }
+        if self.request_slots is not None:
+            out["request_slots"] = self.request_slots.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Snapshot:
@@ -194,6 +203,11 @@ class Snapshot:
             reconciliation=tuple(d.get("reconciliation", ())),
             tp=TpStatus.from_dict(d["tp"]) if d.get("tp") is not None else None,
             engine=EngineState.from_dict(d["engine"]) if d.get("engine") is not None else None,
+            request_slots=(
+                RequestSlots.from_dict(d["request_slots"])
+                if d.get("request_slots") is not None
+                else None
+            ),
         )
 
 

@@ -15,7 +15,7 @@ Registering an export adds its metrics to the exporter's one table (`exporter.me
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from exporter import metrics
@@ -23,8 +23,14 @@ from exporter import metrics
 if TYPE_CHECKING:
     from exporter.sources import SourceView
 
-# Adds one sample: metric name (as declared), labels, value.
-AddSample = Callable[[str, dict[str, str], float], None]
+
+class AddSample(Protocol):
+    """Adds one sample: metric name (as declared), labels, value; `sample` names a
+    histogram's `_bucket`, `_count` or `_sum` sample (the metric's own name otherwise)."""
+
+    def __call__(
+        self, name: str, labels: dict[str, str], value: float, *, sample: str | None = None
+    ) -> None: ...
 
 
 class EngineExport(Protocol):

@@ -42,6 +42,7 @@ from accounting.snapfile.format import (
     fail,
     publish_errors_of,
 )
+from accounting.snapfile.request_slots import request_slots_known, request_slots_of
 from accounting.snapfile.schema import (
     MAX_NAME,
     as_dict,
@@ -150,6 +151,8 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
     engine = schema.engine_state_of(snap.get("engine"))
     checks.requests_known(engine, families, totals)
     checks.request_violations_listed(violations, engine, families)
+    slots = request_slots_of(snap.get("request_slots"))
+    request_slots_known(slots, accounts)
     return Summary(
         epoch=epoch,
         taken_at=taken_at,
@@ -161,6 +164,7 @@ def _summary(snap: dict[str, Any], now: float) -> Summary:
         reconciliation=reconciliation,
         tp=tp,
         engine=engine,
+        request_slots=slots,
     )
 
 
@@ -179,6 +183,7 @@ def buffer_map(head: Head) -> Snapshot:
             buffers=[schema.buffer_row(b, i) for i, b in enumerate(buffers)],
             tp=s.tp,
             engine=s.engine,
+            request_slots=s.request_slots,
         ).with_reconciliation(r.to_dict() for r in s.reconciliation)
         checks.rows_agree(summary_of(snap), s)
     except Refused as e:

@@ -31,6 +31,7 @@ from accounting.engine_state import EngineState
 from accounting.figures import FIGURE_NAMES, HOLDER_NAMES, Figures, Held
 from accounting.records import record_maker
 from accounting.relations import Violation
+from accounting.request_slots import RequestSlots
 from accounting.rows import AccountRow
 from accounting.snapfile.format import ACCOUNT_FIELDS, Columns
 from accounting.snapshot import Snapshot
@@ -259,6 +260,7 @@ class Summary:
     reconciliation: tuple[Reconciliation, ...]
     tp: TpStatus | None  # present for a pool under tensor parallelism
     engine: EngineState | None = None  # holders' source and notes, requests (engine_state)
+    request_slots: RequestSlots | None = None  # running requests' slots (request_slots)
 
     @functools.cached_property
     def holder_columns(self) -> Columns:
@@ -303,6 +305,7 @@ def summary_of(snap: Snapshot) -> Summary:
         reconciliation=tuple(Reconciliation.of(r) for r in snap.reconciliation),
         tp=snap.tp,
         engine=snap.engine,
+        request_slots=snap.request_slots,
     )
     s.__dict__["accounts"] = snap.accounts  # the records at hand (cached_property's place)
     s.__dict__["families"] = families

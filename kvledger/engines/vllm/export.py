@@ -10,8 +10,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from prometheus_client.utils import floatToGoString
 from pydantic import BaseModel, Field
 
+from accounting.request_slots import REQUEST_SLOTS_BUCKETS
 from exporter.engines import AddSample
 from exporter.models import model_of
 from exporter.sources import BufferMapError, SourceView
@@ -19,13 +21,16 @@ from kvledger.engines.vllm import metrics, views
 
 # The series of a source, each the attribute of its view it is read from: a worker's storage
 # and each group's bytes, an engine core's blocks and each group's slots.
-_WORKER = ("physical_bytes", "blocks", "block_bytes")
-_WORKER_NAMES = ("kv_cache_physical_bytes", "kv_cache_blocks", "kv_block_bytes")
+_WORKER = ("physical_bytes", "blocks", "block_bytes", "committed_blocks")
+_WORKER_NAMES = (
+    "kv_cache_physical_bytes", "kv_cache_blocks", "kv_block_bytes", "kv_cache_committed_blocks"
+)  # fmt: skip
 _WORKER_GROUP = (
     "tensor_bytes", "reserved_bytes", "physical_bytes", "slot_bytes", "block_size", "layers"
 )  # fmt: skip
 _ENGINE = ("blocks", "occupied_blocks", "evictable_blocks", "free_blocks")
 _ENGINE_GROUP = ("capacity_slots", "occupied_slots", "evictable_slots", "free_slots")
+_SLOTS_LE = tuple(floatToGoString(b) for b in (*REQUEST_SLOTS_BUCKETS, float("inf")))
 
 
 WorkerGroupModel: Any = model_of(
@@ -35,6 +40,14 @@ EngineGroupModel: Any = model_of(
     views.EngineGroup,
     name="VllmEngineGroupModel",
     doc="One KV-cache group's slots in the engine core's block pool.",
+    drop=("held_slots",),
+    extra={"held_slots": dict[str, int]},
+)
+EngineRequestModel: Any = model_of(
+    views.EngineRequest,
+    name="VllmEngineRequestModel",
+    doc="A running request's slots and blocks per group (the view's group order); shared "
+    "prefix blocks counted in every request that holds them.",
 )
 WorkerModel: Any = model_of(
     views.WorkerView,
@@ -47,8 +60,12 @@ EngineModel: Any = model_of(
     views.EngineView,
     name="VllmEngineModel",
     doc="A vLLM engine core's block pool (shared by every group) and each group's slots.",
-    drop=("groups", "held_blocks"),
-    extra={"groups": list[EngineGroupModel], "held_blocks": dict[str, int]},
+    drop=("groups", "held_blocks", "requests"),
+    extra={
+        "groups": list[EngineGroupModel],
+        "held_blocks": dict[str, int],
+        "requests": list[EngineRequestModel],
+    },
 )
 
 
@@ -100,6 +117,8 @@ class VllmExport:
             gl = {**labels, "group": str(g.group), "kind": g.kind}
             for field in group_fields:
                 add(metrics.PREFIX + "group_" + field, gl, getattr(g, field))
+        if isinstance(found, views.EngineView):
+            _add_footprints(add, labels, found)
 
     def debug(self, view: SourceView) -> VllmModel:
         summary = view.summary
@@ -120,8 +139,34 @@ class VllmExport:
         return VllmModel(role=role, labels=labels, worker=WorkerModel(**_as_dict(w)))
 
 
+def _add_footprints(add: AddSample, labels: dict[str, str], e: views.EngineView) -> None:
+    """Per group: its slots by holder, and (where the engine core published footprints)
+    the running requests' slots as a histogram; the running requests."""
+    name = metrics.PREFIX + "request_slots"
+    for g in e.groups:
+        gl = {**labels, "group": str(g.group), "kind": g.kind}
+        for holder, slots in g.held_slots:
+            add(metrics.PREFIX + "group_held_slots", {**gl, "holder": holder}, slots)
+        if g.request_slots_sum is None:
+            continue
+        cumulative = 0
+        for le, n in zip(_SLOTS_LE, g.request_slots_counts, strict=True):
+            cumulative += n
+            add(name, {**gl, "le": le}, cumulative, sample=name + "_bucket")
+        add(name, gl, cumulative, sample=name + "_count")
+        add(name, gl, g.request_slots_sum, sample=name + "_sum")
+    if e.running_requests is not None:
+        add(metrics.PREFIX + "running_requests", labels, e.running_requests)
+
+
 def _as_dict(found: Any) -> dict[str, Any]:
-    out = {**dataclasses.asdict(found), "groups": [dataclasses.asdict(g) for g in found.groups]}
+    groups = []
+    for g in found.groups:
+        d = dataclasses.asdict(g)
+        if "held_slots" in d:
+            d["held_slots"] = dict(g.held_slots)  # holder -> slots
+        groups.append(d)
+    out = {**dataclasses.asdict(found), "groups": groups}
     if "held_blocks" in out:
         out["held_blocks"] = dict(found.held_blocks)  # holder -> blocks
     return out

@@ -24,6 +24,12 @@ they address:
 
 Layers found in the allocation but in no group (a layer sharing another's cache is
 added to its target's group by vLLM itself) are a group of their own, kind `unknown`.
+
+vLLM 0.34 with its extensible (VMM) KV cache: the groups are laid out the same way, over
+one virtual reservation whose physical memory vLLM commits block by block. Then `kv_pool`
+is a VMM-owned account that follows the committed granules (`kvledger.engines.vllm.
+extensible`), beside `kv_pool_committed` (the blocks backed now); the group accounts are
+as above, their views addressing the whole reservation.
 Nothing here imports vLLM or torch: the config and tensors are read by attribute.
 """
 
@@ -36,6 +42,7 @@ from typing import Any
 
 from accounting.buffers import BufferSpec, Owner, dtype_name
 from accounting.ledger import Account, Ledger
+from kvledger.engines.vllm.extensible import CommitFollower
 
 POOL_FAMILY = "kv_pool"
 UNKNOWN = "unknown"
@@ -158,17 +165,30 @@ class Registered:
     layouts: list[GroupLayout]
     pool_account: Account | None
     group_accounts: dict[int, Account]
+    # vLLM 0.34's extensible KV cache: its `kv_pool` and `kv_pool_committed` accounts
+    follower: CommitFollower | None = None
 
     @property
     def accounts(self) -> list[Account]:
         head = [self.pool_account] if self.pool_account is not None else []
+        if self.follower is not None:
+            head += [
+                a
+                for a in (self.follower.pool_account, self.follower.committed_account)
+                if a is not None
+            ]
         return head + list(self.group_accounts.values())
 
     def release(self, ledger: Ledger) -> None:
-        for account in reversed(self.accounts):
+        for account in reversed(list(self.group_accounts.values())):
             ledger.remove_account(account)
-        self.pool_account = None
         self.group_accounts = {}
+        if self.follower is not None:
+            self.follower.release(ledger)
+            self.follower = None
+        if self.pool_account is not None:
+            ledger.remove_account(self.pool_account)
+            self.pool_account = None
 
 
 def register_worker_cache(
@@ -178,9 +198,12 @@ def register_worker_cache(
     *,
     kind_of: Callable[[Any], str],
     pool: str = "vllm",
+    extensible: Any = None,
 ) -> Registered:
-    """Add the worker's KV cache (`kv_caches` as `initialize_kv_cache_tensors` returns it)
-    to `ledger`: account `kv_pool` for the storage, one account per group."""
+    """Add the worker's KV cache (`kv_caches` as `initialize_kv_cache_tensors` returns it, or
+    the V2 runner's `kv_caches_by_layer`) to `ledger`: account `kv_pool` for the storage, one
+    account per group. `extensible`: vLLM 0.34's ExtensibleKVCache the views lie in (then
+    `kv_pool` follows its committed granules), or None."""
     groups = layouts(config, kind_of)
     grouped = {name for g in groups for name in g.layers}
     stray = tuple(name for name in tensors if name not in grouped)
@@ -199,9 +222,12 @@ def register_worker_cache(
         )
     done = Registered(pool, groups, None, {})
     try:
-        specs = pool_specs(tensors, int(config.num_blocks), pool=pool)
-        if specs:
-            done.pool_account = ledger.add_account(specs, key=f"{pool}/{POOL_FAMILY}")
+        if extensible is not None:
+            done.follower = CommitFollower(ledger, extensible, pool=pool)
+        else:
+            specs = pool_specs(tensors, int(config.num_blocks), pool=pool)
+            if specs:
+                done.pool_account = ledger.add_account(specs, key=f"{pool}/{POOL_FAMILY}")
         for g in groups:
             gspecs = group_specs(g, tensors, pool=pool)
             if gspecs:

@@ -1,8 +1,10 @@
-"""kvledger's patches on vLLM 0.33 (vLLM has no hook registry: `MethodPatch` sets them).
+"""kvledger's patches on vLLM 0.32 to 0.34 (vLLM has no hook registry: `MethodPatch` sets them).
 
 | target | when | what kvledger does |
 |---|---|---|
-| `vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors` | after | registers the worker's KV cache (`groups.register_worker_cache`): storage once, one account per group; the first one starts the worker's publisher |
+| `vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors` (V1 runner, 0.32/0.33) | after | registers the worker's KV cache (`groups.register_worker_cache`): storage once, one account per group; the first one starts the worker's publisher |
+| `vllm.v1.worker.gpu.model_runner.GPUModelRunner.initialize_kv_cache` (V2 runner, 0.34) | after, unless `is_profiling` | the same, from `kv_caches_by_layer`, `kv_cache_config` and `extensible_kv_cache` |
+| `vllm.utils.extensible_tensor.ExtensibleTensor.resize_segments_`, `release_physical`, `free` (0.34) | after | on the buffer of a registered extensible KV cache: its committed granules and blocks (`extensible.CommitFollower`); after `free`, the worker's file is closed |
 | `vllm.v1.core.sched.scheduler.Scheduler.__init__` | after | registers the scheduler's block pool (`occupancy.SchedulerOccupancy`); starts the engine core's publisher |
 | `vllm.v1.core.sched.scheduler.Scheduler.schedule` | after | when a publish is due (O(1) check), refreshes the occupancy on the scheduler's own thread and publishes; marks the figures as changed (one attribute) |
 | `vllm.v1.core.sched.scheduler.Scheduler.has_requests` | after | when it answers False (the engine core is about to go idle: vLLM stops calling `schedule`), refreshes and publishes at once if a step ran since the last refresh, else when a publish is due: the figures reach the idle truth without waiting for another request |
@@ -21,11 +23,12 @@ import threading
 from typing import Any
 
 from kvledger.engines.vllm.patch import MethodPatch
-from kvledger.engines.vllm.switches import ENV_REQUIRE, env_switch
+from kvledger.engines.vllm.switches import ENV_COST, ENV_REQUIRE, env_switch
 
 log = logging.getLogger(__name__)
 
-RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # V1 (0.32, 0.33)
+RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"  # V2 (0.34; 0.33's if it fits)
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 _lock = threading.RLock()
@@ -54,15 +57,18 @@ def install() -> list[MethodPatch]:
             return []
         import importlib
 
-        runner = importlib.import_module(RUNNER_MODULE).GPUModelRunner
         scheduler = importlib.import_module(SCHEDULER_MODULE).Scheduler
         made = [
-            MethodPatch(runner, "initialize_kv_cache_tensors", _wrap_kv_tensors),
+            *_worker_patches(),
             MethodPatch(scheduler, "__init__", _wrap_scheduler_init),
             MethodPatch(scheduler, "schedule", _wrap_schedule),
             MethodPatch(scheduler, "has_requests", _wrap_has_requests),
             MethodPatch(scheduler, "shutdown", _wrap_shutdown),
         ]
+        if env_switch(ENV_COST):  # opt-in self-measurement (cost.py); off: this check only
+            from kvledger.engines.vllm.cost import instrument
+
+            made = instrument(made)
         for p in made:
             p.apply()
         _patches.extend(made)
@@ -100,7 +106,50 @@ def scheduler_ledger() -> Any:
     return _scheduler
 
 
+def _worker_patches() -> list[MethodPatch]:
+    """The worker's hooks, chosen by what vLLM's runner classes offer (compat.worker_hooks);
+    with the V2 runner, ExtensibleTensor's methods where vLLM has the extensible cache."""
+    from kvledger.engines.vllm.compat import worker_hooks
+
+    made = []
+    for hook in worker_hooks(v1_module=RUNNER_MODULE, v2_module=RUNNER_V2_MODULE):
+        if hook.name == "v1":
+            made.append(MethodPatch(hook.cls, hook.method, _wrap_kv_tensors))
+            continue
+        made.append(MethodPatch(hook.cls, hook.method, _wrap_kv_cache))
+        from kvledger.engines.vllm.compat import extensible_missing
+
+        if not extensible_missing():
+            from kvledger.engines.vllm.extensible import tensor_patches
+
+            made += tensor_patches(_guard, _worker_cache_freed)
+    return made
+
+
 # -- wrappers ---------------------------------------------------------------------------
+def _wrap_kv_cache(original: Any) -> Any:
+    import inspect
+
+    signature = inspect.signature(original)  # where is_profiling is (compat checked it is)
+
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, kv_cache_config, *args, **kwargs)
+        bound = signature.bind(self, kv_cache_config, *args, **kwargs).arguments
+        # The profiling run's minimal cache is dropped before the real one: not registered.
+        if not bound.get("is_profiling", False):
+            _guard(
+                "registering the worker's KV cache",
+                _add_worker_cache,
+                self,
+                self.kv_cache_config,  # as allocated (vLLM's deep copy, padded when extensible)
+                getattr(self, "kv_caches_by_layer", None),
+                getattr(self, "extensible_kv_cache", None),
+            )
+        return out
+
+    return initialize_kv_cache
+
+
 def _wrap_kv_tensors(original: Any) -> Any:
     def initialize_kv_cache_tensors(
         self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any
@@ -181,7 +230,9 @@ def _new_ledger(labels: dict[str, str]) -> Any:
     return ProcessLedger(labels, directory=snapshot_dir(), interval=publish_interval())
 
 
-def _add_worker_cache(runner: Any, kv_cache_config: Any, kv_caches: Any) -> None:
+def _add_worker_cache(
+    runner: Any, kv_cache_config: Any, kv_caches: Any, extensible: Any = None
+) -> None:
     global _worker
     if _disabled or not kv_caches:
         return
@@ -197,13 +248,32 @@ def _add_worker_cache(runner: Any, kv_cache_config: Any, kv_caches: Any) -> None
         ledger = _new_ledger(worker_labels(runner.vllm_config, tp, pp))
         try:
             ledger.add(
-                register_worker_cache(ledger.ledger, kv_cache_config, kv_caches, kind_of=_kind_of)
+                register_worker_cache(
+                    ledger.ledger,
+                    kv_cache_config,
+                    kv_caches,
+                    kind_of=_kind_of,
+                    extensible=extensible,
+                )
             )
         except BaseException:
             ledger.close()
             raise
         _worker = ledger
     log.info("kvledger: worker KV cache published to %s", ledger.publisher.path)
+
+
+def _worker_cache_freed(follower: Any) -> None:
+    """vLLM freed the extensible KV cache `follower` follows (its runner shut down): the
+    worker's file goes, as its accounts would describe memory that is gone."""
+    global _worker
+    with _lock:
+        ledger = _worker
+        parts = ledger.parts if ledger is not None else []
+        if not any(getattr(p, "follower", None) is follower for p in parts):
+            return
+        _worker = None
+    ledger.close()
 
 
 def _add_scheduler(scheduler: Any) -> None:
@@ -219,7 +289,12 @@ def _add_scheduler(scheduler: Any) -> None:
             old.close()
         ledger = _new_ledger(scheduler_labels(scheduler.vllm_config))
         try:
-            occ = SchedulerOccupancy(ledger.ledger, scheduler.kv_cache_manager, kind_of=_kind_of)
+            occ = SchedulerOccupancy(
+                ledger.ledger,
+                scheduler.kv_cache_manager,
+                kind_of=_kind_of,
+                running=lambda: scheduler.running,  # footprints, read at each refresh
+            )
             ledger.add(occ)
         except BaseException:
             ledger.close()

@@ -19,33 +19,44 @@ def _specs() -> tuple[MetricSpec, ...]:
     """A vLLM source's metrics (docs/vllm.md): a worker's bytes, an engine core's blocks."""
     w, e = "worker", "engine"
     aliased = (
-        "vLLM 0.33 lays every group out from byte 0 of the worker's one KV storage, so groups "
-        "alias it: this is that storage's bytes for each group, never to be added over groups "
-        "(kvledger_vllm_kv_cache_physical_bytes counts it once)."
+        "vLLM (0.32 to 0.34) lays every group out from byte 0 of the worker's one KV storage "
+        "(0.34's extensible cache: one virtual reservation), so groups alias it: this is that "
+        "storage's figure for each group, never to be added over groups "
+        "(kvledger_vllm_kv_cache_physical_bytes counts the physical bytes once)."
     )
     rows = [
         (
             "kv_cache_physical_bytes",
             w,
             (),
-            "Device memory of the worker's KV storage (the one "
-            "int8 buffer initialize_kv_cache_tensors allocates; its tensor, reserved and physical "
-            "bytes are equal), counted once for all groups.",
+            "Device memory of the worker's KV storage, counted once for all groups: the one "
+            "int8 buffer vLLM allocates (its tensor, reserved and physical bytes are equal), or "
+            "with vLLM 0.34's extensible KV cache the granules committed in its reservation "
+            "now (0 while released for sleep).",
         ),
         (
             "kv_cache_blocks",
             w,
             (),
-            "Blocks the worker's KV storage holds (KVCacheConfig."
-            "num_blocks; a block id is one block in every layer of every group).",
+            "Blocks the worker's KV storage can address (KVCacheConfig.num_blocks when it "
+            "was allocated; with vLLM 0.34's extensible KV cache, the reservation's capacity); "
+            "a block id is one block in every layer of every group.",
         ),
         (
             "kv_block_bytes",
             w,
             (),
             "Bytes of one block id in the worker's storage, all layers of "
-            "all groups (kv_cache_physical_bytes / kv_cache_blocks): free blocks x this is the "
-            "worker's available KV memory.",
+            "all groups: free blocks x this is the worker's available KV memory.",
+        ),
+        (
+            "kv_cache_committed_blocks",
+            w,
+            (),
+            "Blocks of kv_cache_blocks backed by device memory now: all of them for an "
+            "ordinary storage; with vLLM 0.34's extensible KV cache the committed prefix "
+            "(0 while released for sleep), which the engine core's kvledger_vllm_blocks "
+            "matches once vLLM sized the cache after warm-up.",
         ),
         (
             "group_tensor_bytes",
@@ -144,12 +155,43 @@ def _specs() -> tuple[MetricSpec, ...]:
             "The pool's free blocks as the group's slots "
             "(free_blocks x slots per block, evictable ones included).",
         ),
+        (
+            "group_held_slots",
+            e,
+            (*GROUP_LABELS, "holder"),
+            "The group's slots by holder (SGLang's holder names): tree_protected (its blocks "
+            "in use and in the prefix cache), request_only (in use, not cached), unattributed "
+            "(in use, holder not read); these three add up to kvledger_vllm_group_occupied_slots. "
+            "tree_evictable: the group's own free blocks still cached (ref count 0), outside "
+            "occupied. Read from each cached block's key (it names its group) as vLLM caches "
+            "and frees blocks, never by walking the pool.",
+        ),
+        (
+            "running_requests",
+            e,
+            (),
+            "Requests the engine core's scheduler was running when it last published "
+            "(Scheduler.running): the count of kvledger_vllm_request_slots.",
+        ),
     ]
     scopes = {w: WORKER_LABELS, e: ENGINE_LABELS}
-    return tuple(
+    gauges = tuple(
         MetricSpec(PREFIX + name, "gauge", text, (*scopes[scope], *labels), engine=False)
         for name, scope, labels, text in rows
     )
+    footprints = MetricSpec(
+        PREFIX + "request_slots",
+        "histogram",
+        "Each running request's slots in the group (tokens; a Mamba group's states), as vLLM's "
+        "group manager holds them for it (req_to_blocks, null blocks left out) times the "
+        "group's slots per block; a gauge histogram of the requests running at the last "
+        "publish. A block shared through the prefix cache counts in every request that holds "
+        "it, so _sum may exceed kvledger_vllm_group_occupied_slots. A request's bytes on a "
+        "worker = its slots x that worker's kvledger_vllm_group_slot_bytes.",
+        (*ENGINE_LABELS, *GROUP_LABELS),
+        engine=False,
+    )
+    return (*gauges, footprints)
 
 
 METRICS: tuple[MetricSpec, ...] = _specs()

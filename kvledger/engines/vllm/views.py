@@ -10,7 +10,9 @@ A vLLM 0.33 deployment publishes two kinds of file per engine, told apart by the
   which aliases the storage (no bytes of its own).
 - `vllm_scheduler` (one per engine core, i.e. per DP rank): the occupancy in slots only.
   `kv_pool` blocks in use, `kv_pool_evictable` free blocks holding a cached prefix, and
-  `g<i>_<kind>` each group's slots in use.
+  `g<i>_<kind>` each group's slots in use (its holders: cached or not), `evictable_g<i>_<kind>`
+  the group's free cached blocks as its slots; the snapshot's `request_slots` part
+  (accounting.request_slots) the running requests' slots per group.
 
 `worker_view` and `engine_view` turn one such file into typed rows; the collector
 exports them under `kvledger_vllm_*` (exporter.metrics) and /debug/kv shows them. A
@@ -29,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from accounting.request_slots import RequestSlots
 from accounting.rows import AccountRow, BufferRow
 from accounting.snapfile.summary import Summary
 
@@ -39,6 +42,9 @@ SCHEDULER = "vllm_scheduler"
 ROLES = (WORKER, SCHEDULER)
 POOL_FAMILY = "kv_pool"
 EVICTABLE_FAMILY = "kv_pool_evictable"
+# A worker's blocks backed now (vLLM 0.34's extensible KV cache: kvledger.engines.vllm.extensible)
+COMMITTED_FAMILY = "kv_pool_committed"
+GROUP_EVICTABLE_PREFIX = "evictable_"  # + a group's family: its free cached blocks as slots
 # The labels vLLM's own metrics carry (vllm/v1/metrics/loggers.py), then a worker's ranks.
 ENGINE_LABELS: tuple[str, ...] = ("model_name", "engine")
 WORKER_LABELS: tuple[str, ...] = (*ENGINE_LABELS, "tp_rank", "pp_rank")
@@ -118,6 +124,9 @@ class WorkerView:
     blocks: int
     block_bytes: int  # storage bytes per block id (all layers of all groups)
     groups: tuple[WorkerGroup, ...]
+    # Blocks backed by device memory now: vLLM 0.34's extensible cache commits a prefix of
+    # `blocks` (0 while released for sleep); every block of an ordinary storage is backed.
+    committed_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,25 @@ class EngineGroup:
     occupied_slots: int
     evictable_slots: int  # the pool's evictable blocks as this group's slots
     free_slots: int  # the pool's free blocks as this group's slots
+    # The group's slots by holder (accounting.figures' names): tree_protected, request_only
+    # and unattributed split occupied_slots; tree_evictable is the group's own free cached
+    # blocks as slots (0 where not read).
+    held_slots: tuple[tuple[str, int], ...] = ()
+    # Running requests' slots in this group (shared ones in each request that holds them):
+    # their sum and per-bucket counts (accounting.request_slots.REQUEST_SLOTS_BUCKETS, the
+    # last past every bound); None / () when the engine core published no footprints.
+    request_slots_sum: int | None = None
+    request_slots_counts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One of the running requests holding the most slots."""
+
+    rid: str  # vLLM's request id (at most 128 printable characters)
+    tokens: int  # tokens whose KV vLLM computed for it (num_computed_tokens)
+    slots: tuple[int, ...]  # per group, in the order of the view's groups
+    blocks: tuple[int, ...]  # the same in blocks (slots / the group's slots per block)
 
 
 @dataclass(frozen=True)
@@ -145,6 +173,9 @@ class EngineView:
     # Blocks holding KV by holder (accounting.figures' names): tree_protected, request_only
     # and unattributed split occupied_blocks; tree_evictable = evictable_blocks (free to vLLM).
     held_blocks: tuple[tuple[str, int], ...] = ()
+    # Requests running when the engine core last read them; None: no footprints published.
+    running_requests: int | None = None
+    requests: tuple[EngineRequest, ...] = ()  # the largest (at most 20), largest first
 
 
 def _accounts(summary: Summary) -> dict[str, AccountRow]:
@@ -168,6 +199,7 @@ def worker_view(summary: Summary, buffers: Sequence[BufferRow]) -> WorkerView:
     pool = next((f.figures for f in summary.families if f.family == POOL_FAMILY), None)
     pool_acc = accounts.get(POOL_FAMILY)
     blocks = pool_acc.capacity_slots if pool_acc is not None else 0
+    committed_acc = accounts.get(COMMITTED_FAMILY)
     tensor = pool.tensor_bytes if pool is not None else 0
     reserved = pool.reserved_bytes if pool is not None else 0
     physical = pool.physical_bytes if pool is not None else 0
@@ -199,8 +231,11 @@ def worker_view(summary: Summary, buffers: Sequence[BufferRow]) -> WorkerView:
         reserved_bytes=reserved,
         physical_bytes=physical,
         blocks=blocks,
-        block_bytes=physical // blocks if blocks else 0,
+        # the pool's bytes per block id (= storage / blocks for an ordinary storage; the
+        # VMM reservation's physical bytes follow its committed blocks, not all of them)
+        block_bytes=pool_acc.slot_bytes if pool_acc is not None else 0,
         groups=tuple(groups),
+        committed_blocks=committed_acc.occupied_slots if committed_acc is not None else blocks,
     )
 
 
@@ -213,25 +248,75 @@ def engine_view(summary: Summary) -> EngineView:
     occupied = pool.occupied_slots if pool is not None else 0
     free = max(0, blocks - occupied)
     cached = min(evictable.occupied_slots, free) if evictable is not None else 0
+    holders = {h.family: h.slots for h in summary.holders}
+    part = summary.request_slots
+    by_family = {f.family: f for f in part.families} if part is not None else {}
     groups = []
     for family, acc in accounts.items():
         g = group_of(family)
         if g is None:
             continue
         per_block = acc.capacity_slots // blocks if blocks else 0
+        dist = by_family.get(family)
         groups.append(
-            EngineGroup(
-                group=g[0],
-                kind=g[1],
-                slots_per_block=per_block,
-                capacity_slots=acc.capacity_slots,
-                occupied_slots=acc.occupied_slots,
-                evictable_slots=cached * per_block,
-                free_slots=free * per_block,
+            (
+                family,
+                EngineGroup(
+                    group=g[0],
+                    kind=g[1],
+                    slots_per_block=per_block,
+                    capacity_slots=acc.capacity_slots,
+                    occupied_slots=acc.occupied_slots,
+                    evictable_slots=cached * per_block,
+                    free_slots=free * per_block,
+                    held_slots=_group_held(family, holders, accounts),
+                    request_slots_sum=dist.slots_sum if dist is not None else None,
+                    request_slots_counts=dist.counts if dist is not None else (),
+                ),
             )
         )
-    groups.sort(key=lambda g: g.group)
-    return EngineView(blocks, occupied, cached, free, tuple(groups), _held_blocks(summary))
+    groups.sort(key=lambda fg: fg[1].group)
+    return EngineView(
+        blocks,
+        occupied,
+        cached,
+        free,
+        tuple(g for _, g in groups),
+        _held_blocks(summary),
+        running_requests=part.running_requests if part is not None else None,
+        requests=_requests(part, groups),
+    )
+
+
+def _group_held(
+    family: str, holders: Mapping[str, Any], accounts: Mapping[str, AccountRow]
+) -> tuple[tuple[str, int], ...]:
+    """A group's slots by holder: its account's (slots in use), tree_evictable its
+    `evictable_<family>` account's occupied slots (0 where there is none)."""
+    held = holders.get(family)
+    if held is None:
+        return ()
+    out = held.to_dict()
+    evictable = accounts.get(GROUP_EVICTABLE_PREFIX + family)
+    out["tree_evictable"] = evictable.occupied_slots if evictable is not None else 0
+    return tuple(out.items())
+
+
+def _requests(
+    part: RequestSlots | None, groups: Sequence[tuple[str, EngineGroup]]
+) -> tuple[EngineRequest, ...]:
+    """The listed requests, their slots and blocks in the groups' order."""
+    if part is None:
+        return ()
+    out = []
+    for r in part.requests:
+        slots = tuple(r.slots_by_family.get(f, 0) for f, _ in groups)
+        blocks = tuple(
+            s // g.slots_per_block if g.slots_per_block else 0
+            for s, (_, g) in zip(slots, groups, strict=True)
+        )
+        out.append(EngineRequest(r.rid, r.tokens, slots, blocks))
+    return tuple(out)
 
 
 def _held_blocks(summary: Summary) -> tuple[tuple[str, int], ...]:

@@ -19,13 +19,14 @@ BENCHMARKS: dict[str, str] = {
     "scrape": "scrape latency over many ranks, and the allocation-path cost of accounting",
     "tp": "tensor-parallel page operations across ranks",
     "sglang": "SGLang's own DeepSeek-V4 allocator, native and bridged onto kvledger's VMM pool",
+    "vllm-cost": "kvledger's vLLM plugin in a live vLLM server: step-path time, tokens/s off/on",
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, help_text in BENCHMARKS.items():
-        module = f"{__name__}.{name}"
+        module = f"{__name__}.{name.replace('-', '_')}"
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -717,6 +717,62 @@ def vllm_row() -> Row:
                 BYTES,
                 width=12,
             ),
+            *_vllm_requests_panels(),
+        ),
+    )
+
+
+def _vllm_requests_panels() -> tuple[Panel, ...]:
+    """vLLM engine cores: each group's slots by holder, and the running requests'
+    footprints (a histogram per group, in slots; bytes through the workers' slot bytes)."""
+    held, slot = _v("group_held_slots"), _v("group_slot_bytes")
+    buckets, total = _v("request_slots_bucket"), _v("request_slots_sum")
+    by = "model_name, engine, group, kind"
+    return (
+        Panel(
+            "vLLM: holders per group",
+            f"{held} per engine and group: its slots in use split into tree_protected (in the "
+            "prefix cache) and request_only (not cached), plus its free cached slots "
+            "(tree_evictable, outside occupied); stacked, the first three make the group's "
+            f"occupied slots. {_help(held)}",
+            (Target(f"{held}{{{VSEL}}}", "g{{group}} {{kind}} {{holder}} engine {{engine}}"),),
+            "short",
+            stack=True,
+            axis_label="slots",
+        ),
+        Panel(
+            "vLLM: running requests' footprints per group",
+            f"The engine core's running requests ({_v('running_requests')}) and, per group, "
+            "the median and 99th percentile of one request's slots (tokens; states for a "
+            "Mamba group), shared prefix blocks counted in every request that holds them.",
+            (
+                Target(f"{_v('running_requests')}{{{VSEL}}}", "running engine {{engine}}"),
+                Target(
+                    f"histogram_quantile(0.5, sum by ({by}, le) ({buckets}{{{VSEL}}}))",
+                    "p50 g{{group}} {{kind}} engine {{engine}}",
+                ),
+                Target(
+                    f"histogram_quantile(0.99, sum by ({by}, le) ({buckets}{{{VSEL}}}))",
+                    "p99 g{{group}} {{kind}} engine {{engine}}",
+                ),
+            ),
+            "short",
+        ),
+        Panel(
+            "vLLM: running requests' bytes per worker and group",
+            f"The engine core's {total} (every running request's slots in the group, shared "
+            f"prefix blocks once per request holding them) times each worker's {slot}, "
+            "joined on model_name, engine, group: the KV bytes the running requests reference "
+            "on each worker. It can exceed the group's occupied bytes when requests share a "
+            "prefix.",
+            (
+                Target(
+                    f"{total}{{{VSEL}}} * on(model_name, engine, group) group_right "
+                    f"{slot}{{{VSEL}}}",
+                    GROUP_LEGEND,
+                ),
+            ),
+            BYTES,
         ),
     )
 

@@ -1,4 +1,5 @@
-"""Which vLLM kvledger accepts: 0.33's classes, whatever the version says; one line when not."""
+"""Which vLLM kvledger accepts: classes that offer what it reads, whatever the version says;
+one line when not. (vLLM 0.34's V2-only runner: tests/kvledger/engines/vllm/v034.)"""
 
 from __future__ import annotations
 
@@ -36,11 +37,11 @@ def test_another_version_whose_classes_match_is_accepted_with_one_warning(
 ) -> None:
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.34.1")
+    monkeypatch.setattr(vllm, "__version__", "0.35.1")
     with caplog.at_level(logging.WARNING, logger="kvledger.engines.vllm.compat"):
         assert compat.check() == ""
     [message] = _ours(caplog)
-    assert "vLLM 0.34.1 is not 0.33" in message
+    assert "vLLM 0.35.1 is none of 0.32, 0.33, 0.34" in message
 
 
 def test_a_build_without_what_kvledger_reads_is_refused_in_one_line(
@@ -50,11 +51,11 @@ def test_a_build_without_what_kvledger_reads_is_refused_in_one_line(
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    monkeypatch.setattr(vllm, "__version__", "0.34.1")
+    monkeypatch.setattr(vllm, "__version__", "0.35.1")
     monkeypatch.delattr(BlockPool, "evict_blocks")
     why = compat.check()
     assert "\n" not in why
-    assert why.startswith("vLLM 0.34.1: kvledger reads vLLM 0.33's KV classes")
+    assert why.startswith("vLLM 0.35.1: kvledger reads the KV classes of vLLM 0.32, 0.33, 0.34")
     assert "BlockPool.evict_blocks" in why and why.endswith("kvledger is off")
     # The plugin stays off (vLLM untouched), saying so once; required, it raises.
     original = GPUModelRunner.initialize_kv_cache_tensors
@@ -74,3 +75,17 @@ def test_a_missing_config_field_is_named(clean, monkeypatch) -> None:
     del fields["kv_cache_groups"]
     monkeypatch.setattr(KVCacheConfig, "__dataclass_fields__", fields)
     assert "KVCacheConfig.kv_cache_groups" in compat.check()
+
+
+def test_the_v1_runner_is_hooked_where_it_exists(clean) -> None:
+    """0.33 has the V1 runner: its initialize_kv_cache_tensors is hooked (first); the V2
+    runner too where its initialize_kv_cache fits (a worker builds one of the two)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from kvledger.engines.vllm.patch import is_patched
+
+    hooks_ = compat.worker_hooks()
+    assert hooks_[0].name == "v1" and hooks_[0].cls is GPUModelRunner
+    targets = {p.target for p in hooks.install()}
+    assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors" in targets
+    assert is_patched(GPUModelRunner, "initialize_kv_cache_tensors")

@@ -17,7 +17,13 @@ def test_docs_vllm_table_is_generated_from_the_table() -> None:
 def test_every_name_is_under_the_prefix_with_vllms_labels_first() -> None:
     assert METRICS and len({s.name for s in METRICS}) == len(METRICS)
     for s in METRICS:
-        assert s.name.startswith(PREFIX) and s.type == "gauge" and not s.engine, s.name
+        footprints = s.name == PREFIX + "request_slots"  # the one histogram
+        assert s.type == ("histogram" if footprints else "gauge"), s.name
+        assert s.name.startswith(PREFIX) and not s.engine, s.name
         assert s.labels[:2] == ("model_name", "engine"), s.name
-        grouped = s.name.startswith(PREFIX + "group_")
-        assert (s.labels[-2:] == ("group", "kind")) == grouped, s.name
+        grouped = s.name.startswith(PREFIX + "group_") or footprints
+        assert ("group" in s.labels) == grouped, s.name
+        if grouped:  # group and kind together, after vLLM's labels; a holder after them
+            at = s.labels.index("group")
+            assert s.labels[at : at + 2] == ("group", "kind"), s.name
+            assert s.labels[at + 2 :] in ((), ("holder",)), s.name

@@ -110,17 +110,26 @@ def test_worker_and_scheduler_publish_what_serve_reads(snapdir) -> None:
 
     # The engine core: the patched __init__'s work on a scheduler with a real manager.
     manager = _manager(config)
-    sched = SimpleNamespace(vllm_config=cfg, kv_cache_manager=manager)
+    sched = SimpleNamespace(vllm_config=cfg, kv_cache_manager=manager, running=[])
     hooks._add_scheduler(sched)
     engine = hooks.scheduler_ledger()
     a = _request("a", list(range(100)))
     _run(a, manager)
+    sched.running.append(a)  # Scheduler.running: read for the footprints at each refresh
     # The patched schedule publishes when due, on the scheduler's thread.
     schedule = hooks._wrap_schedule(lambda self: "out")
     import time
 
     time.sleep(0.06)
     assert schedule(sched) == "out"
+    # The snapshot was taken there, after the refresh; the publisher's thread writes it.
+    assert engine.handoff and engine.publisher.submitted >= 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        last = engine.publisher.last_snapshot
+        if last is not None and last.request_slots and last.request_slots.running_requests:
+            break
+        time.sleep(0.005)
 
     with Sources(snapdir) as sources:
         views = {v.labels["engine_type"]: v for v in sources.read().views}
@@ -136,6 +145,10 @@ def test_worker_and_scheduler_publish_what_serve_reads(snapdir) -> None:
     assert fams["kv_pool"].occupied_slots == used
     g0 = next(f for name, f in fams.items() if name.startswith("g0_"))
     assert g0.occupied_slots == 7 * vs.BLOCK  # 100 tokens: 7 blocks of 16
+    part = s.summary.request_slots
+    assert part is not None and part.running_requests == 1
+    assert part.requests[0].rid == "a" and part.requests[0].tokens == 100
+    assert part.families[0].slots_sum == 7 * vs.BLOCK
     kinds = [vs.kind_of(g.kv_cache_spec) for g in config.kv_cache_groups]
     assert {f.family for f in w.summary.families} == {"kv_pool"} | {
         f"g{i}_{k}" for i, k in enumerate(kinds)

@@ -191,7 +191,7 @@ def test_vllm_figures_through_kvledger_serve_and_prometheus(tmp_path, monkeypatc
         ):
             assert hooks.install()
             manager = _manager(config)
-            sched = SimpleNamespace(vllm_config=cfg, kv_cache_manager=manager)
+            sched = SimpleNamespace(vllm_config=cfg, kv_cache_manager=manager, running=[])
             hooks._add_scheduler(sched)  # what the patched Scheduler.__init__ does
             truth = worker.truth
             assert truth["blocks"] == manager.block_pool.num_gpu_blocks
@@ -226,6 +226,7 @@ def test_vllm_figures_through_kvledger_serve_and_prometheus(tmp_path, monkeypatc
             # (the dashboard's PromQL) give its bytes per group and the memory left.
             c = _request("c", list(range(500, 700)))
             _run(c, manager)
+            sched.running.append(c)  # its footprint: the histogram's one request
             _publish(sched)
             expected = _engine_expected(manager, truth)
             _wait_equal(prom, expected, "a request running")
@@ -245,6 +246,12 @@ def test_vllm_figures_through_kvledger_serve_and_prometheus(tmp_path, monkeypatc
                 )
                 joins[q] = held[g["group"]] * g["slot_bytes"]
                 assert joins[q] > 0
+                # c alone runs: its footprint is the group's slots in use, counted once.
+                joins[f"kvledger_vllm_request_slots_sum{sel}"] = held[g["group"]]
+                joins[f"kvledger_vllm_request_slots_count{sel}"] = 1
+                in_use = f'{{group="{g["group"]}",holder!="tree_evictable"}}'
+                joins[f"sum(kvledger_vllm_group_held_slots{in_use})"] = held[g["group"]]
+            joins["kvledger_vllm_running_requests"] = 1
             _wait_equal(prom, joins, "the joins")
 
             # The dashboard's vLLM row reads what is stored.

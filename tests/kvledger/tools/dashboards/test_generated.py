@@ -89,6 +89,8 @@ def _expected_unit(exprs: list[str]) -> str | None:
         return "gbytes"
     if "histogram_quantile" in text and any(n.endswith("_bytes_bucket") for n in used):
         return "bytes"
+    if "histogram_quantile" in text and any(n.endswith("_slots_bucket") for n in used):
+        return "short"  # slots (tokens, states), like the slot figures
     if "histogram_quantile" in text or any(n.endswith("_seconds_total") for n in used):
         return "s"
     if any(n.endswith(":ratio") for n in used) or " / " in text:

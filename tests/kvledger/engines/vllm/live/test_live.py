@@ -63,13 +63,31 @@ class Figures:
         self.occupied = int(one(samples, "kvledger_vllm_occupied_blocks", **E))
         self.evictable = int(one(samples, "kvledger_vllm_evictable_blocks", **E))
         self.groups: dict[str, int] = {}  # group -> distinct blocks held
+        self.per_block: dict[str, int] = {}  # group -> slots per block
+        self.kinds: dict[str, str] = {}
+        # group -> holder -> blocks (kvledger_vllm_group_held_slots / slots per block)
+        self.group_held: dict[str, dict[str, int]] = {}
+        self.running = int(one(samples, "kvledger_vllm_running_requests", **E))
+        self.footprint_count: dict[str, int] = {}  # group -> histogram count
+        self.footprint_blocks: dict[str, int] = {}  # group -> histogram sum, in blocks
         caps = pick(samples, "kvledger_vllm_group_capacity_slots", **E)
         for key, cap in caps.items():
             group = key.split('group="', 1)[1].split('"', 1)[0]
-            per_block = int(cap) // self.blocks
+            self.kinds[group] = key.split('kind="', 1)[1].split('"', 1)[0]
+            per_block = self.per_block[group] = int(cap) // self.blocks
             slots = one(samples, "kvledger_vllm_group_occupied_slots", **E, group=group)
             assert int(slots) % per_block == 0, (key, slots, per_block)
             self.groups[group] = int(slots) // per_block
+            self.group_held[group] = {
+                h: int(one(samples, "kvledger_vllm_group_held_slots", **E, group=group, holder=h))
+                // per_block
+                for h in ("tree_protected", "tree_evictable", "request_only", "unattributed")
+            }
+            name = "kvledger_vllm_request_slots"
+            self.footprint_count[group] = int(one(samples, name + "_count", **E, group=group))
+            total = int(one(samples, name + "_sum", **E, group=group))
+            assert total % per_block == 0, (group, total, per_block)
+            self.footprint_blocks[group] = total // per_block
 
     def check(self) -> None:
         """What holds in every snapshot: the groups' distinct blocks are the pool's blocks
@@ -84,6 +102,61 @@ class Figures:
         assert held["unattributed"] == 0, held
         assert held["tree_protected"] + held["request_only"] == self.occupied, held
         assert held["tree_evictable"] == self.evictable, held
+        # Holders per group: each group's in use add up to its occupied (no unattributed:
+        # every cached block's key named its group); each cached block is one group's, so
+        # the groups' cached blocks add up to the pool's.
+        for group, gh in self.group_held.items():
+            assert gh["unattributed"] == 0, (group, gh)
+            in_use = gh["tree_protected"] + gh["request_only"] + gh["unattributed"]
+            assert in_use == self.groups[group], (group, gh, self.groups)
+        per_group = self.group_held.values()
+        assert sum(gh["tree_evictable"] for gh in per_group) == self.evictable, self.group_held
+        protected = sum(gh["tree_protected"] for gh in per_group)
+        assert protected == held["tree_protected"], (self.group_held, held)
+        # Footprints: every running request in each group's histogram; a request's blocks
+        # include the shared ones, so their sum is at least the group's distinct blocks.
+        for group, count in self.footprint_count.items():
+            assert count == self.running, (group, count, self.running)
+            assert self.footprint_blocks[group] >= self.groups[group], (
+                group,
+                self.footprint_blocks,
+                self.groups,
+            )
+
+
+SHARED_PREFIX_BLOCKS = 256 // 32  # the paused requests' shared prefix, in 32-token blocks
+
+
+def _paused_footprints(serve_url: str, fig: Figures, vllm_running: int) -> dict[str, Any]:
+    """At the pause: kvledger's running requests are vLLM's (`vllm:num_requests_running`);
+    each is listed in /debug/kv with its blocks per group; the listed blocks add up to the
+    histogram's sum; in a full-attention group a request holds one block per block_size of
+    the tokens vLLM computed for it (ceil), and the requests' blocks add up to the group's
+    distinct blocks plus the shared prefix once more per request beyond the first at most."""
+    assert fig.running == vllm_running, (fig.running, vllm_running)
+    debug = httpx.get(serve_url + "/debug/kv", headers={"Accept": "application/json"}).json()
+    (engine,) = [
+        s["vllm"]["engine"]
+        for s in debug["sources"]
+        if s.get("vllm") and s["vllm"]["role"] == "vllm_scheduler"
+    ]
+    assert engine["running_requests"] == fig.running
+    requests = engine["requests"]
+    assert len(requests) == fig.running, requests  # at most 20 listed: all of them here
+    groups = [str(g["group"]) for g in engine["groups"]]
+    out: dict[str, Any] = {"kvledger_running": fig.running, "footprints": {}}
+    for i, group in enumerate(groups):
+        blocks = [r["blocks"][i] for r in requests]
+        assert sum(blocks) == fig.footprint_blocks[group], (group, blocks, fig.footprint_blocks)
+        if fig.kinds[group] == "full_attention":
+            size = fig.per_block[group]
+            want = [-(-r["tokens"] // size) for r in requests]
+            assert blocks == want, (group, blocks, want, [r["tokens"] for r in requests])
+        distinct = fig.groups[group]
+        extra = (len(requests) - 1) * SHARED_PREFIX_BLOCKS
+        assert distinct <= sum(blocks) <= distinct + extra, (group, blocks, distinct)
+        out["footprints"][group] = {"sum_blocks": sum(blocks), "distinct_blocks": distinct}
+    return out
 
 
 def _vllm_blocks(samples: dict[str, float], blocks: int) -> int:
@@ -258,6 +331,8 @@ def _run_engine(tmp_path: Path, config: dict[str, Any], groups: int, label: str)
                             "kvledger_occupied_blocks_less_null": fig.occupied - 1,
                             "kvledger_groups_blocks": fig.groups,
                             "kvledger_evictable_blocks": fig.evictable,
+                            "kvledger_groups_held_blocks": fig.group_held,
+                            **_paused_footprints(serve.url, fig, int(running)),
                         }
                     vllm.post("/resume")
                     results = [f.result() for f in futures]

@@ -95,6 +95,9 @@ def _slot_account(ledger: Ledger, pool: str, family: str, capacity: int) -> Acco
     return ledger.add_account([spec], key=f"{pool}/{family}")
 
 
+_GROUP_0 = (0).to_bytes(4, "big")  # the end of a key of group 0 (`group_of_hash`)
+
+
 def group_of_hash(key: Any) -> int | None:
     """The KV-cache group a prefix-cache key names: vLLM 0.32 and 0.33 key the cache by
     `BlockHashWithGroupId`, the block hash's bytes followed by the group id in 4 big-endian
@@ -164,6 +167,9 @@ class EvictableCounter:
         `sign`), 0 for None."""
         if key is None:
             return 0
+        if self.groups == 1 and type(key) is bytes and key.endswith(_GROUP_0):
+            counts[0] += sign  # one group, a key naming it: no decode on the block path
+            return 1
         # vLLM's own key (bytes) decoded inline: this runs for every cached block moved.
         g = (
             int.from_bytes(key[-4:], "big")
@@ -185,6 +191,9 @@ class EvictableCounter:
             if key is None:
                 continue
             n += 1
+            if groups == 1 and type(key) is bytes and key.endswith(_GROUP_0):
+                counts[0] += sign  # one group, a key naming it: nothing decoded
+                continue
             g = (
                 int.from_bytes(key[-4:], "big")
                 if type(key) is bytes and len(key) >= 4

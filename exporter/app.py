@@ -151,6 +151,8 @@ def create_router(
     collector = KvLedgerCollector(sources)
     bodies = MetricsBodies(collector)
     reader = SourceReader(sources, hook=bodies)
+    if sources.after_scan is None:  # the first app over these sources renders ahead
+        sources.after_scan = bodies.ahead
     router = APIRouter()
     auth = _auth_dependency(token)
 

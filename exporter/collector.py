@@ -128,6 +128,7 @@ class KvLedgerCollector(Collector):
         if scan is None:
             scan = self.sources.read()
         with self._lock:
+            self._label_str.turn()  # label sets of sources gone since are dropped
             lines = _build(SampleLines(self._label_str), scan, self._lines, self.failures)
         return write_blocks(lines.blocks(), openmetrics=openmetrics), ctype
 

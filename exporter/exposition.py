@@ -68,23 +68,39 @@ def number(v: float) -> str:
 
 class LabelMemo:
     """Label sets written as `{a="x",b="y"}` (sorted, escaped), memoised across scrapes up
-    to a bound (label sets repeat from one scrape to the next; values change)."""
+    to a bound (label sets repeat from one scrape to the next; values change).
+
+    `turn()`, at the start of each scrape, forgets the label sets no scrape used since the
+    turn before: those of sources that are gone. Without it the memo kept a thousand
+    departed sources' label sets (up to the bound) and, scattered among freed memory, they
+    kept the process's heap from shrinking."""
 
     def __init__(self, bound: int = _LABEL_CACHE_MAX) -> None:
         self.bound = bound
         self._memo: dict[tuple[tuple[str, str], ...], str] = {}
+        self._older: dict[tuple[tuple[str, str], ...], str] = {}  # used before the last turn
+
+    def __len__(self) -> int:
+        return len(self._memo) + len(self._older)
+
+    def turn(self) -> None:
+        self._older, self._memo = self._memo, {}
 
     def __call__(self, labels: dict[str, str]) -> str:
         key = tuple(labels.items())
         s = self._memo.get(key)
         if s is None:
+            s = self._older.get(key)
+            if s is None:
+                s = (
+                    "{"
+                    + ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(labels.items()))
+                    + "}"
+                    if labels
+                    else ""
+                )
             if len(self._memo) >= self.bound:
                 self._memo.clear()
-            s = (
-                "{" + ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(labels.items())) + "}"
-                if labels
-                else ""
-            )
             self._memo[key] = s
         return s
 

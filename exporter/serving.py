@@ -113,6 +113,39 @@ MAX_ACCEPTS = 64  # distinct Accept headers remembered
 WANTED_S = 300.0
 
 
+class ScanKey:
+    """What a scan's exposition is built from, but the clock: each source's snapshot (the
+    very object, which a file keeps while unchanged), whether it is up and why not, and
+    the counts of what went wrong. Two scans with the same key differ in the ages of the
+    snapshots only."""
+
+    def __init__(self, published: tuple[object, ...], rest: tuple[object, ...]) -> None:
+        self.published = published
+        self.rest = rest
+
+    @classmethod
+    def of(cls, scan: Scan) -> ScanKey:
+        files = scan.files
+        views = tuple((v.up, v.last_error.reason if v.last_error else None) for v in scan.views)
+        rest = (
+            views,
+            files.unreadable,
+            files.directory_problem is None and files.write_problem is None,
+            tuple(sorted(files.error_counts.items())),
+            tuple(sorted(scan.source_errors.items())),
+            tuple(sorted(scan.connections_closed.items())),
+        )
+        return cls(tuple(v.published for v in scan.views), rest)
+
+    def same(self, scan: Scan) -> bool:
+        other = ScanKey.of(scan)
+        return (
+            len(other.published) == len(self.published)
+            and all(a is b for a, b in zip(other.published, self.published, strict=True))
+            and other.rest == self.rest
+        )
+
+
 class MetricsBodies:
     """The latest scan's `/metrics` bodies, per format and encoding, each built once, in a
     worker thread (rendering and gzip stay out of the event loop too). A request that
@@ -134,6 +167,8 @@ class MetricsBodies:
         # key -> (an Accept header that gives it, when it was last asked for)
         self._wanted: dict[BodyKey, tuple[str | None, float]] = {}
         self._keys: dict[str | None, bool] = {}  # Accept header -> OpenMetrics
+        # Bodies built with the latest background scan, and what they were built from.
+        self._ahead: tuple[ScanKey | None, dict[BodyKey, Body]] = (None, {})
 
     @property
     def wanted(self) -> list[BodyKey]:
@@ -142,17 +177,32 @@ class MetricsBodies:
         return [key for key, (_, asked) in tuple(self._wanted.items()) if asked >= since]
 
     def prepare(self, scan: Scan) -> dict[BodyKey, Body]:
+        key, bodies = self._ahead
+        return self._prepare(scan, bodies if key is not None and key.same(scan) else {})
+
+    def _prepare(self, scan: Scan, built: dict[BodyKey, Body]) -> dict[BodyKey, Body]:
+        """The bodies asked for lately, those in `built` (for the same snapshots) taken."""
         out: dict[BodyKey, Body] = {}
         # `_wanted` holds at most the four keys and none is removed: a key asked for long ago
         # is only skipped here, and the request that asks for it again builds its body.
         # Uncompressed first, so that a format wanted both ways is rendered once.
         for key in sorted(self.wanted, key=lambda k: k[1]):
             accept = self._wanted[key][0]
+            if key in built:
+                out[key] = built[key]
+                continue
             try:
                 out[key] = self._build(scan, accept, key[1], out.get((key[0], False)))
             except Exception:  # the request that wants it builds it again, and fails alone
                 log.exception("rendering /metrics failed")
         return out
+
+    def ahead(self, scan: Scan) -> None:
+        """Build the bodies asked for lately from a background scan (`Sources.after_scan`,
+        in its thread) and keep them: a scrape whose own scan finds the same snapshots
+        (`ScanKey`) is sent them as they are, rendering nothing. Their ages and counts are
+        then those of the background scan, at most one scan interval old."""
+        self._ahead = (ScanKey.of(scan), self._prepare(scan, {}))
 
     def install(self, generation: int, scan: Scan, prepared: Any) -> None:
         if generation <= self._generation:
@@ -163,9 +213,9 @@ class MetricsBodies:
             fut = self._bodies[key] = loop.create_future()
             fut.set_result(body)
 
-    async def get(self, generation: int, scan: Scan, accept: str | None, gz: bool) -> Body:
-        if generation > self._generation:
-            self._generation, self._scan, self._bodies = generation, scan, {}
+    def want(self, accept: str | None, gz: bool) -> BodyKey:
+        """The body for `accept` (gzipped when `gz`) is asked for now: built with every scan
+        for `WANTED_S` seconds."""
         openmetrics = self._keys.get(accept)
         if openmetrics is None:
             if len(self._keys) >= MAX_ACCEPTS:
@@ -173,6 +223,12 @@ class MetricsBodies:
             openmetrics = self._keys[accept] = content_type(accept)[0]
         key = (openmetrics, gz)
         self._wanted[key] = (accept, self._clock())
+        return key
+
+    async def get(self, generation: int, scan: Scan, accept: str | None, gz: bool) -> Body:
+        if generation > self._generation:
+            self._generation, self._scan, self._bodies = generation, scan, {}
+        key = self.want(accept, gz)
         fut = self._bodies.get(key)
         if fut is None:
             fut = self._bodies[key] = asyncio.ensure_future(

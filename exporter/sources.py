@@ -275,6 +275,10 @@ class Sources:
         self._failures = SourceFailures(("snapshot",), log)
         self._stop = threading.Event()
         self._scanner: threading.Thread | None = None
+        self._keep_young = 0.0  # the scan interval while scanning in the background
+        # Called with each background scan, in the scanning thread (`exporter.app` renders
+        # there the scrape formats asked for, so a scrape finds each source's lines built).
+        self.after_scan: Callable[[Scan], object] | None = None
 
     def _published(self, head: Head, path: str) -> Published:
         assert self.files is not None
@@ -296,11 +300,20 @@ class Sources:
 
     # -- reading ---------------------------------------------------------------------------
     def read(self) -> Scan:
-        """Every source's latest snapshot, sorted by source id, with what went wrong."""
+        """Every source's latest snapshot, sorted by source id, with what went wrong.
+
+        While the background scan runs (`start_scanning`), a file that changed since it
+        was last parsed, less than two scan intervals ago, is served in that version: the
+        next background scan parses it. A request's read then costs a directory listing
+        and an `lstat` per file however fast the ranks publish; a new source, and one not
+        parsed for a scan interval, are parsed at once."""
+        return self._read(self._keep_young)
+
+    def _read(self, keep_young: float) -> Scan:
         with self._lock:
             now = self._clock()
             files: FileScan[Published] = (
-                self.files.scan(now) if self.files is not None else FileScan()
+                self.files.scan(now, keep_young) if self.files is not None else FileScan()
             )
             published = [f.value for f in files.served]
             unusable = self._keep_known(files)
@@ -497,13 +510,17 @@ class Sources:
         self._scanner = threading.Thread(
             target=self._scan_loop, args=(interval,), name="kvledger-scan", daemon=True
         )
+        # Two intervals: a scan takes time, and the next one starts an interval after it ends.
+        self._keep_young = 2.0 * interval
         self._scanner.start()
 
     def _scan_loop(self, interval: float) -> None:
         logged, held = -SCAN_LOG_EVERY_S, 0
         while not self._stop.wait(interval):
             try:
-                self.read()
+                scan = self._read(0.0)
+                if self.after_scan is not None:
+                    self.after_scan(scan)
             except Exception as e:  # a bug, or the OS (EMFILE): the scanning goes on
                 now = time.monotonic()
                 if now - logged < SCAN_LOG_EVERY_S:

@@ -197,17 +197,22 @@ class Probed:
 
 
 def raw_get(
-    addr: tuple[str, int], tls: ssl.SSLContext | None = None, auth: str | None = None
+    addr: tuple[str, int],
+    tls: ssl.SSLContext | None = None,
+    auth: str | None = None,
+    source: str | None = None,
 ) -> Callable[[str], int]:
     """A GET over a new connection each time (a plain socket, wrapped in TLS with `tls`;
-    basic auth `auth` = "user:password"), read to its content-length; returns the status.
+    basic auth `auth` = "user:password"; from the local address `source`, a loopback one
+    such as 127.0.0.2, when given), read to its content-length; returns the status.
     No HTTP library: what is timed is the server."""
+    bind = (source, 0) if source is not None else None
     extra = b""
     if auth is not None:
         extra = b"Authorization: Basic " + base64.b64encode(auth.encode()) + b"\r\n"
 
     def get(path: str) -> int:
-        with socket.create_connection(addr, timeout=5) as raw:
+        with socket.create_connection(addr, timeout=5, source_address=bind) as raw:
             s = tls.wrap_socket(raw, server_hostname=addr[0]) if tls is not None else raw
             s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n%s\r\n" % (path.encode(), extra))
             buf = b""
@@ -266,8 +271,16 @@ class WrongPasswords:
     never sent before, the next as soon as an answer is in (kept alive), reconnecting
     when the server closes the connection. Counts the answers by status."""
 
-    def __init__(self, addr: tuple[str, int], n: int, user: str, path: str = "/metrics") -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        n: int,
+        user: str,
+        path: str = "/metrics",
+        source: str | None = None,
+    ) -> None:
         self.addr, self.n, self.user, self.path = addr, n, user, path
+        self.source = (source, 0) if source is not None else None  # local address
         self.statuses: dict[str, int] = {}
         self.sent = 0
         self._stop = threading.Event()
@@ -275,7 +288,8 @@ class WrongPasswords:
 
     def _request(self) -> bytes:
         self.sent += 1
-        auth = base64.b64encode(f"{self.user}:wrong-{self.sent}".encode())
+        tag = f"{self.source[0]}-" if self.source is not None else ""  # new across floods
+        auth = base64.b64encode(f"{self.user}:wrong-{tag}{self.sent}".encode())
         return b"GET %s HTTP/1.1\r\nHost: x\r\nAuthorization: Basic %s\r\n\r\n" % (
             self.path.encode(),
             auth,
@@ -283,7 +297,7 @@ class WrongPasswords:
 
     def _open(self, sel: selectors.BaseSelector) -> None:
         try:
-            s = socket.create_connection(self.addr, timeout=2)
+            s = socket.create_connection(self.addr, timeout=2, source_address=self.source)
             s.sendall(self._request())
         except OSError:
             self.statuses["connect_failed"] = self.statuses.get("connect_failed", 0) + 1

@@ -39,6 +39,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -144,6 +145,7 @@ class SnapshotFiles(Generic[T]):
         self._lock = threading.Lock()
         self._dir: SnapshotDir | None = None
         self._cache: dict[str, tuple[Ident, T | None]] = {}
+        self._loaded: dict[str, float] = {}  # when each cached version was parsed (monotonic)
         self.problems: dict[str, FileProblem] = {}
         self.error_counts: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.directory_problem: str | None = None
@@ -172,20 +174,23 @@ class SnapshotFiles(Generic[T]):
         return True
 
     # -- scanning ----------------------------------------------------------------------------
-    def scan(self, now: float) -> FileScan[T]:
-        """The files served now and what went wrong, as of this scan."""
+    def scan(self, now: float, keep_young: float = 0.0) -> FileScan[T]:
+        """The files served now and what went wrong, as of this scan. `keep_young` (s): a
+        changed file whose served version was parsed less than that long ago keeps serving
+        it, unparsed (a background scan parses the newer one; `exporter.sources`)."""
         with self._lock:
             if self._dir is not None and self._dir.moved():
                 self._dir.close()
                 self._dir = None
             if self._dir is None and not self._open_dir(raise_errors=False):
                 self._cache.clear()
+                self._loaded.clear()
                 self.problems.clear()
                 served: list[ServedFile[T]] = []
                 self.write_problem = None
             else:
                 assert self._dir is not None
-                served = self._scan(self._dir, now)
+                served = self._scan(self._dir, now, keep_young)
                 self._sweep(self._dir, now)
                 need = max((f.ident[2] for f in served), default=0)
                 self._set_write_problem(self._writable(self._dir, need))
@@ -269,7 +274,7 @@ class SnapshotFiles(Generic[T]):
             log.info("snapshot directory %s: writable again (was %s)", self.path, old.reason)
         self.write_problem = problem
 
-    def _scan(self, d: SnapshotDir, now: float) -> list[ServedFile[T]]:
+    def _scan(self, d: SnapshotDir, now: float, keep_young: float = 0.0) -> list[ServedFile[T]]:
         names = [
             e.name for e in d.names() if not e.name.startswith(".") and e.name.endswith(SUFFIX)
         ]  # dot files are temporaries of a write in progress; other names are not ours
@@ -288,19 +293,22 @@ class SnapshotFiles(Generic[T]):
             ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             cached = self._cache.get(name)
             if cached is None or cached[0] != ident:
-                if parses >= self.max_parses:
+                young = keep_young > 0 and time.monotonic() - self._loaded.get(name, 0) < keep_young
+                if young or parses >= self.max_parses:
                     if cached is not None and cached[1] is not None:
                         out.append(ServedFile(name, cached[0], cached[1]))  # the older version
                     continue
                 parses += 1
                 cached = (ident, self._load(d, name, st, now))
                 self._cache[name] = cached
+                self._loaded[name] = time.monotonic()
             if cached[1] is not None:
                 out.append(ServedFile(name, ident, cached[1]))
         seen = set(names)
         gone = set(self._cache) - seen
         for name in gone:
             del self._cache[name]
+            self._loaded.pop(name, None)
         for name in set(self.problems) - seen:
             del self.problems[name]
         self.forgotten += len(gone)
@@ -463,3 +471,4 @@ class SnapshotFiles(Generic[T]):
                 self._dir.close()
                 self._dir = None
             self._cache.clear()
+            self._loaded.clear()

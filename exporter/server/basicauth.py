@@ -16,6 +16,16 @@ the password itself), so Prometheus's scrape every few seconds costs one check, 
 per scrape, and never waits behind anyone's check; a pair that failed is remembered too
 (401 at once, no check: the same wrong password sent again costs nothing). An unknown
 user is checked against a hash too, so the answer takes as long as for a known one.
+
+The places in that queue are shared between clients, a client being the peer address of
+the connection (what uvicorn reports: the TCP peer, never a forwarded-for header, which
+the sender writes). One client holds at most `max_per_client` of them; a request past
+that gets the 503. When every place is taken, a request from a client holding fewer
+than the client holding the most (less one) takes the place of that client's newest
+request still waiting for its check, which gets the 503 instead: a flood of new
+passwords from a few addresses cannot keep a credential not seen before (Prometheus
+after a restart) out. Behind a reverse proxy every request comes from the proxy's
+address and shares one client's places: authenticate at the proxy, or accept that.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ except ImportError:  # pragma: no cover - the optional extra is missing
 REALM = "kvledger"
 MAX_REMEMBERED = 256
 MAX_WAITING = 8  # requests waiting for a check beyond the `max_checks` running
+MAX_PER_CLIENT = 4  # places in the check queue (running or waiting) one client may hold
 BUSY = b"too many password checks\n"
 MAX_HEADER = 4096
 INSTALL_HINT = "basic_auth_users needs the bcrypt package: pip install 'kvledger[tls]'"
@@ -65,6 +76,7 @@ class BasicAuth:
         *,
         max_checks: int = 2,
         max_waiting: int = MAX_WAITING,
+        max_per_client: int = MAX_PER_CLIENT,
     ) -> None:
         if bcrypt is None:
             raise RuntimeError(INSTALL_HINT)
@@ -80,32 +92,35 @@ class BasicAuth:
         self._failed: OrderedDict[bytes, None] = OrderedDict()
         self._limit = anyio.CapacityLimiter(max_checks)
         self._max_checking = max_checks + max_waiting
-        self.checking = 0  # requests running or waiting for a check now
+        self._per_client = max(1, min(max_per_client, self._max_checking))
+        self._queue = _CheckQueue()
         self.busy = 0  # requests answered 503: too many waiting for a check
+        self.displaced = 0  # of those, waiting ones whose place another client's request took
         self._challenge = f'Basic realm="{REALM}", charset="UTF-8"'.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         kind = scope["type"]
-        if kind == "websocket" and not await self.allowed(_authorization(scope)):
-            await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)
             return
-        if kind == "http" and self._must_wait(_authorization(scope)) and self._full():
-            self.busy += 1
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 503,
-                    "headers": [
-                        (b"retry-after", b"1"),
-                        (b"connection", b"close"),
-                        (b"content-type", b"text/plain; charset=utf-8"),
-                        (b"content-length", b"%d" % len(BUSY)),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": BUSY})
+        header = _authorization(scope)
+        client = _client(scope)
+        if kind == "websocket":
+            admitted = not self._must_wait(header) or self._admit(client)
+            if admitted and await self.allowed(header, client):
+                await self.app(scope, receive, send)
+            else:
+                await send({"type": "websocket.close", "code": 1008})  # before accept: 403
             return
-        if kind == "http" and not await self.allowed(_authorization(scope)):
+        if self._must_wait(header) and not self._admit(client):
+            await self._busy(send)
+            return
+        passed = await self._check(header, client)
+        if passed is None:  # its place was taken by another client's request
+            self.displaced += 1
+            await self._busy(send)
+            return
+        if not passed:
             await send(
                 {
                     "type": "http.response.start",
@@ -121,6 +136,38 @@ class BasicAuth:
             return
         await self.app(scope, receive, send)
 
+    async def _busy(self, send: Any) -> None:
+        self.busy += 1
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [
+                    (b"retry-after", b"1"),
+                    (b"connection", b"close"),
+                    (b"content-type", b"text/plain; charset=utf-8"),
+                    (b"content-length", b"%d" % len(BUSY)),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": BUSY})
+
+    @property
+    def checking(self) -> int:
+        """Requests running or waiting for a check now."""
+        return self._queue.total
+
+    def _admit(self, client: str) -> bool:
+        """Whether a request of `client` may wait for a check: under its share and the cap,
+        or by displacing the newest waiting request of the client holding the most."""
+        q = self._queue
+        held = q.held(client)
+        if held >= self._per_client:
+            return False
+        if q.total < self._max_checking:
+            return True
+        return q.displace(more_than=held + 1)
+
     def _mark(self, user: bytes, password: bytes) -> bytes:
         return hmac.new(self._key, user + b"\0" + password, hashlib.sha256).digest()
 
@@ -132,10 +179,13 @@ class BasicAuth:
         mark = self._mark(*creds)
         return mark not in self._passed and mark not in self._failed
 
-    def _full(self) -> bool:
-        return self.checking >= self._max_checking
+    async def allowed(self, header: bytes | None, client: str = "") -> bool:
+        """Whether `header` names a user and its password (False too when displaced)."""
+        return bool(await self._check(header, client))
 
-    async def allowed(self, header: bytes | None) -> bool:
+    async def _check(self, header: bytes | None, client: str) -> bool | None:
+        """Whether `header` names a user and its password; None when this request's place in
+        the check queue was taken by another client's request before its check began."""
         creds = _credentials(header)
         if creds is None:
             return False
@@ -149,22 +199,90 @@ class BasicAuth:
             return False
         name = user.decode("utf-8", "replace")
         hashed = self.users.get(name)
-        self.checking += 1
+        entry = self._queue.enter(client)
         try:
-            ok = await anyio.to_thread.run_sync(
-                _check,
-                password,
-                hashed if hashed is not None else self._decoy,
-                limiter=self._limit,
-            )
+            with entry.scope:
+                await anyio.to_thread.run_sync(
+                    entry.run,
+                    password,
+                    hashed if hashed is not None else self._decoy,
+                    limiter=self._limit,
+                )
         finally:
-            self.checking -= 1
-        passed = ok and hashed is not None
+            self._queue.leave(entry)
+        if entry.result is None:  # displaced while it waited for a thread
+            return None
+        passed = entry.result and hashed is not None
         remembered = self._passed if passed else self._failed
         remembered[mark] = None
         if len(remembered) > MAX_REMEMBERED:
             remembered.popitem(last=False)
         return passed
+
+
+class _Entry:
+    """One request in the check queue: its client, the scope that cancels its wait, and
+    the check's result once it ran."""
+
+    __slots__ = ("client", "gone", "result", "scope", "started")
+
+    def __init__(self, client: str) -> None:
+        self.client = client
+        self.scope = anyio.CancelScope()
+        self.started = False  # set in the worker thread as the check begins
+        self.result: bool | None = None
+        self.gone = False  # left the queue (displaced, or done)
+
+    def run(self, password: bytes, hashed: bytes) -> None:
+        self.started = True
+        self.result = _check(password, hashed)
+
+
+class _CheckQueue:
+    """The requests running or waiting for a check, by client (event loop only)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._by_client: dict[str, list[_Entry]] = {}
+
+    def held(self, client: str) -> int:
+        return len(self._by_client.get(client, ()))
+
+    def enter(self, client: str) -> _Entry:
+        entry = _Entry(client)
+        self._by_client.setdefault(client, []).append(entry)
+        self.total += 1
+        return entry
+
+    def leave(self, entry: _Entry) -> None:
+        if entry.gone:
+            return
+        entry.gone = True
+        held = self._by_client[entry.client]
+        held.remove(entry)
+        if not held:
+            del self._by_client[entry.client]
+        self.total -= 1
+
+    def displace(self, *, more_than: int) -> bool:
+        """Cancel the newest waiting request of the client holding the most places among
+        those holding more than `more_than` with a request still waiting (a running check
+        is never cut short); True when a place was freed."""
+        for held in sorted(self._by_client.values(), key=len, reverse=True):
+            if len(held) <= more_than:
+                return False
+            for entry in reversed(held):
+                if not entry.started:
+                    entry.scope.cancel()
+                    self.leave(entry)  # its place is free now; the cancelled wait ends soon
+                    return True
+        return False
+
+
+def _client(scope: Any) -> str:
+    """The peer address of the connection (uvicorn's `client`), "" when unknown."""
+    peer = scope.get("client")
+    return str(peer[0]) if peer else ""
 
 
 def _check(password: bytes, hashed: bytes) -> bool:

@@ -366,7 +366,7 @@ def test_a_background_scan_failing_every_time_logs_once_a_minute(tmp_path, caplo
     src = Sources(tmp_path)
     assert src.files is not None
 
-    def emfile(now: float) -> None:
+    def emfile(now: float, keep_young: float = 0.0) -> None:
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr(src.files, "scan", emfile)

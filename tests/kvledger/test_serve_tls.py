@@ -4,6 +4,7 @@ self-signed certificate made here with openssl); a wrong password is refused (40
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 import time
 from pathlib import Path
@@ -262,5 +263,53 @@ def test_a_flood_of_wrong_passwords_does_not_crowd_out_the_scraper(tmp_path, fd_
         wait_until(lambda: fresh("/metrics") == 200, 5, "the fresh credential in after the flood")
         assert attack.statuses.get("503", 0) > 0 and attack.statuses.get("401", 0) > 0
         wait_until(lambda: rss_kib(serve.proc.pid) <= rss0 * 1.2, 10, f"RSS near {rss0} KiB")
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_a_password_flood_from_a_few_addresses_leaves_room_for_a_new_credential(tmp_path):
+    """Issue 43, the rest of finding 3: three addresses (127.0.0.2-4) flood new wrong
+    passwords, 24 connections each, so the check queue is always full. Before, a credential
+    not seen before got 503 for as long as the flood lasted; now one address holds at most 4
+    places and a request from an address holding fewer takes the place of the biggest
+    holder's newest waiting request: each of three credentials not seen before, from a
+    fourth address (127.0.0.5), is checked and let in during the flood."""
+    from tests.floods import WrongPasswords, raw_get
+
+    fresh = {f"restarted{i}": f"new password {i}" for i in range(3)}
+    users = {name: basicauth.hash_password(pw, rounds=10) for name, pw in fresh.items()}
+    web = tls.web_config(
+        tmp_path / "web.yml",
+        {"basic_auth_users": {"prometheus": basicauth.hash_password(PASSWORD, rounds=10), **users}},
+    )
+    log = tmp_path / "serve.log"
+    args = [
+        *("--port", "0", "--no-demo", "--snapshot-dir", str(tmp_path / "snap")),
+        *("--web.config.file", str(web), "--log-interval", "3600"),
+        *("--max-connections", "128", "--request-timeout", "5"),
+    ]
+    with open(log, "wb") as err, ServeProcess(args, stderr=err) as serve:
+        host, port = serve.url.removeprefix("http://").rsplit(":", 1)
+        addr = (host, int(port))
+        scraper = raw_get(addr, auth=f"prometheus:{PASSWORD}")
+        wait_until(lambda: scraper("/healthz") == 200, 20, "serving")
+        with contextlib.ExitStack() as floods:
+            attacks = [
+                floods.enter_context(WrongPasswords(addr, 24, "prometheus", source=f"127.0.0.{i}"))
+                for i in (2, 3, 4)
+            ]
+            wait_until(
+                lambda: all(a.statuses.get("503", 0) >= 10 for a in attacks), 20, "queue full"
+            )
+            got = {}
+            for name, password in fresh.items():
+                t0 = time.monotonic()
+                status = raw_get(addr, auth=f"{name}:{password}", source="127.0.0.5")("/metrics")
+                got[name] = (status, round(time.monotonic() - t0, 3))
+            during = [dict(a.statuses) for a in attacks]
+        print(f"fresh credentials during the flood: {got}; flood {during}")
+        assert all(status == 200 for status, _ in got.values()), (got, during)
+        assert all(seconds < 5 for _, seconds in got.values()), got
+        assert all(d.get("401", 0) > 0 and d.get("503", 0) > 0 for d in during), during
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]

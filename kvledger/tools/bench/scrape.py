@@ -19,6 +19,10 @@ families of DeepSeek-V4-Flash buffer maps, one published snapshot file per rank)
    version), on the same series: kvledger's render of a republished scrape, `generate_latest`
    over plain Gauges, and `generate_latest` over a `MultiProcessCollector` merging one mmap
    file per rank (how SGLang serves its own /metrics); judged: kvledger/generate_latest <= 1.
+5. `scale` (`scrape_scale`, only when asked for): the CPU of a republished scrape against
+   the number of ranks (a fitted cost per rank), the served scrape's p99 while 64 ranks
+   publish every 0.2 s, beside a control server from another tree (`--control-tree`), and
+   the server's RSS after 1,000 sources came and went.
 """
 
 from __future__ import annotations
@@ -34,11 +38,19 @@ from kvledger.tools.bench.overhead import bench_overhead, report
 from kvledger.tools.bench.scrape_concurrent import bench_concurrent, report_concurrent
 from kvledger.tools.bench.scrape_latency import bench_scrape, report_scrape
 from kvledger.tools.bench.scrape_peer import MULTIPROCESS_MODES, bench_peer, report_peer
+from kvledger.tools.bench.scrape_scale import (
+    SCALE_RANKS,
+    bench_departed,
+    bench_linear,
+    bench_served,
+    report_scale,
+)
 
 # scripts/scrape-ab and docs/benchmarks-history.md import `bench_scrape` from here, where
 # part 1 lived before it had a module of its own.
 
-PARTS = ("scrape", "concurrent", "overhead", "peer")
+PARTS = ("scrape", "concurrent", "overhead", "peer", "scale")
+DEFAULT_PARTS = PARTS[:4]  # `scale` runs only when asked for (minutes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,8 +93,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--parts",
         type=_parts,
-        default=PARTS,
-        help="which parts to run, comma-separated (default: scrape,concurrent,overhead,peer)",
+        default=DEFAULT_PARTS,
+        help="which parts to run, comma-separated, of scrape,concurrent,overhead,peer,scale "
+        f"(default: {','.join(DEFAULT_PARTS)})",
+    )
+    p.add_argument(
+        "--scale-ranks",
+        type=_rank_counts,
+        default=SCALE_RANKS,
+        help="rank counts of the scale part's cost line, comma-separated "
+        f"(default: {','.join(map(str, SCALE_RANKS))})",
+    )
+    p.add_argument(
+        "--scale-served-ranks",
+        type=number(int, 1, 256),
+        default=64,
+        help="ranks of the scale part's served run (default: %(default)s)",
+    )
+    p.add_argument(
+        "--scale-publish-interval",
+        type=number(float, 0.01, 60),
+        default=0.2,
+        help="seconds between rewrites of every rank in the served run (default: %(default)g)",
+    )
+    p.add_argument(
+        "--scale-seconds",
+        type=number(float, 0, 3600, lo_open=True),
+        default=60.0,
+        help="length of the served run (default: %(default)g)",
+    )
+    p.add_argument(
+        "--scale-gap",
+        type=number(float, 0, 60),
+        default=0.05,
+        help="seconds between the served run's scrapes (default: %(default)g)",
+    )
+    p.add_argument(
+        "--scale-departed",
+        type=number(int, 0, 1024),
+        default=1000,
+        help="sources planted and removed in the scale part's memory run, 0 for none "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--control-tree",
+        type=_tree,
+        default=None,
+        help="a kvledger source tree (holding kvledger/ and exporter/) whose server runs "
+        "beside this one in the served run, scraped in turn (default: none)",
     )
     p.add_argument(
         "--multiprocess-mode",
@@ -136,6 +194,26 @@ def _parts(text: str) -> tuple[str, ...]:
     return out
 
 
+def _rank_counts(text: str) -> tuple[int, ...]:
+    parse = number(int, 1, 256)
+    try:
+        out = tuple(sorted({parse(x) for x in text.split(",")}))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if len(out) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected two or more rank counts")
+    return out
+
+
+def _tree(text: str) -> str:
+    for part in ("kvledger", "exporter"):
+        if not os.path.isfile(os.path.join(text, part, "__init__.py")):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: not a kvledger tree (no {part}/__init__.py in it)"
+            )
+    return os.path.abspath(text)
+
+
 def _batches(text: str) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in text.split(","))
@@ -178,6 +256,22 @@ def run(args: argparse.Namespace) -> int:
     if "peer" in args.parts:
         out["peer"] = bench_peer(args.ranks, args.budget, args.scrapes, args.multiprocess_mode)
         for line in report_peer(out["peer"]):
+            print(line)
+    if "scale" in args.parts:
+        out["scale"] = {
+            "linear": bench_linear(args.scale_ranks, args.budget, args.scrapes),
+            "served": bench_served(
+                args.scale_served_ranks,
+                args.budget,
+                args.scale_publish_interval,
+                args.scale_seconds,
+                args.scale_gap,
+                args.control_tree,
+            ),
+        }
+        if args.scale_departed:
+            out["scale"]["departed"] = bench_departed(args.scale_departed, args.control_tree)
+        for line in report_scale(out["scale"]):
             print(line)
     if args.json:
         print(json.dumps(out, indent=2))

@@ -21,7 +21,8 @@ class ServeChild:
 
     `env`: the child's environment (default: this one, with the directory holding
     `kvledger` first on PYTHONPATH); `preexec_fn`: run in the child before it starts (a
-    lowered resource limit, say). Raises RuntimeError, with what the child printed,
+    lowered resource limit, say); `cwd`: its working directory, which `python -m` searches
+    before PYTHONPATH (another tree's server needs both). Raises RuntimeError, with what the child printed,
     when it does not announce its URL. `close()` (idempotent, also the context
     manager's exit) sends SIGINT, waits, and kills it if it does not stop; it returns
     the exit status.
@@ -34,6 +35,7 @@ class ServeChild:
         stderr: int | IO[Any] | None = subprocess.DEVNULL,
         env: Mapping[str, str] | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        cwd: str | None = None,
     ) -> None:
         if env is None:
             import kvledger
@@ -48,6 +50,7 @@ class ServeChild:
             text=True,
             env=dict(env),
             preexec_fn=preexec_fn,
+            cwd=cwd,  # `python -m` looks in the working directory first
         )
         if self.proc.stdout is None:  # pragma: no cover - stdout=PIPE above
             raise RuntimeError("kvledger serve: no pipe to read its URL from")

@@ -19,6 +19,13 @@ thread of its own covers an idle engine, waking only when a publish is an interv
 overdue. A second thread publishing beside a busy allocating thread was measured
 to cost that thread ~20% (competition for the interpreter), hence this split.
 
+A caller whose thread mostly waits (vLLM's engine core: each step it blocks on the
+workers' forward, the interpreter released) may instead take the snapshot itself and
+hand it over (`submit`): this publisher's thread encodes and writes it, under the same
+envelope, sequence, error accounting and lock as `publish()`. One snapshot is pending at
+most (a newer one replaces one not yet written); `close()` drops a pending one (the file
+is removed anyway), so a closed publisher leaves no thread, descriptor or file.
+
 A failed publish is counted under one reason (`reason_of`: one of
 `format.PUBLISH_ERROR_REASONS`, told from the errno and, for ENOSPC, the directory's
 `statvfs`: no inode left with blocks free is `no_inodes`, EROFS `read_only`) and the last
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import socket
@@ -124,6 +132,17 @@ class Publisher:
         self.last_snapshot: Snapshot | None = None
         self._write_lock = threading.Lock()
         self._stop = threading.Event()
+        # `submit`: the snapshot waiting for this publisher's thread (None: none) with its
+        # place in line (`_taken`: given when `submit` stores it, or right after `publish()`
+        # takes its snapshot; none is written after one placed later), and the event that
+        # wakes the thread.
+        self._pending: tuple[int, Snapshot] | None = None
+        self._pending_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._taken = itertools.count(1)
+        self._last_written = 0
+        self.submitted = 0  # snapshots handed over by `submit`
+        self.replaced = 0  # of them, replaced by a newer one before the thread wrote them
         self._closed = False
         # Due time of the next publish (monotonic). While the engine allocates, the
         # allocating thread publishes when due (the ledger's event hook, checked every 64
@@ -149,13 +168,17 @@ class Publisher:
         if time.monotonic() >= self._next_due and not self._closed:
             self._publish_safely()
 
-    def _publish_safely(self) -> None:
-        """Publish; a failure is counted and logged, never raised (it must not fail an
-        allocation, nor stop the thread); the next try is an interval later. The first
+    def _publish_safely(self, pending: tuple[int, Snapshot] | None = None) -> None:
+        """Publish (`pending`: write that snapshot `submit` handed over); a failure is counted
+        and logged, never raised (it must not fail an allocation, nor stop the thread); the
+        next try is an interval later. The first
         failure of a run of them is logged with its traceback, the rest one line at most
         every `FAILURE_LOG_EVERY_S`, and the first success after them says so."""
         try:
-            self.publish()
+            if pending is None:
+                self.publish()
+            else:
+                self._write_submitted(*pending)
         except Exception as e:
             self.errors += 1
             self._failing += 1
@@ -194,9 +217,48 @@ class Publisher:
         """Take a snapshot and write it now."""
         self._next_due = time.monotonic() + self.interval
         snap = self.ledger.snapshot()
-        with self._write_lock:
-            if self._closed:
+        self._write_snapshot(next(self._taken), snap)
+        return snap
+
+    def submit(self, snapshot: Snapshot | None = None) -> Snapshot:
+        """Hand a snapshot to this publisher's thread, which encodes and writes it as
+        `publish()` would; returns at once, having done no file I/O. `snapshot`: taken by the
+        caller at the instant it wants published (None: `ledger.snapshot()` here, on the
+        caller's thread). One waits at most: a newer one replaces one not yet written. A
+        failed write is counted and logged by that thread, as a failed `publish()` is. After
+        `close()` (or during it) nothing is kept: the snapshot is returned, never written."""
+        snap = self.ledger.snapshot() if snapshot is None else snapshot
+        if not isinstance(snap, Snapshot):
+            raise TypeError(
+                f"Publisher.submit: snapshot={snapshot!r}, expected an accounting.snapshot.Snapshot"
+            )
+        self._next_due = time.monotonic() + self.interval
+        with self._pending_lock:
+            if self._stop.is_set():
                 return snap
+            if self._pending is not None:
+                self.replaced += 1
+            self._pending = (next(self._taken), snap)
+            self.submitted += 1
+        self._wake.set()
+        return snap
+
+    def _take_pending(self) -> tuple[int, Snapshot] | None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        return pending
+
+    def _write_submitted(self, order: int, snap: Snapshot) -> None:
+        """On this publisher's thread: encode and write a snapshot `submit` handed over."""
+        self._write_snapshot(order, snap)
+
+    def _write_snapshot(self, order: int, snap: Snapshot) -> None:
+        with self._write_lock:
+            # Closed, or one placed after this one is already written (a `publish()` on
+            # another thread overtook a submitted one): the file does not go back in time.
+            if self._closed or order < self._last_written:
+                return
+            self._last_written = order
             self.sequence += 1
             envelope = Envelope(
                 source=self.source,
@@ -213,7 +275,6 @@ class Publisher:
             )
             self._write(encode(envelope, snap))
             self.last_snapshot = snap
-        return snap
 
     def _write(self, data: bytes) -> None:
         try:
@@ -235,11 +296,18 @@ class Publisher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            # A submitted snapshot first (checked after every wake: `submit` sets it, then
+            # the event, so none waits for the next wake).
+            pending = self._take_pending()
+            if pending is not None:
+                self._publish_safely(pending)
+                continue
             # An allocating engine moves `_next_due` ahead itself; wake only when it is an
             # interval overdue, i.e. nothing has published for two intervals.
             wait = self._next_due + self.interval - time.monotonic()
             if wait > 0:
-                self._stop.wait(wait)
+                self._wake.wait(wait)
+                self._wake.clear()
                 continue
             self._publish_safely()
 
@@ -249,10 +317,15 @@ class Publisher:
         return self._closed
 
     def close(self) -> None:
-        """Stop publishing and remove the file. Idempotent."""
+        """Stop publishing and remove the file. Idempotent. A snapshot `submit` handed over
+        and the thread has not started writing is dropped, never written (the file is
+        removed next anyway); one being written is finished first, then removed."""
         if self._stop.is_set() and self._closed:
             return
-        self._stop.set()
+        with self._pending_lock:
+            self._stop.set()
+            self._pending = None
+        self._wake.set()
         self.ledger.clear_event_hook(self._publish_if_due)
         if self._thread is not threading.current_thread():
             self._thread.join()

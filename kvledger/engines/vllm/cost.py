@@ -12,8 +12,10 @@ loaded, so the patched method is the one it calls). Per wrapper call, kvledger's
 the wrapper's total less vLLM's method; it holds the publish/refresh work, the wrapper's own
 overhead and the timer's (one extra call frame and two clock reads: `timer_ns` in the file
 estimates it per call). So the figure is an upper bound of what kvledger costs on the step
-path. Not in it: the publisher's heartbeat thread (off the step path, but it takes the GIL
-now and then); a throughput comparison, plugin off against on, is what sees that. Off (the
+path. Not in it: the publisher's thread (its heartbeat and, for the engine core, the
+encode and write of each publish, handed over by `Publisher.submit`: off the step path,
+but it takes the GIL now and then); it is timed apart (`publish_other_thread`), and a
+throughput comparison, plugin off against on, is what sees what it costs the steps. Off (the
 default), `install()` checks the switch once and nothing here is imported: no step pays
 anything.
 

@@ -12,6 +12,10 @@ from typing import Any
 from exporter.server import early_signals
 
 
+_deferring = 0  # `signals_deferred` blocks running (main thread)
+_active: StartUp | None = None  # the start-up whose handler is in force (`taken_over`)
+
+
 class StartupStopped(BaseException):
     """SIGINT or SIGTERM before the server runs; a BaseException, like KeyboardInterrupt, so
     that no `except Exception` on the way swallows it and every `finally` runs."""
@@ -38,6 +42,8 @@ class StartUp:
         if self.signal is not None:
             return  # a second signal while cleaning up: let the cleanup finish
         self.signal = signal.Signals(sig).name
+        if _deferring:
+            return  # recorded: raised as the deferred block ends (`signals_deferred`)
         raise StartupStopped(self.signal)
 
     def check(self) -> None:
@@ -50,8 +56,10 @@ class StartUp:
 def taken_over() -> Iterator[StartUp]:
     """SIGINT and SIGTERM handled by a `StartUp` inside the block (a Ctrl-C recorded by
     `early_signals` before it counts as one), the previous handlers back after it."""
+    global _active
     start_up = StartUp()
     previous: dict[int, Callable[..., Any] | int | None] = {}
+    outer, _active = _active, start_up
     try:
         for taken in (signal.SIGINT, signal.SIGTERM):
             previous[taken] = signal.signal(taken, start_up.handle)
@@ -60,6 +68,7 @@ def taken_over() -> Iterator[StartUp]:
         start_up.check()
         yield start_up
     finally:
+        _active = outer
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -70,10 +79,20 @@ def signals_deferred() -> Iterator[None]:
     import of a C extension (numpy under torch), which an exception raised by a signal
     handler in the middle of it leaves half-done and unimportable for the rest of the
     process ("cannot load module more than once per process", seen 0.6 s into a loaded
-    `kvledger serve` start-up). Main thread only, like every signal handler."""
+    `kvledger serve` start-up). Main thread only, like every signal handler.
+
+    The mask holds them back only from this thread: with other threads alive (a publisher,
+    a scan) the kernel may hand a process-directed signal to one of them, and Python then
+    runs the handler in this thread at once. So the `StartUp` handler in force also only
+    records a signal while a deferred block runs, and it is raised as the block ends."""
+    global _deferring
     held = {signal.SIGINT, signal.SIGTERM}
     before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    _deferring += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        _deferring -= 1
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # one held here is delivered now
+    if not _deferring and _active is not None:
+        _active.check()  # one another thread took, recorded meanwhile

@@ -47,3 +47,33 @@ def test_a_signal_inside_a_deferred_block_arrives_as_it_ends() -> None:
         reached.append("never: the signal is delivered as the block ends")
     assert reached == ["the block ran to its end"]
     assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == set()  # nothing left blocked
+
+
+def test_a_signal_another_thread_takes_inside_a_deferred_block_waits_for_its_end() -> None:
+    """The mask holds a signal back from the main thread only: with another thread alive
+    that does not block it, the kernel may deliver it there, and Python runs the handler in
+    the main thread at once. The handler only records it inside a deferred block."""
+    import threading
+
+    stop = threading.Event()
+    # a thread with SIGINT unblocked: started before the block masks it in the main thread
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    import time
+
+    reached = []
+    try:
+        with pytest.raises(StartupStopped, match="SIGINT"), taken_over() as start_up:
+            with signals_deferred():
+                assert other.ident is not None
+                signal.pthread_kill(other.ident, signal.SIGINT)  # delivered to that thread
+                deadline = time.monotonic() + 10
+                while start_up.signal is None and time.monotonic() < deadline:
+                    time.sleep(0.001)  # the handler runs in the main thread, here
+                assert start_up.signal == "SIGINT"
+                reached.append("the block ran to its end")
+            reached.append("never: raised as the block ends")
+    finally:
+        stop.set()
+        other.join()
+    assert reached == ["the block ran to its end"]

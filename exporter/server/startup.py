@@ -11,7 +11,6 @@ from typing import Any
 
 from exporter.server import early_signals
 
-
 _deferring = 0  # `signals_deferred` blocks running (main thread)
 _active: StartUp | None = None  # the start-up whose handler is in force (`taken_over`)
 

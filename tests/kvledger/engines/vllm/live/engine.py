@@ -5,7 +5,6 @@ ids), and the readers the live tests compare with: vLLM's own /metrics and kvled
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -18,75 +17,15 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+# The tiny models are the bench's (`kvledger bench vllm-cost` runs the same two).
+from kvledger.tools.bench.vllm_cost import gemma3_config as gemma3_config
+from kvledger.tools.bench.vllm_cost import llama_config as llama_config
+from kvledger.tools.bench.vllm_cost import write_model as write_model
 from tests.servers import free_port, wait_until
 
 MODEL_NAME = "tiny"
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
-
-
-def llama_config() -> dict[str, Any]:
-    """A 4-layer Llama, hidden size 256: one KV-cache group (full attention)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "vocab_size": 1024,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "torch_dtype": "bfloat16",
-    }
-
-
-def gemma3_config() -> dict[str, Any]:
-    """A 6-layer Gemma3 text model, two sliding-window layers to one full one: vLLM's hybrid
-    planner makes 3 KV-cache groups of 2 layers (2 sliding window, 1 full attention)."""
-    pattern = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-    return {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": len(pattern),
-        "layer_types": pattern,
-        "sliding_window": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "query_pre_attn_scalar": 64,
-        "vocab_size": 1024,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "rope_local_base_freq": 10000.0,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-        "tie_word_embeddings": True,
-        "bos_token_id": 2,
-        "eos_token_id": 1,
-        "pad_token_id": 0,
-        "torch_dtype": "bfloat16",
-    }
-
-
-def write_model(directory: Path, config: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=1))
-    (directory / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    )
-    return directory
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -302,11 +302,11 @@ class Sources:
     def read(self) -> Scan:
         """Every source's latest snapshot, sorted by source id, with what went wrong.
 
-        While the background scan runs (`start_scanning`), a file that changed since it
-        was last parsed, less than two scan intervals ago, is served in that version: the
-        next background scan parses it. A request's read then costs a directory listing
+        While the background scan runs with a `max_age` (`start_scanning`), a file that
+        changed since it was last parsed, less than `max_age` ago, is served in that version:
+        the next background scan parses it. A request's read then costs a directory listing
         and an `lstat` per file however fast the ranks publish; a new source, and one not
-        parsed for a scan interval, are parsed at once."""
+        parsed for `max_age`, are parsed at once."""
         return self._read(self._keep_young)
 
     def _read(self, keep_young: float) -> Scan:
@@ -499,19 +499,24 @@ class Sources:
         return None
 
     # -- scanning ahead of requests ------------------------------------------------------------
-    def start_scanning(self, interval: float) -> None:
+    def start_scanning(self, interval: float, max_age: float = 0.0) -> None:
         """Read every `interval` seconds in a thread of its own, so a file's first line is
         parsed and checked as it is published rather than when a scrape arrives (a scrape
-        then finds it parsed). Stopped by `close()`."""
+        then finds it parsed). `max_age` (s): a request's read keeps serving a changed file's
+        version parsed less than that long ago (the next background scan parses the new one),
+        so its cost no longer grows with how fast the ranks publish; 0 (the default): a
+        request parses whatever changed, and serves every file as it is now. Stopped by
+        `close()`."""
         if not 0 < interval < float("inf"):
             raise ValueError(f"start_scanning: interval={interval!r}, expected seconds > 0")
+        if not 0 <= max_age < float("inf"):
+            raise ValueError(f"start_scanning: max_age={max_age!r}, expected seconds >= 0")
         if self._scanner is not None:
             raise RuntimeError("start_scanning: already scanning")
         self._scanner = threading.Thread(
             target=self._scan_loop, args=(interval,), name="kvledger-scan", daemon=True
         )
-        # Two intervals: a scan takes time, and the next one starts an interval after it ends.
-        self._keep_young = 2.0 * interval
+        self._keep_young = max_age
         self._scanner.start()
 
     def _scan_loop(self, interval: float) -> None:

@@ -117,7 +117,7 @@ def _serve(args: argparse.Namespace, start_up: StartUp) -> int:
         except (ValueError, OSError) as e:
             raise UsageError(_one_line(e)) from None
         if args.scan_interval > 0:
-            sources.start_scanning(args.scan_interval)
+            sources.start_scanning(args.scan_interval, args.scrape_max_age)
         if not args.no_demo:
             # The demo publishes there: a directory that passes the rules but takes no file
             # (/proc/1, a read-only mount) is refused now, not retried by the publisher forever.

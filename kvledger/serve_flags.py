@@ -148,6 +148,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "finds new files parsed already; 0: only when a request comes (default: %(default)g)",
     )
     net.add_argument(
+        "--scrape-max-age",
+        type=number(float, 0, 60),
+        default=0.0,
+        help="seconds a scrape may serve a changed file's version that the background scan "
+        "parsed, instead of parsing it itself: bounds a scrape's cost when many ranks publish "
+        "fast (0.5 with the default scan: every figure at most that old); 0: every scrape "
+        "serves the files as they are (default: %(default)g)",
+    )
+    net.add_argument(
         "--log-interval",
         type=number(float, 0.1, DAY),
         default=10.0,

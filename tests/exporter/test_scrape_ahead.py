@@ -21,7 +21,7 @@ def test_a_scrape_keeps_a_young_version_and_parses_a_new_source(tmp_path):
         Sources(tmp_path) as src,
     ):
         pub.publish()
-        src.start_scanning(60)  # its first scan comes after the test: none runs
+        src.start_scanning(60, max_age=120)  # its first scan comes after the test: none runs
         [v1] = src.read().views  # new: parsed by the scrape itself
         pub.publish()  # a newer version, not parsed by any background scan yet
         [kept] = src.read().views
@@ -36,6 +36,20 @@ def test_a_scrape_keeps_a_young_version_and_parses_a_new_source(tmp_path):
             new.publish()
             sources = {v.source for v in src.read().views}
             assert new.source in sources  # a new source is parsed at once
+
+
+def test_without_a_max_age_a_scrape_serves_each_file_as_it_is(tmp_path):
+    with (
+        small_ledger({"model_name": "m", "tp_rank": "0"}) as sl,
+        Publisher(sl.ledger, tmp_path, interval=1000) as pub,
+        Sources(tmp_path) as src,
+    ):
+        pub.publish()
+        src.start_scanning(60)  # the default: no max age
+        [v1] = src.read().views
+        pub.publish()
+        [v2] = src.read().views
+        assert v2.published.sequence > v1.published.sequence  # the newest, parsed at once
 
 
 def test_a_scrape_is_sent_the_bodies_built_ahead_for_the_same_snapshots(tmp_path):

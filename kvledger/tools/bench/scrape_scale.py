@@ -192,7 +192,10 @@ def bench_served(
                 data = f.read()
             versions.append((path, data, data))  # a new inode each write: parsed again
         args = ["--no-demo", "--port", "0", "--snapshot-dir", directory, "--log-interval", "3600"]
-        servers: dict[str, ServeChild] = {"this tree": stack.enter_context(ServeChild(args))}
+        # this tree with scrapes served from the background scan's work (`--scrape-max-age`,
+        # off by default: a scrape then parses what changed, as the control does)
+        ahead = [*args, "--scrape-max-age", "0.5"]
+        servers: dict[str, ServeChild] = {"this tree": stack.enter_context(ServeChild(ahead))}
         if control_tree is not None:
             env = {**os.environ, "PYTHONPATH": os.path.abspath(control_tree)}
             servers["control"] = stack.enter_context(

@@ -128,6 +128,39 @@ def write_model(directory: Path, config: dict[str, Any]) -> Path:
     return directory
 
 
+def server_args(model_dir: Path, port: int) -> list[str]:
+    """The command of a vLLM OpenAI server on 127.0.0.1:`port` for a tiny local model: dummy
+    weights, prompts as token ids, 2048 blocks of 32 tokens, prefix caching on (the live
+    tier's servers too)."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL_NAME,
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "32",
+        "--num-gpu-blocks-override",
+        "2048",
+        "--block-size",
+        "32",  # vLLM's CPU attention takes multiples of 32
+        "--enable-prefix-caching",
+        "--dtype",
+        "bfloat16",
+    ]
+
+
 def prompts(n: int, families: int, prompt_tokens: int, prefix_tokens: int) -> list[list[int]]:
     """`n` prompts of `prompt_tokens` token ids; prompt i belongs to family i % families,
     whose members share their first `prefix_tokens` ids; the rest differ."""
@@ -158,34 +191,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
-        args = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            MODEL_NAME,
-            "--load-format",
-            "dummy",
-            "--skip-tokenizer-init",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            "1024",
-            "--max-num-seqs",
-            "32",
-            "--num-gpu-blocks-override",
-            "2048",
-            "--block-size",
-            "32",  # vLLM's CPU attention takes multiples of 32
-            "--enable-prefix-caching",
-            "--dtype",
-            "bfloat16",
-            *extra,
-        ]
+        args = [*server_args(model_dir, self.port), *extra]
         self._log = open(log, "wb")  # noqa: SIM115 - closed in close()
         try:
             self.proc = subprocess.Popen(

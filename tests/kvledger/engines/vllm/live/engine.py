@@ -8,7 +8,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,13 +16,14 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-# The tiny models are the bench's (`kvledger bench vllm-cost` runs the same two).
+# The tiny models and the server's command are the bench's (`kvledger bench vllm-cost`).
+from kvledger.tools.bench.vllm_cost import MODEL_NAME as MODEL_NAME
 from kvledger.tools.bench.vllm_cost import gemma3_config as gemma3_config
 from kvledger.tools.bench.vllm_cost import llama_config as llama_config
+from kvledger.tools.bench.vllm_cost import server_args
 from kvledger.tools.bench.vllm_cost import write_model as write_model
 from tests.servers import free_port, wait_until
 
-MODEL_NAME = "tiny"
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 
@@ -90,33 +90,7 @@ class VllmServer:
                 **extra_env,
             }
         )
-        args = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            MODEL_NAME,
-            "--load-format",
-            "dummy",
-            "--skip-tokenizer-init",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            "1024",
-            "--max-num-seqs",
-            "32",
-            "--num-gpu-blocks-override",
-            "2048",
-            "--block-size",
-            "32",  # vLLM's CPU attention takes multiples of 32
-            "--enable-prefix-caching",
-            "--dtype",
-            "bfloat16",
-        ]
+        args = server_args(model_dir, self.port)
         self._log = open(log, "wb")  # noqa: SIM115 - closed in kill_all
         self.started = time.monotonic()
         self.proc = subprocess.Popen(

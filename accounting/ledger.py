@@ -506,6 +506,14 @@ class Ledger:
         """Add a reconciliation source, read once per snapshot (see accounting.reconcile)."""
         self._truth.append(reader)
 
+    def remove_truth(self, reader: TruthReader) -> bool:
+        """Stop reading `reader` (added by `add_truth`); False when it is not here."""
+        for i, r in enumerate(self._truth):
+            if r is reader:
+                del self._truth[i]
+                return True
+        return False
+
     def set_tp_status(self, source: Callable[[], TpStatus] | None) -> None:
         """Carry a TP rank's control-traffic status in each snapshot (allocator.tp sets it)."""
         with self._lock:

@@ -5,6 +5,7 @@
 | `vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors` (V1 runner, 0.32/0.33) | after | registers the worker's KV cache (`groups.register_worker_cache`): storage once, one account per group; the first one starts the worker's publisher |
 | `vllm.v1.worker.gpu.model_runner.GPUModelRunner.initialize_kv_cache` (V2 runner, 0.34) | after, unless `is_profiling` | the same, from `kv_caches_by_layer`, `kv_cache_config` and `extensible_kv_cache` |
 | `vllm.utils.extensible_tensor.ExtensibleTensor.resize_segments_`, `release_physical`, `free` (0.34) | after | on the buffer of a registered extensible KV cache: its committed granules and blocks (`extensible.CommitFollower`); after `free`, the worker's file is closed |
+| `vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model` (where the worker class does not override it) | after | a worker on CUDA: names the memory warm-up and CUDA graph capture took outside torch (`gpu_truth.WorkerTruth.rebaseline`) |
 | `vllm.v1.core.sched.scheduler.Scheduler.__init__` | after | registers the scheduler's block pool (`occupancy.SchedulerOccupancy`); starts the engine core's publisher |
 | `vllm.v1.core.sched.scheduler.Scheduler.schedule` | after | when a publish is due (O(1) check), refreshes the occupancy on the scheduler's own thread and publishes; marks the figures as changed (one attribute) |
 | `vllm.v1.core.sched.scheduler.Scheduler.has_requests` | after | when it answers False (the engine core is about to go idle: vLLM stops calling `schedule`), refreshes and publishes at once if a step ran since the last refresh, else when a publish is due: the figures reach the idle truth without waiting for another request |
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # V1 (0.32, 0.33)
 RUNNER_V2_MODULE = "vllm.v1.worker.gpu.model_runner"  # V2 (0.34; 0.33's if it fits)
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 _lock = threading.RLock()
@@ -111,7 +113,7 @@ def _worker_patches() -> list[MethodPatch]:
     with the V2 runner, ExtensibleTensor's methods where vLLM has the extensible cache."""
     from kvledger.engines.vllm.compat import worker_hooks
 
-    made = []
+    made = _warmup_patches()
     for hook in worker_hooks(v1_module=RUNNER_MODULE, v2_module=RUNNER_V2_MODULE):
         if hook.name == "v1":
             made.append(MethodPatch(hook.cls, hook.method, _wrap_kv_tensors))
@@ -126,7 +128,31 @@ def _worker_patches() -> list[MethodPatch]:
     return made
 
 
+def _warmup_patches() -> list[MethodPatch]:
+    """The re-baseline after warm-up, where vLLM's GPU worker has the method (it is optional:
+    without it the GPU breakdown still reads, with warm-up's memory unattributed)."""
+    import importlib
+
+    try:
+        worker = importlib.import_module(WORKER_MODULE).Worker
+    except Exception as e:
+        log.info("kvledger: no GPU worker class to re-baseline after warm-up (%s)", e)
+        return []
+    if not callable(getattr(worker, "compile_or_warm_up_model", None)):
+        return []
+    return [MethodPatch(worker, "compile_or_warm_up_model", _wrap_warm_up)]
+
+
 # -- wrappers ---------------------------------------------------------------------------
+def _wrap_warm_up(original: Any) -> Any:
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        _guard("naming the memory warm-up took", _rebaseline_worker, "after warm-up")
+        return out
+
+    return compile_or_warm_up_model
+
+
 def _wrap_kv_cache(original: Any) -> Any:
     import inspect
 
@@ -256,11 +282,46 @@ def _add_worker_cache(
                     extensible=extensible,
                 )
             )
+            _add_gpu_truth(ledger, runner, kv_caches)
         except BaseException:
             ledger.close()
             raise
         _worker = ledger
     log.info("kvledger: worker KV cache published to %s", ledger.publisher.path)
+
+
+def _add_gpu_truth(ledger: Any, runner: Any, kv_caches: Any) -> None:
+    """NVML truth and the GPU breakdown for a worker whose cache is on CUDA (gpu_truth)."""
+    from kvledger.engines.vllm.gpu_truth import WorkerTruth, cuda_index
+
+    index = cuda_index(kv_caches)
+    if index is None:
+        return
+    try:
+        truth = WorkerTruth(ledger.ledger, runner, index)
+    except Exception as e:  # the KV figures stand without it
+        if _require():
+            raise
+        log.warning(
+            "kvledger: no GPU breakdown for this worker (cuda:%d): %s: %s",
+            index,
+            type(e).__name__,
+            e,
+        )
+        return
+    ledger.add(truth)
+
+
+def _rebaseline_worker(point: str) -> None:
+    from kvledger.engines.vllm.gpu_truth import WorkerTruth
+
+    ledger = _worker
+    if ledger is None:
+        return
+    for part in list(ledger.parts):
+        if isinstance(part, WorkerTruth):
+            part.rebaseline(point)
+            ledger.publish_now()
 
 
 def _worker_cache_freed(follower: Any) -> None:

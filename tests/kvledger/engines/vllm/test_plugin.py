@@ -55,16 +55,17 @@ import os
 from vllm.plugins import load_general_plugins
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as R
 from vllm.v1.core.sched.scheduler import Scheduler as S
-orig = (R.initialize_kv_cache_tensors, S.__init__, S.schedule, S.shutdown)
+from vllm.v1.worker.gpu_worker import Worker as W
+orig = (R.initialize_kv_cache_tensors, S.__init__, S.schedule, S.shutdown, W.compile_or_warm_up_model)
 load_general_plugins()
 from kvledger.engines.vllm import hooks, register
 from kvledger.engines.vllm.patch import is_patched
-assert all(is_patched(c, n) for c, n in [(R, "initialize_kv_cache_tensors"), (S, "__init__"), (S, "schedule"), (S, "shutdown")])
+assert all(is_patched(c, n) for c, n in [(R, "initialize_kv_cache_tensors"), (S, "__init__"), (S, "schedule"), (S, "shutdown"), (W, "compile_or_warm_up_model")])
 first = R.initialize_kv_cache_tensors
 register()
 assert R.initialize_kv_cache_tensors is first
 hooks.uninstall()
-assert (R.initialize_kv_cache_tensors, S.__init__, S.schedule, S.shutdown) == orig
+assert (R.initialize_kv_cache_tensors, S.__init__, S.schedule, S.shutdown, W.compile_or_warm_up_model) == orig
 print("ok")
 """
     env = {**os.environ, "KVLEDGER_VLLM": "1", "VLLM_PLUGINS": "kvledger"}
@@ -107,6 +108,11 @@ def test_worker_and_scheduler_publish_what_serve_reads(snapdir) -> None:
     assert all(isinstance(t, torch.Tensor) for t in kv.values()) and len(runner.kv_caches) == 8
     worker = hooks.worker_ledger()
     assert worker is not None
+    # a cache on the CPU gets no NVML truth (gpu_truth; on CUDA: test_vmm_gpu.py)
+    from kvledger.engines.vllm.gpu_truth import WorkerTruth
+
+    assert not [p for p in worker.parts if isinstance(p, WorkerTruth)]
+    hooks._rebaseline_worker("after warm-up")  # what the warm-up hook calls: nothing to do
 
     # The engine core: the patched __init__'s work on a scheduler with a real manager.
     manager = _manager(config)

@@ -1,7 +1,8 @@
 """vLLM 0.34's own `ExtensibleTensor` on a real GPU (marker `gpu`), followed by kvledger's
 patches on it: the reservation takes no device memory, every commit's granules are device
-memory outside torch's allocator that kvledger reports as physical (and NVML's breakdown as
-`kv`, not `outside_torch`), release gives it back, free leaves nothing.
+memory outside torch's allocator that kvledger reports as physical (and the worker's NVML
+truth, `gpu_truth.WorkerTruth`, as `kv`, not `outside_torch`, with the model as `weights` and
+nothing unattributed), release gives it back, free leaves nothing.
 
 Needs vLLM 0.34's `vllm.utils.extensible_tensor` importable: on the device machine, the
 dozen pure-Python vLLM files it imports, packed by `scripts/vllm034-vmm-subset`
@@ -57,13 +58,14 @@ def test_vllm_extensible_tensor_on_cuda_followed_by_kvledger() -> None:
         freed.append(follower)
         follower.release(ledger)
 
-    truth = _nvml_truth(torch)
-    if truth is not None:
-        ledger.add_truth(truth)
+    truth: Any = None  # gpu_truth.WorkerTruth, built after the first commit as the hook does
     patches = tensor_patches(guard, on_free)
     for p in patches:
         p.apply()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
+    # a model on the GPU, as the runner's (`runner.model`): the breakdown's weights
+    runner = SimpleNamespace(model=torch.nn.Linear(1024, 1024).to(device))
+    model_bytes = (1024 * 1024 + 1024) * 4
     try:
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
@@ -81,6 +83,11 @@ def test_vllm_extensible_tensor_on_cuda_followed_by_kvledger() -> None:
         def figures() -> dict[str, int]:
             torch.cuda.synchronize()
             snap = ledger.snapshot(reconcile=truth is not None)
+            if truth is not None:
+                [nv] = [r for r in snap.reconciliation if r["source"] == "nvml"]
+                assert nv["available"], nv["reason"]
+                # the committed granules are explained: growth since the baseline is ours
+                assert abs(nv["unattributed_bytes"]) <= 8 * MIB, nv
             assert not [v for v in snap.violations if not v.subject.startswith("truth")], (
                 snap.violations
             )
@@ -98,6 +105,7 @@ def test_vllm_extensible_tensor_on_cuda_followed_by_kvledger() -> None:
             if parts:
                 out["kv_part"] = parts[0]["kv"]
                 out["outside_torch_part"] = parts[0]["outside_torch"]
+                out["weights_part"] = parts[0]["weights"]
             return out
 
         def expect(blocks: int) -> dict[str, int]:
@@ -111,11 +119,16 @@ def test_vllm_extensible_tensor_on_cuda_followed_by_kvledger() -> None:
             assert abs(f["device_used"] - f["physical"]) <= 8 * MIB, f
             if "kv_part" in f:
                 assert f["kv_part"] == f["physical"]
+                assert f["weights_part"] == model_bytes
             report[f"blocks={blocks}"] = f
             return f
 
         expect(0)  # reserved: no memory yet
         buf.resize_segments_([2000 * STRIDE] * LAYERS, zero_new=True)  # a commit of 2000
+        expect(2000)
+        # vLLM's hook registers the cache after its first commit and builds the worker's
+        # NVML truth then (gpu_truth.WorkerTruth): the committed granules are its baseline.
+        truth = _worker_truth(torch, ledger, runner, report)
         f = expect(2000)
         view = buf.segment_view(0)  # real device memory behind the committed prefix
         view.fill_(7)
@@ -137,6 +150,13 @@ def test_vllm_extensible_tensor_on_cuda_followed_by_kvledger() -> None:
                 - (report["blocks=0"]["outside_torch_part"])
             )
             assert abs(report["outside_torch_growth"]) <= 8 * MIB, report
+        if truth is not None:
+            named = truth.rebaseline("after the test's commits")
+            report["rebaseline_named"] = named
+            assert named is not None and abs(named) <= 8 * MIB, report
+            truth.close()
+            truth.close()  # idempotent
+            assert all(r["source"] != "nvml" for r in ledger.snapshot().reconciliation)
         buf.free()
         assert freed == [follower] and ledger.accounts() == ()
         torch.cuda.synchronize()
@@ -148,13 +168,14 @@ def test_vllm_extensible_tensor_on_cuda_followed_by_kvledger() -> None:
         print("vllm034 VMM on the GPU:", report)
 
 
-def _nvml_truth(torch: Any) -> Any:
-    """accounting.nvml's reader with the GPU parts, where pynvml is here."""
+def _worker_truth(torch: Any, ledger: Any, runner: Any, report: dict[str, Any]) -> Any:
+    """kvledger's vLLM worker truth (NVML, the GPU parts) where pynvml is here, else None."""
     try:
         import pynvml  # noqa: F401
-
-        from accounting.nvml import NvmlTruth
-        from accounting.torch_memory import CudaTorchMemory
     except ImportError:
+        report["nvml"] = "pynvml missing: no GPU breakdown checked"
         return None
-    return NvmlTruth(0, torch_memory=CudaTorchMemory(0), weights=lambda: 0)
+    from kvledger.engines.vllm.gpu_truth import WorkerTruth, cuda_index
+
+    assert cuda_index({"layer.0": runner.model.weight}) == 0
+    return WorkerTruth(ledger, runner, 0)

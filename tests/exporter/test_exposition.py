@@ -94,3 +94,22 @@ def test_prometheus_clients_openmetrics_writer_still_rewrites_colons(sources):
 )
 def test_format_choice(accept, om):
     assert prefers_openmetrics(accept) is om
+
+
+def test_the_label_memo_tells_apart_every_label_set_its_flat_keys_could_confuse() -> None:
+    """The memo's key is the names then the values, in one tuple: sets that share their
+    strings in another arrangement, or differ only in length, each get their own text."""
+    memo = LabelMemo()
+    sets = [
+        {"a": "b", "c": "d"},
+        {"a": "c", "b": "d"},
+        {"a": "b"},
+        {"a": "b", "c": "d", "e": ""},
+        {"c": "d", "a": "b"},  # the first set, inserted in another order: the same text
+        {},
+    ]
+    want = ['{a="b",c="d"}', '{a="c",b="d"}', '{a="b"}', '{a="b",c="d",e=""}', '{a="b",c="d"}', ""]
+    for _ in range(2):  # computed, then memoised
+        assert [memo(s) for s in sets] == want
+    memo.turn()
+    assert [memo(s) for s in sets] == want  # from the older half

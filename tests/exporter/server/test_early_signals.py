@@ -43,7 +43,9 @@ def test_a_dropped_ctrl_c_is_recorded() -> None:
 
 def test_without_it_the_same_ctrl_c_is_lost() -> None:
     """The control: what the module is for (nothing records the dropped signal)."""
-    proc = _run("from exporter.server import early_signals\n" + DROP + "print(early_signals.received())")
+    proc = _run(
+        "from exporter.server import early_signals\n" + DROP + "print(early_signals.received())"
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
 
 

@@ -353,3 +353,36 @@ def test_the_worker_view_and_the_gpu_parts(snapdir, monkeypatch, v2) -> None:
         assert parts["kv"] == cache.physical_bytes
         assert parts["outside_torch"] == context
         assert parts["activations"] == 50 * MIB and parts["unattributed"] == 0
+
+
+@pytest.mark.slow
+def test_the_debug_page_says_how_much_of_the_reservation_is_backed(snapdir, monkeypatch, v2):
+    """/debug/kv's HTML, read by Chromium: the worker line of an extensible cache says how
+    many blocks are backed now and the physical against the reserved bytes."""
+    from exporter import html
+    from exporter.app import create_app
+    from kvledger.engines.exports import register_all
+    from tests import browser
+    from tests.servers import UvicornThread
+
+    if not browser.available():
+        pytest.skip("needs Debian's chromium")
+    register_all()  # as `kvledger serve` does: vLLM's sources served in their own shape
+    with host_vmm(monkeypatch):
+        _, config, runner = _setup(monkeypatch, v2)
+        assert hooks.install()
+        v2.initialize_kv_cache(runner, config, extensible=True)
+        cache = runner.extensible_kv_cache
+        cache.commit(cache.capacity_blocks // 4)
+        hooks.worker_ledger().publish_now()
+        with (
+            Sources(snapdir) as sources,
+            UvicornThread(create_app(sources, debug_html=html.page)) as server,
+        ):
+            parsed = browser.parse(browser.dump_dom(f"{server.url}/debug/kv"))
+    [line] = [e for e in parsed.elements if "data-committed-blocks" in e]
+    assert int(line["data-committed-blocks"]) == cache.num_committed_blocks > 0
+    text = " ".join(parsed.text)
+    backed = f"{cache.num_committed_blocks:,} of them backed now"
+    assert backed in text, text[:2000]
+    assert "reserved)" in text

@@ -695,8 +695,11 @@ class PageStore:
             self.cond.notify_all()
             while self.busy:  # a background step is calling the driver; let it finish
                 self.cond.wait(timeout=1.0)
-            self.policy.wait_fences()
             reporter = self.reporter
+            try:
+                self.policy.wait_fences()
+            except Exception as e:  # counted; the drain below waits for all device work anyway
+                reporter.failed("synchronize", e)
             self._drain_device()
             reporter.occupied = 0
             reporter.report()

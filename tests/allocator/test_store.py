@@ -220,3 +220,31 @@ def test_debug_state_is_a_copy(host: HostBackend) -> None:
         with store.lock:
             store.set_use(1, True)
         assert store.debug_state().in_use[1] == 1 and st.in_use[1] == 0
+
+
+def test_a_fence_wait_that_raises_does_not_leave_the_store_half_closed(host: HostBackend) -> None:
+    """close() waits for the spares' fences; a wait that raises (CUDA's sync debug mode
+    refusing it, a lost context) is counted and the close goes on: every page unmapped,
+    every set released, the observer detached so the account can go."""
+
+    class RefusedFence:
+        def done(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            raise RuntimeError("called a synchronizing CUDA operation")
+
+    store, ledger = _store(host, max_spare_pages=4)
+    with store.lock:
+        jobs = store.begin_map([1, 3], "map two spares")
+    store.drive_map(jobs)
+    with store.lock:
+        store.end_map(jobs, 0.001)
+    store.policy.fence([1, 3], RefusedFence())
+    store.close()
+    assert store.closed and not any(store.is_mapped(p) for p in range(PAGES))
+    assert host.stats()["handles"] == 0 and host.physical_bytes() == 0
+    assert store.stats()["driver_failures"] >= 1
+    [account] = ledger.accounts()
+    ledger.remove_account(account)  # detached: the ledger lets it go
+    store.close()  # idempotent

@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from accounting.ledger import Account, Ledger
+from accounting.ledger import Account, Ledger, LedgerError
 from allocator.backend import Backend
 from allocator.errors import IncompatibleError
 from allocator.mapper import BackgroundMapper
@@ -105,6 +105,7 @@ class Bridge:
         self.swa_owner: Any = None  # SGLang's SWATokenToKVPoolAllocator (the index mapping)
         self.rows_moved = 0  # rows moved by compaction
         self.compactions_deferred = 0  # compactions that moved nothing: ids still being read
+        self._store_left_open = False  # a detach's store close raised: the next detach retries
 
     @property
     def pool(self) -> Any:
@@ -183,20 +184,51 @@ class Bridge:
     # -- teardown -----------------------------------------------------------------------------
     def detach(self) -> None:
         """Restore SGLang's own SWA buffers (live rows copied back), release everything the
-        bridge mapped and remove the accounts `attach` registered. Idempotent."""
+        bridge mapped and remove the accounts `attach` registered. Idempotent. A detach that
+        raised (the copy back, or its store's close) raises that cause, not a consequence; an
+        account the ledger then refuses (its store still attached) stays held, and the next
+        detach closes what is left and removes it."""
         pool = self.pool
         if pool is not None and _BRIDGES.get(pool) is self:
             del _BRIDGES[pool]
         try:
             if self.active:
                 self._deactivate()
-        finally:
-            accounts, self.runtime_accounts = self.runtime_accounts, []
-            if self.swa_account is not None:
-                accounts.append(self.swa_account)
-                self.swa_account = None
-            for account in accounts:
+            elif self._store_left_open:
+                self._close_store()
+        except BaseException:
+            self._remove_accounts(raising=False)
+            raise
+        self._remove_accounts(raising=True)
+
+    def _remove_accounts(self, *, raising: bool) -> None:
+        """Remove the accounts `attach` registered. One the ledger refuses stays held for the
+        next detach; the refusal is raised with `raising`, else logged (an error is already
+        on its way and must not be hidden by this one)."""
+        held = [*self.runtime_accounts]
+        if self.swa_account is not None:
+            held.append(self.swa_account)
+        kept: list[Account] = []
+        refused: LedgerError | None = None
+        for account in held:
+            try:
                 self.ledger.remove_account(account)
+            except LedgerError as e:
+                kept.append(account)
+                refused = refused or e
+        swa = self.swa_account
+        self.runtime_accounts = [a for a in kept if a is not swa]
+        if swa is not None and not any(a is swa for a in kept):
+            self.swa_account = None
+        if refused is not None:
+            if raising:
+                raise refused
+            log.warning(
+                "kvledger: detach of %s kept %d account(s) the ledger refused: %s",
+                self.pool_name,
+                len(kept),
+                refused,
+            )
 
     def _deactivate(self) -> None:
         self.active = False
@@ -212,11 +244,17 @@ class Bridge:
                     bufs[i] = t
         finally:
             self.tensors = []
-            try:
-                self.store.close()
-            finally:
-                if self.owns_backend and self.backend is not None:
-                    self.backend.close()
+            self._close_store()
+
+    def _close_store(self) -> None:
+        """Close the store, then the backend the bridge owns. A close that raises leaves the
+        backend open and `_store_left_open` set, for the next detach to try again."""
+        assert self.store is not None
+        self._store_left_open = True
+        self.store.close()
+        self._store_left_open = False
+        if self.owns_backend and self.backend is not None:
+            self.backend.close()
 
     def __enter__(self) -> Bridge:
         return self

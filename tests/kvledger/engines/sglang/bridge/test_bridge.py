@@ -596,6 +596,35 @@ def test_detach_closes_a_backend_the_bridge_made(r: Rig) -> None:
     assert made[0].closed
 
 
+def test_a_detach_whose_close_raises_says_its_cause_and_keeps_what_it_could_not_free(
+    r: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's close raising (seen on an H100: a wait the sync debug mode refused) must
+    not be hidden behind the ledger's refusal to drop an account still attached, and must not
+    lose that account: the next detach closes what is left and removes it."""
+    br = r.attach(pool_options=EXACT)
+    a = r.sched.prefill(2 * rig.PAGE)
+    store = br.store
+    real_close = store.close
+
+    def refused() -> None:
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(store, "close", refused)
+    with pytest.raises(RuntimeError) as raised:
+        br.detach()
+    assert str(raised.value) == "refused"  # the cause itself, not the ledger's refusal
+    assert not br.active and br.swa_account is not None
+    assert [acc.family for acc in r.ledger.accounts()] == ["swa_kv"]  # the rest removed
+    assert r.backend.physical_bytes() > 0  # not unmapped: the store never closed
+    monkeypatch.setattr(store, "close", real_close)
+    br.detach()  # closes what is left, removes the account it kept
+    assert br.swa_account is None and r.ledger.accounts() == ()
+    assert r.backend.physical_bytes() == 0 and r.backend.stats()["mappings"] == 0
+    br.detach()  # idempotent
+    r.sched.finish(a)
+
+
 # -- off and incompatible ---------------------------------------------------------------------------
 def test_off_without_the_environment_variable(r: Rig) -> None:
     buffers = list(r.pool.swa_kv_pool.kv_buffer)

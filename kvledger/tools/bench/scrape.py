@@ -136,6 +136,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--scale-departed-cycles",
+        type=number(int, 1, 20),
+        default=1,
+        help="waves of new departed sources, one after the other (default: %(default)s)",
+    )
+    p.add_argument(
         "--control-tree",
         type=_tree,
         default=None,
@@ -270,7 +276,9 @@ def run(args: argparse.Namespace) -> int:
             ),
         }
         if args.scale_departed:
-            out["scale"]["departed"] = bench_departed(args.scale_departed, args.control_tree)
+            out["scale"]["departed"] = bench_departed(
+                args.scale_departed, args.control_tree, args.scale_departed_cycles
+            )
         for line in report_scale(out["scale"]):
             print(line)
     if args.json:

@@ -26,7 +26,8 @@ served scrape's tail while many ranks publish fast.
    beside one live publisher, scraped (`/metrics` plain and gzipped OpenMetrics,
    `/debug/kv`) for 8 s, removed, and scraped for 25 s more; each server's RSS (this
    tree's, and the control's when given, one after the other) at the start, at the peak
-   and at the end.
+   and at the end; with `--scale-departed-cycles N`, N waves of new sources one after the
+   other, each wave's peak and end (whether what stays after one wave serves the next).
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ def bench_served(
     }
 
 
-def _departed_once(count: int, tree: str | None) -> dict[str, float]:
+def _departed_once(count: int, tree: str | None, cycles: int = 1) -> dict[str, Any]:
     import json
     import tempfile
 
@@ -305,27 +306,40 @@ def _departed_once(count: int, tree: str | None) -> dict[str, float]:
         base = _rss_kib(server.proc.pid)
         with open(pub.path, "rb") as f:
             envelope, rows = parse(f.read())
-        for i in range(count):
-            snap = {**envelope["snapshot"], "labels": {"model_name": f"m{i}", "tp_rank": "0"}}
-            doc = {**envelope, "source": f"gone{i}", "snapshot": snap}
-            with open(os.path.join(d, f"gone{i}.json"), "wb") as out:
-                out.write(json.dumps(doc).encode() + b"\n" + rows)
-        scrape_for(8)
-        peak = _rss_kib(server.proc.pid)
-        for i in range(count):
-            os.unlink(os.path.join(d, f"gone{i}.json"))
-        scrape_for(25)
-        after = _rss_kib(server.proc.pid)
-    return {"base_mib": base / 1024, "peak_mib": peak / 1024, "after_mib": after / 1024}
+        peaks, afters = [], []
+        for cycle in range(cycles):  # new sources each cycle: nothing of the last is reused
+            names = [f"gone{cycle}-{i}" for i in range(count)]
+            for i, name in enumerate(names):
+                labels = {"model_name": f"m{cycle}-{i}", "tp_rank": "0"}
+                doc = {
+                    **envelope,
+                    "source": name,
+                    "snapshot": {**envelope["snapshot"], "labels": labels},
+                }
+                with open(os.path.join(d, f"{name}.json"), "wb") as out:
+                    out.write(json.dumps(doc).encode() + b"\n" + rows)
+            scrape_for(8)
+            peaks.append(_rss_kib(server.proc.pid) / 1024)
+            for name in names:
+                os.unlink(os.path.join(d, f"{name}.json"))
+            scrape_for(25)
+            afters.append(_rss_kib(server.proc.pid) / 1024)
+    return {
+        "base_mib": base / 1024,
+        "peak_mib": peaks[0],
+        "after_mib": afters[0],
+        "peaks_mib": peaks,
+        "afters_mib": afters,
+    }
 
 
-def bench_departed(count: int, control_tree: str | None) -> dict[str, Any]:
-    """RSS of `kvledger serve` before, with and after `count` sources (this tree, then the
-    control tree when given)."""
-    servers = {"this tree": _departed_once(count, None)}
+def bench_departed(count: int, control_tree: str | None, cycles: int = 1) -> dict[str, Any]:
+    """RSS of `kvledger serve` before, with and after `count` sources, `cycles` times over
+    with new sources each time (this tree, then the control tree when given)."""
+    servers = {"this tree": _departed_once(count, None, cycles)}
     if control_tree is not None:
-        servers["control"] = _departed_once(count, os.path.abspath(control_tree))
-    return {"sources": count, "servers": servers}
+        servers["control"] = _departed_once(count, os.path.abspath(control_tree), cycles)
+    return {"sources": count, "cycles": cycles, "servers": servers}
 
 
 def report_scale(scale: dict[str, Any]) -> list[str]:
@@ -376,6 +390,15 @@ def report_scale(scale: dict[str, Any]) -> list[str]:
                 f"after {m['after_mib']:6.1f}  after/start {ratio:.3f}  target <= 1.2: "
                 f"{'met' if ratio <= 1.2 else 'NOT met'}"
             )
+            if len(m.get("afters_mib", ())) > 1:
+                # Does memory that stays after one wave serve the next, or add to it?
+                lines.append(
+                    f"  {'':10s} each of {len(m['afters_mib'])} waves of new sources: peak "
+                    + " ".join(f"{x:.1f}" for x in m["peaks_mib"])
+                    + " MiB, after "
+                    + " ".join(f"{x:.1f}" for x in m["afters_mib"])
+                    + f"; last after / first after {m['afters_mib'][-1] / m['afters_mib'][0]:.3f}"
+                )
     served = scale.get("served")
     if served is not None:
         lines.append(

@@ -19,7 +19,9 @@
 So step N+1's host work runs while forward N runs (the forward stand-ins:
 `sglang_forward`). Per step the loop keeps the scheduler thread's host work (prepare +
 process, the loop's wait excluded), the waits inside it and the time they blocked
-(`sglang_waits`), the loop's wait and the step's wall time.
+(`sglang_waits`), the loop's wait and the step's wall time; with a `GcClock`, the garbage
+collections inside the step, and where each step lies (round, step), so the slowest steps
+can be named (`StepTimes.slowest`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger.engines.sglang.bridge.compact_policy import CompactionPolicy
+from kvledger.tools.bench.gc_clock import GcClock
 from kvledger.tools.bench.sglang_engine import PAGE, Engine, Request, Shape
 from kvledger.tools.bench.sglang_trace import TraceRequest, TraceSpec, prefix_tokens
 from kvledger.tools.bench.sglang_waits import WaitLog
@@ -112,6 +115,29 @@ class StepTimes:
     waits: list[int] = field(default_factory=list)
     loop_wait: list[float] = field(default_factory=list)
     wall: list[float] = field(default_factory=list)
+    prepare: list[float] = field(default_factory=list)  # the host work's two parts
+    process: list[float] = field(default_factory=list)
+    gc: list[float] = field(default_factory=list)  # collections inside the host work
+    compacted: list[bool] = field(default_factory=list)  # a compaction step moved rows
+    where: list[tuple[int, int]] = field(default_factory=list)  # (round, step in round)
+
+    def slowest(self, n: int = 3) -> list[dict[str, Any]]:
+        """The `n` steps of most host work, each with what it was made of (ms)."""
+        order = sorted(range(len(self.host)), key=self.host.__getitem__, reverse=True)[:n]
+        return [
+            {
+                "round": self.where[i][0],
+                "step": self.where[i][1],
+                "host_ms": self.host[i] * 1e3,
+                "prepare_ms": self.prepare[i] * 1e3,
+                "process_ms": self.process[i] * 1e3,
+                "gc_ms": self.gc[i] * 1e3,
+                "blocked_ms": self.blocked[i] * 1e3,
+                "waits": self.waits[i],
+                "compacted": self.compacted[i],
+            }
+            for i in order
+        ]
 
 
 class ServingLoop:
@@ -134,6 +160,7 @@ class ServingLoop:
         watch: Any = None,
         log: WaitLog | None = None,
         bridge: Any = None,
+        gc_clock: GcClock | None = None,
     ) -> None:
         self.name = name
         self.e = engine
@@ -148,6 +175,9 @@ class ServingLoop:
         self.watch = watch
         self.log = log or WaitLog()
         self.bridge = bridge
+        self.gc_clock = gc_clock
+        self.round = 0  # set by run(): which round a step's times belong to
+        self.round_step = 0
         self.step_no = 0
         self.next_arrival = 0
         self.waiting: list[TraceRequest] = []
@@ -247,6 +277,8 @@ class ServingLoop:
         t0 = time.perf_counter()
         log = self.log
         w0, b0 = log.waits, log.blocked_s
+        gc0 = self.gc_clock.seconds if self.gc_clock is not None else 0.0
+        c0 = self.compactions
         with self._window("prepare"):
             tokens = self._prepare()
         t1 = time.perf_counter()
@@ -273,6 +305,14 @@ class ServingLoop:
         tm.waits.append(log.waits - w0)
         tm.loop_wait.append(loop_wait)
         tm.wall.append(t4 - t0)
+        tm.prepare.append(t1 - t0)
+        tm.process.append(t4 - t3)
+        # the collections in the loop's wait are not host work, but read with it: a
+        # collection that straddles t2-t3 shows in gc and not in host
+        tm.gc.append(self.gc_clock.seconds - gc0 if self.gc_clock is not None else 0.0)
+        tm.compacted.append(self.compactions != c0)
+        tm.where.append((self.round, self.round_step))
+        self.round_step += 1
 
     def drain(self) -> None:
         """The batch in flight waited for and its result processed (between rounds)."""
@@ -284,13 +324,22 @@ class ServingLoop:
     def run(self, steps: int, after_step: Callable[[], None] | None = None) -> tuple[float, int]:
         """`steps` steps and the drain; returns (seconds, tokens)."""
         tok0 = self.tokens
+        self.round_step = 0
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step()
             if after_step is not None:
                 after_step()
         self.drain()
+        self.round += 1
         return time.perf_counter() - t0, self.tokens - tok0
+
+    def forget_times(self) -> None:
+        """Start the record afresh (after warm-up rounds): times and compaction counts."""
+        self.times = StepTimes()
+        self.compactions = 0
+        self.rows_moved = 0
+        self.round = 0
 
     def finish_all(self) -> None:
         self.drain()

@@ -31,6 +31,7 @@ from typing import Any
 
 from kvledger.engines.sglang.bridge.compact_policy import CompactionPolicy
 from kvledger.tools.bench import bootstrap
+from kvledger.tools.bench.gc_clock import GcClock
 from kvledger.tools.bench.sglang_engine import (
     PAGE,
     WINDOW,
@@ -201,7 +202,21 @@ def run_one(
         order = ("native", "bridged", "control") if control else ("native", "bridged")
         times: dict[str, list[float]] = {k: [] for k in order}
         toks: dict[str, list[int]] = {k: [] for k in order}
+        clock = stack.enter_context(GcClock())
+        for lp in loops.values():
+            lp.gc_clock = clock
+        warmup = int(getattr(args, "serving_warmup_steps", 0) or 0)
+        warm_max: dict[str, float] = {}
         with watch.installed() if watch is not None else contextlib.nullcontext():
+            if warmup:  # untimed, every variant alike, as an engine warms up before serving
+                for k in order:
+                    if watch is not None:
+                        watch.log = logs[k]
+                    loops[k].run(warmup)
+                    warm_max[k] = max(loops[k].times.host, default=0.0) * 1e3
+                    loops[k].forget_times()
+                    if k == "bridged":
+                        bridge.wait_idle()
             for i in range(rounds):
                 # each variant first in turn: no variant always runs after the same one
                 for k in order[i % len(order) :] + order[: i % len(order)]:
@@ -226,6 +241,7 @@ def run_one(
             "requests_finished": loops["native"].finished,
             "requests_in_trace": len(trace),
             "idle_steps": loops["native"].idle_steps,
+            "warmup_steps": warmup,
         }
         steps_total = rounds * per_round
         for k in order:
@@ -245,6 +261,9 @@ def run_one(
                 "waits_per_1000_steps": 1000 * sum(tm.waits) / steps_total,
                 "wait_kinds": dict(logs[k].kinds),
                 "other_thread_waits": logs[k].other_waits,
+                "slowest_steps": tm.slowest(3),
+                "gc_ms_total": sum(tm.gc) * 1e3,
+                "warmup_host_max_ms": warm_max.get(k),
             }
         b = loops["bridged"]
         out["paired"] = {
@@ -370,6 +389,18 @@ def report(r: dict[str, Any]) -> list[str]:
                 f"median {v['blocked_us']['median']:.1f} us, mean {v['blocked_us']['mean']:.1f}, "
                 f"max {v['blocked_us']['max']:.0f}; waits/1000 steps {v['waits_per_1000_steps']:.1f} "
                 f"{v['wait_kinds'] or ''}; loop wait median {v['loop_wait_ms']:.2f} ms"
+            )
+        for k, v in (("native", nat), ("bridged", br)):
+            slow = "; ".join(
+                f"r{x['round']}s{x['step']} {x['host_ms']:.1f} ms (prepare {x['prepare_ms']:.1f}, "
+                f"process {x['process_ms']:.1f}, gc {x['gc_ms']:.1f}, blocked "
+                f"{x['blocked_ms']:.1f}{', compacted' if x['compacted'] else ''})"
+                for x in v.get("slowest_steps", ())
+            )
+            warm = v.get("warmup_host_max_ms")
+            out.append(
+                f"    {k:8s} slowest steps: {slow}; gc in steps {v.get('gc_ms_total', 0):.1f} ms"
+                + (f"; warm-up's slowest {warm:.1f} ms" if warm is not None else "")
             )
         m, b = run["swa_memory"], run["bound"]
         out.append(

@@ -198,6 +198,12 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--serving-rounds", type=_positive, default=10, help="rounds a variant (10)")
     g.add_argument("--serving-steps", type=_positive, default=100, help="steps a round (100)")
     g.add_argument(
+        "--serving-cold-compaction",
+        action="store_true",
+        help="attach the bridge without its compaction warm-up (the first compaction then "
+        "loads its kernels inside a serving step)",
+    )
+    g.add_argument(
         "--serving-warmup-steps",
         type=number(int, 0, 100000),
         default=0,

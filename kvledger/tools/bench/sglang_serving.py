@@ -142,9 +142,11 @@ def run_one(
         bridged_e = ServingEngine(shape, dev_name)
         control = bool(getattr(args, "serving_control", False))
         ledger = Ledger({"model_name": "kvledger-bench-sglang-serving"})
-        pool_options = (
+        pool_options: dict[str, Any] = (
             {} if args.max_spare_pages is None else {"max_spare_pages": args.max_spare_pages}
         )
+        if getattr(args, "serving_cold_compaction", False):
+            pool_options["warm_compaction"] = False
         bridge: Any = attach_bridge(bridged_e, ledger, pool_options)
         stack.callback(bridge.detach)
         logs = {"native": WaitLog(), "bridged": WaitLog(), "control": WaitLog()}
@@ -242,6 +244,7 @@ def run_one(
             "requests_in_trace": len(trace),
             "idle_steps": loops["native"].idle_steps,
             "warmup_steps": warmup,
+            "compaction_warmed": bool(bridge.compaction_warmed),
         }
         steps_total = rounds * per_round
         for k in order:
@@ -368,7 +371,8 @@ def report(r: dict[str, Any]) -> list[str]:
         out.append(
             f"  forward {run['forward_ms']:g} ms, compaction {run['compaction']}: "
             f"{run['tokens']} tokens, {run['requests_finished']}/{run['requests_in_trace']} "
-            f"requests finished; same tokens native/bridged: {run['same_tokens']}"
+            f"requests finished; same tokens native/bridged: {run['same_tokens']}; "
+            f"compaction kernels warmed at attach: {run.get('compaction_warmed')}"
         )
         out.append(
             f"    tokens/s bridged/native {t['median']:.4f}x [{t['low']:.4f}, {t['high']:.4f}]; "

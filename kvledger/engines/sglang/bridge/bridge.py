@@ -78,6 +78,7 @@ DEFAULT_POOL_OPTIONS: dict[str, Any] = {
     "map_ahead": True,
     "ahead_rows": AHEAD_ROWS,
     "ahead_pages": AHEAD_PAGES,
+    "warm_compaction": True,  # compact.warm_up at attach (a device pool)
 }
 
 
@@ -105,6 +106,7 @@ class Bridge:
         self.swa_owner: Any = None  # SGLang's SWATokenToKVPoolAllocator (the index mapping)
         self.rows_moved = 0  # rows moved by compaction
         self.compactions_deferred = 0  # compactions that moved nothing: ids still being read
+        self.compaction_warmed = False  # compact.warm_up ran its kernels at attach
         self._store_left_open = False  # a detach's store close raised: the next detach retries
 
     @property
@@ -140,6 +142,7 @@ class Bridge:
             "forced_replays": policy.forced,
             "rows_moved": self.rows_moved,
             "compactions_deferred": self.compactions_deferred,
+            "compaction_warmed": int(self.compaction_warmed),
         }
 
     def compact(self, max_moves: int | None = None) -> int:
@@ -399,6 +402,7 @@ def _activate(
     map_ahead = bool(options.pop("map_ahead"))
     ahead_rows = int(options.pop("ahead_rows"))
     ahead_pages = options.pop("ahead_pages")
+    warm = bool(options.pop("warm_compaction"))
     layout = SlotLayout(
         capacity_slots=facts.rows,
         slot_bytes=facts.row_bytes,
@@ -465,6 +469,13 @@ def _activate(
     bridge.runtime_accounts = runtime
     bridge.active = True
     bridge.reason = ""
+    if warm:
+        from kvledger.engines.sglang.bridge.compact import warm_up
+
+        try:
+            bridge.compaction_warmed = warm_up(bridge)
+        except Exception as e:  # only the first compaction's time is at stake
+            log.warning("kvledger: SGLang DSV4 bridge: compaction warm-up failed: %s", e)
 
 
 def _register_native(bridge: Bridge) -> None:

@@ -150,6 +150,32 @@ def test_compaction_behind_a_busy_stream_unmaps_only_after_its_copies(
     check_rows(layers, before, token_rows(e, live))
 
 
+def test_the_warm_up_runs_the_compaction_kernels_and_changes_nothing_of_the_engine(
+    scattered: tuple[Engine, Any, list[Request]],
+) -> None:
+    import torch
+
+    from kvledger.engines.sglang.bridge.compact import warm_up
+
+    e, bridge, reqs = scattered
+    on_device = e.device != "cpu"
+    assert bridge.compaction_warmed == on_device  # attach warms a device pool only
+    assert bridge.stats()["compaction_warmed"] == int(on_device)
+    rows = token_rows(e, reqs)
+    mark_rows(bridge.tensors, rows)
+    mapping = e.allocator.full_to_swa_index_mapping.clone()
+    free = bridge.policy.allocator.free_pages.clone()
+    mapped = bridge.store.stats()["mapped_pages"]
+    assert warm_up(bridge, host=True)
+    if on_device:
+        torch.cuda.synchronize()
+    assert torch.equal(e.allocator.full_to_swa_index_mapping, mapping)
+    assert torch.equal(bridge.policy.allocator.free_pages, free)
+    assert token_rows(e, reqs) == rows
+    check_rows(bridge.tensors, rows, rows)  # (only rows in use: the others may be unmapped)
+    assert bridge.store.stats()["mapped_pages"] == mapped
+
+
 def test_compaction_refuses_another_thread(
     scattered: tuple[Engine, Any, list[Request]],
 ) -> None:

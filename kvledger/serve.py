@@ -38,12 +38,50 @@ log = logging.getLogger("kvledger.serve")
 def run(args: argparse.Namespace) -> int:
     from exporter.server.startup import StartupStopped, taken_over
 
+    _choose_malloc(getattr(args, "malloc", "python"))
     try:
         with taken_over() as start_up:
             return _serve(args, start_up)
     except StartupStopped as e:
         print(f"kvledger serve: stopped by {e} during start-up", file=sys.stderr, flush=True)
         return 0
+
+
+def _choose_malloc(choice: str) -> None:
+    """`--malloc jemalloc`: start this command again with jemalloc preloaded (once: the
+    second start only checks it took). Refused, in one line, where no trusted library is
+    found or kvledger was not started as a command."""
+    from exporter.server import malloc_exec as mx
+
+    if choice != "jemalloc":
+        return
+    if mx.second_start():
+        preloaded = os.environ.get("LD_PRELOAD", "").split(":")[0]
+        if not mx.loaded(preloaded):
+            print(
+                f"kvledger serve: --malloc jemalloc: {preloaded} is not mapped in this process "
+                "(LD_PRELOAD ignored?); serving with it unconfirmed",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    from exporter.server import early_signals
+
+    if early_signals.received():
+        return  # a Ctrl-C already came: the start-up stops as it would (taken_over)
+    found, why = mx.find_jemalloc()
+    if found is None:
+        raise UsageError(
+            "--malloc jemalloc: no trusted jemalloc library ("
+            + "; ".join(why)
+            + "); install it (Debian: apt-get install libjemalloc2) or use --malloc python"
+        )
+    if not mx.launched_as_command():
+        raise UsageError(
+            "--malloc jemalloc needs kvledger serve started as a command (kvledger or "
+            "python -m kvledger), which it starts again with the library preloaded"
+        )
+    mx.reexec(found)
 
 
 def _serve(args: argparse.Namespace, start_up: StartUp) -> int:

@@ -148,6 +148,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "finds new files parsed already; 0: only when a request comes (default: %(default)g)",
     )
     net.add_argument(
+        "--malloc",
+        choices=("python", "jemalloc"),
+        default="python",
+        help="the server's memory allocator: python (its own), or jemalloc, preloaded from "
+        "the system's library by starting the command again (gives memory back after many "
+        "sources come and go; exporter/server/malloc_exec.py) (default: %(default)s)",
+    )
+    net.add_argument(
         "--scrape-max-age",
         type=number(float, 0, 60),
         default=0.0,

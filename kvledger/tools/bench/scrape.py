@@ -142,6 +142,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="waves of new departed sources, one after the other (default: %(default)s)",
     )
     p.add_argument(
+        "--scale-malloc",
+        choices=("python", "jemalloc"),
+        default="python",
+        help="this tree's server's --malloc in the departed-sources run (default: %(default)s)",
+    )
+    p.add_argument(
         "--control-tree",
         type=_tree,
         default=None,
@@ -277,7 +283,10 @@ def run(args: argparse.Namespace) -> int:
         }
         if args.scale_departed:
             out["scale"]["departed"] = bench_departed(
-                args.scale_departed, args.control_tree, args.scale_departed_cycles
+                args.scale_departed,
+                args.control_tree,
+                args.scale_departed_cycles,
+                args.scale_malloc,
             )
         for line in report_scale(out["scale"]):
             print(line)

@@ -261,7 +261,9 @@ def bench_served(
     }
 
 
-def _departed_once(count: int, tree: str | None, cycles: int = 1) -> dict[str, Any]:
+def _departed_once(
+    count: int, tree: str | None, cycles: int = 1, malloc: str = "python"
+) -> dict[str, Any]:
     import json
     import tempfile
 
@@ -272,6 +274,8 @@ def _departed_once(count: int, tree: str | None, cycles: int = 1) -> dict[str, A
     with contextlib.ExitStack() as stack:
         d = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "snap")
         args = ["--no-demo", "--port", "0", "--snapshot-dir", d, "--log-interval", "3600"]
+        if malloc != "python":  # this tree only: a control tree may predate the flag
+            args += ["--malloc", malloc]
         env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
         server = stack.enter_context(ServeChild(args, env=env, cwd=tree))
         pub = stack.enter_context(
@@ -333,13 +337,16 @@ def _departed_once(count: int, tree: str | None, cycles: int = 1) -> dict[str, A
     }
 
 
-def bench_departed(count: int, control_tree: str | None, cycles: int = 1) -> dict[str, Any]:
+def bench_departed(
+    count: int, control_tree: str | None, cycles: int = 1, malloc: str = "python"
+) -> dict[str, Any]:
     """RSS of `kvledger serve` before, with and after `count` sources, `cycles` times over
-    with new sources each time (this tree, then the control tree when given)."""
-    servers = {"this tree": _departed_once(count, None, cycles)}
+    with new sources each time (this tree's server with `--malloc malloc`, then the control
+    tree's when given)."""
+    servers = {"this tree": _departed_once(count, None, cycles, malloc)}
     if control_tree is not None:
         servers["control"] = _departed_once(count, os.path.abspath(control_tree), cycles)
-    return {"sources": count, "cycles": cycles, "servers": servers}
+    return {"sources": count, "cycles": cycles, "malloc": malloc, "servers": servers}
 
 
 def report_scale(scale: dict[str, Any]) -> list[str]:
@@ -381,7 +388,8 @@ def report_scale(scale: dict[str, Any]) -> list[str]:
     if departed is not None:
         lines.append(
             f"departed: {departed['sources']} sources planted, served 8 s, removed, "
-            "served 25 s more; RSS of each server"
+            "served 25 s more; RSS of each server (this tree's allocator: "
+            f"{departed.get('malloc', 'python')})"
         )
         for key, m in departed["servers"].items():
             ratio = m["after_mib"] / m["base_mib"]

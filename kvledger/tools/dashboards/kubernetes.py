@@ -52,6 +52,9 @@ def serve_args() -> list[str]:
         str(PORT),
         "--token-file",
         f"{TOKEN_DIR}/token",
+        # memory given back after many sources come and go (the image installs libjemalloc2)
+        "--malloc",
+        "jemalloc",
     ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from accounting.units import format_size
+from exporter.server import malloc_exec
 from exporter.server.token import ENV
 from kvledger.argtypes import number, one_line_errors, size
 
@@ -149,7 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     net.add_argument(
         "--malloc",
-        choices=("python", "jemalloc"),
+        choices=malloc_exec.CHOICES,
         default="python",
         help="the server's memory allocator: python (its own), or jemalloc, preloaded from "
         "the system's library by starting the command again (gives memory back after many "

@@ -33,6 +33,7 @@ import os
 from typing import Any
 
 from accounting.snapfile.format import MAX_INTERVAL_S, MIN_INTERVAL_S
+from exporter.server import malloc_exec
 from kvledger.argtypes import number, one_line_errors, size
 from kvledger.tools.bench.overhead import bench_overhead, report
 from kvledger.tools.bench.scrape_concurrent import bench_concurrent, report_concurrent
@@ -143,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--scale-malloc",
-        choices=("python", "jemalloc"),
+        choices=malloc_exec.CHOICES,
         default="python",
         help="this tree's server's --malloc in the departed-sources run (default: %(default)s)",
     )

@@ -59,7 +59,10 @@ def refusal(path: str, owners: Sequence[int] | None = None, top: str = "/") -> s
         return f"{real}: not a regular file"
     where = real
     while True:
-        st = os.stat(where)
+        try:
+            st = os.stat(where)
+        except OSError as e:
+            return f"{where}: {e.strerror or e}"
         if st.st_uid not in allowed:
             return f"{where}: owned by uid {st.st_uid}, expected root or uid {os.geteuid()}"
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):

@@ -117,7 +117,7 @@ class StepTimes:
     wall: list[float] = field(default_factory=list)
     prepare: list[float] = field(default_factory=list)  # the host work's two parts
     process: list[float] = field(default_factory=list)
-    gc: list[float] = field(default_factory=list)  # collections inside the host work
+    gc: list[float] = field(default_factory=list)  # collections in the step (its wait too)
     compacted: list[bool] = field(default_factory=list)  # a compaction step moved rows
     where: list[tuple[int, int]] = field(default_factory=list)  # (round, step in round)
 

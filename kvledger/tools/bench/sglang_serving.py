@@ -156,24 +156,25 @@ def run_one(
             model_reader(bridge, device, logs["bridged"])
         watch = CudaSyncWatch(logs["native"]) if cuda else None
         fwd = forward_ms / 1000
+        clock = stack.enter_context(GcClock())  # collections timed per step, every variant
         loops = {
             "native": ServingLoop(
                 "native", native_e, trace, spec, device, fwd,
                 max_running=args.serving_max_running, prefill_tokens=args.serving_prefill_tokens,
-                watch=watch, log=logs["native"],
+                watch=watch, log=logs["native"], gc_clock=clock,
             ),
             "bridged": ServingLoop(
                 "bridged", bridged_e, trace, spec, device, fwd,
                 max_running=args.serving_max_running, prefill_tokens=args.serving_prefill_tokens,
                 policy=policy, compact_at=args.serving_compact, watch=watch,
-                log=logs["bridged"], bridge=bridge,
+                log=logs["bridged"], bridge=bridge, gc_clock=clock,
             ),
         }  # fmt: skip
         if control:  # native again: its ratio to native is the loop's own spread
             loops["control"] = ServingLoop(
                 "control", ServingEngine(shape, dev_name), trace, spec, device, fwd,
                 max_running=args.serving_max_running, prefill_tokens=args.serving_prefill_tokens,
-                watch=watch, log=logs["control"],
+                watch=watch, log=logs["control"], gc_clock=clock,
             )  # fmt: skip
         for lp in loops.values():
             lp.hold_prefixes()
@@ -204,9 +205,6 @@ def run_one(
         order = ("native", "bridged", "control") if control else ("native", "bridged")
         times: dict[str, list[float]] = {k: [] for k in order}
         toks: dict[str, list[int]] = {k: [] for k in order}
-        clock = stack.enter_context(GcClock())
-        for lp in loops.values():
-            lp.gc_clock = clock
         warmup = int(getattr(args, "serving_warmup_steps", 0) or 0)
         warm_max: dict[str, float] = {}
         with watch.installed() if watch is not None else contextlib.nullcontext():

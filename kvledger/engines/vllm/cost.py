@@ -43,7 +43,6 @@ methods (as `hooks` assumes for the scheduler); the counters are plain attribute
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
@@ -55,6 +54,7 @@ from typing import Any
 
 from kvledger.engines.vllm.patch import MethodPatch
 from kvledger.engines.vllm.switches import ENV_COST_DIR
+from kvledger.gc_clock import GcClock
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Totals:
     """What the timed wrappers add to: per hook, kvledger's time inside the engine core's
     steps (`hooks`) and, for all hooks together, outside them (`outside`: `has_requests`
     asked by the busy loop between steps, the publish when the engine goes idle); the steps;
-    the garbage collector's pauses (`gc.callbacks`)."""
+    the garbage collector's pauses (`gc`, a `GcClock`)."""
 
     def __init__(self) -> None:
         self.hooks = {name: HookTotals() for name in METERED}
@@ -142,9 +142,7 @@ class Totals:
         self.steps_executed = 0  # steps that ran the model (vLLM's own flag)
         self.step_ns = 0
         self.step_max_ns = 0
-        self.gc_ns = 0
-        self.gc_count = 0
-        self._gc_t0 = 0
+        self.gc = GcClock()  # installed by `install()`, taken out by `Meter.close()`
 
     def add_step(self, ns: int, executed: bool) -> None:
         self.steps += 1
@@ -152,14 +150,6 @@ class Totals:
         self.step_ns += ns
         if ns > self.step_max_ns:
             self.step_max_ns = ns
-
-    def on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._gc_t0 = perf_counter_ns()
-        elif self._gc_t0:
-            self.gc_ns += perf_counter_ns() - self._gc_t0
-            self.gc_count += 1
-            self._gc_t0 = 0
 
 
 class Meter(Totals):
@@ -213,7 +203,7 @@ class Meter(Totals):
             "hook_gc_ns": sum(h["gc_ns"] for h in hooks.values()),
             "outside_step": self.outside.to_dict(),
             "parts": {name: t.to_dict() for name, t in self.parts.items()},
-            "gc": {"count": self.gc_count, "ns": self.gc_ns},
+            "gc": {"count": self.gc.count, "ns": self.gc.ns},
             "timer_ns": self.timer_ns,
         }
 
@@ -269,10 +259,7 @@ class Meter(Totals):
 
     def close(self) -> None:
         """A last write (whatever changed), then the directory is closed. Idempotent."""
-        import gc
-
-        with contextlib.suppress(ValueError):
-            gc.callbacks.remove(self.on_gc)
+        self.gc.close()
         if self.dir.closed:
             return
         self.flush(idle=False, force=True)
@@ -306,25 +293,25 @@ def timed_hook(
         inner = [0, 0]  # vLLM's own ns and GC ns in the current call (one thread calls these)
 
         def vllm_method(*args: Any, **kwargs: Any) -> Any:
-            gc0 = meter.gc_ns
+            gc0 = meter.gc.ns
             t0 = perf_counter_ns()
             try:
                 return original(*args, **kwargs)
             finally:
                 inner[0] = perf_counter_ns() - t0
-                inner[1] = meter.gc_ns - gc0
+                inner[1] = meter.gc.ns - gc0
 
         hooked = make(vllm_method)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             inner[0] = inner[1] = 0
-            gc0 = meter.gc_ns
+            gc0 = meter.gc.ns
             t0 = perf_counter_ns()
             try:
                 out = hooked(*args, **kwargs)
             finally:
                 ns = perf_counter_ns() - t0
-                gc_own = meter.gc_ns - gc0 - inner[1]
+                gc_own = meter.gc.ns - gc0 - inner[1]
                 (totals if meter.in_step else outside).add(ns, inner[0], gc_own)
             if on_result is not None:
                 on_result(out)
@@ -456,9 +443,7 @@ def instrument(patches: list[MethodPatch], *, step_class: type | None = None) ->
             f"KVLEDGER_VLLM_COST=1: {step_class.__module__}.{step_class.__qualname__} has none "
             f"of {', '.join(STEP_METHODS)}; the cost mode cannot time this vLLM's step"
         )
-    import gc
-
-    gc.callbacks.append(meter.on_gc)
+    meter.gc.install()
     with _lock:
         old, _meter = _meter, meter
         if not _atexit:

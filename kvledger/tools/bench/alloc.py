@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import threading
@@ -25,6 +24,7 @@ from allocator import BackgroundMapper, SlotLayout, SwaPool
 from allocator.backend import Backend
 from allocator.specs import vmm_layer_specs
 from kvledger.argtypes import number
+from kvledger.gc_clock import GcClock
 
 # DeepSeek-V4 SWA geometry (docs/background.md#deepseek-v4-geometry): 584-byte tokens, 256 per page, pages padded to 576 B multiples.
 SWA_SLOT_BYTES = 584
@@ -254,12 +254,7 @@ def growth_latency(
     lat: list[float] = []
     calls_before: list[int] = []
     collections: list[int] = []  # garbage collections that ran during each alloc
-    gc_runs = [0]
-
-    def count_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            gc_runs[0] += 1
-
+    clock = GcClock()
     with SwaPool(
         counting, layers=layers, layout=layout, observer=_ledger_account(layout, layers), **opts
     ) as pool:
@@ -273,15 +268,15 @@ def growth_latency(
             # not as one Python tensor object per alloc, which the garbage collector would
             # walk (100k of them made full collections of ~100 ms land on this thread).
             held = 0
-            gc.callbacks.append(count_gc)
+            clock.install()
             for _ in range(steps):
                 for _ in range(requests):
-                    c0, g0 = counting.calls, gc_runs[0]
+                    c0, g0 = counting.calls, clock.count
                     t0 = time.perf_counter()
                     got = pool.alloc(1)
                     lat.append(time.perf_counter() - t0)
                     calls_before.append(counting.calls - c0)
-                    collections.append(gc_runs[0] - g0)
+                    collections.append(clock.count - g0)
                     held += int(got.numel())
                 if held > capacity * 0.8:
                     break
@@ -289,8 +284,7 @@ def growth_latency(
                 time.sleep(0.002)
             counting.watch_thread = None
         finally:
-            if count_gc in gc.callbacks:
-                gc.callbacks.remove(count_gc)
+            clock.close()
             if bg:
                 bg.close()
     with_calls = sum(1 for c in calls_before if c)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger.engines.sglang.bridge.compact_policy import CompactionPolicy
-from kvledger.tools.bench.gc_clock import GcClock
+from kvledger.gc_clock import GcClock
 from kvledger.tools.bench.sglang_engine import PAGE, Engine, Request, Shape
 from kvledger.tools.bench.sglang_trace import TraceRequest, TraceSpec, prefix_tokens
 from kvledger.tools.bench.sglang_waits import WaitLog

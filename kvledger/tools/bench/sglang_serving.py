@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvledger.engines.sglang.bridge.compact_policy import CompactionPolicy
+from kvledger.gc_clock import GcClock
 from kvledger.tools.bench import bootstrap
-from kvledger.tools.bench.gc_clock import GcClock
 from kvledger.tools.bench.sglang_engine import (
     PAGE,
     WINDOW,

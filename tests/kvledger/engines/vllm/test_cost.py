@@ -215,13 +215,10 @@ def test_a_gc_pause_inside_a_hook_is_told_apart() -> None:
 
         return wrapper
 
-    gc.callbacks.append(meter.on_gc)
-    try:
+    with meter.gc:
         cost.timed_hook(make, meter, "schedule")(_noop)()
-    finally:
-        gc.callbacks.remove(meter.on_gc)
     t = meter.hooks["schedule"]
-    assert meter.gc_count >= 1 and 0 < t.gc_ns <= t.ns
+    assert meter.gc.count >= 1 and 0 < t.gc_ns <= t.ns
 
 
 def _noop() -> None:

@@ -1,10 +1,10 @@
-"""kvledger/tools/bench/gc_clock.py: collections timed while installed, none after close."""
+"""kvledger/gc_clock.py: collections timed while installed, none after close."""
 
 from __future__ import annotations
 
 import gc
 
-from kvledger.tools.bench.gc_clock import GcClock
+from kvledger.gc_clock import GcClock
 
 
 def _garbage() -> None:

@@ -20,12 +20,17 @@ user is checked against a hash too, so the answer takes as long as for a known o
 The places in that queue are shared between clients, a client being the peer address of
 the connection (what uvicorn reports: the TCP peer, never a forwarded-for header, which
 the sender writes). One client holds at most `max_per_client` of them; a request past
-that gets the 503. When every place is taken, a request from a client holding fewer
-than the client holding the most (less one) takes the place of that client's newest
-request still waiting for its check, which gets the 503 instead: a flood of new
-passwords from a few addresses cannot keep a credential not seen before (Prometheus
-after a restart) out. Behind a reverse proxy every request comes from the proxy's
-address and shares one client's places: authenticate at the proxy, or accept that.
+that gets the 503. A client whose last check failed (within `SUSPECT_SECONDS`, and no
+check of its own has passed since) is a suspect. When every place is taken, a request
+takes the place of the newest request still waiting for its check of a client ranked
+below it, which gets the 503 instead: a suspect ranks below a client that is not one,
+and between two of the same kind, the client holding the most places ranks below one
+holding fewer (less one). So a flood of new passwords from a few addresses, or from
+many addresses that have each failed once, cannot keep a credential not seen before
+(Prometheus after a restart) out; a flood from more fresh addresses than the queue has
+places still can, for as long as it finds fresh ones. Behind a reverse proxy every
+request comes from the proxy's address and shares one client's places: authenticate at
+the proxy, or accept that.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ import binascii
 import hashlib
 import hmac
 import secrets
+import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -52,6 +58,8 @@ REALM = "kvledger"
 MAX_REMEMBERED = 256
 MAX_WAITING = 8  # requests waiting for a check beyond the `max_checks` running
 MAX_PER_CLIENT = 4  # places in the check queue (running or waiting) one client may hold
+SUSPECT_SECONDS = 600.0  # how long a failed check ranks its client below the others
+MAX_SUSPECTS = 4096  # clients remembered as suspects (the oldest forgotten first)
 BUSY = b"too many password checks\n"
 MAX_HEADER = 4096
 INSTALL_HINT = "basic_auth_users needs the bcrypt package: pip install 'kvledger[tls]'"
@@ -94,6 +102,7 @@ class BasicAuth:
         self._max_checking = max_checks + max_waiting
         self._per_client = max(1, min(max_per_client, self._max_checking))
         self._queue = _CheckQueue()
+        self._suspects = _Suspects()
         self.busy = 0  # requests answered 503: too many waiting for a check
         self.displaced = 0  # of those, waiting ones whose place another client's request took
         self._challenge = f'Basic realm="{REALM}", charset="UTF-8"'.encode()
@@ -159,14 +168,16 @@ class BasicAuth:
 
     def _admit(self, client: str) -> bool:
         """Whether a request of `client` may wait for a check: under its share and the cap,
-        or by displacing the newest waiting request of the client holding the most."""
+        or by displacing the newest waiting request of a client ranked below it."""
         q = self._queue
         held = q.held(client)
         if held >= self._per_client:
             return False
         if q.total < self._max_checking:
             return True
-        return q.displace(more_than=held + 1)
+        return q.displace(
+            suspect=self._suspects.now(client), held=held, is_suspect=self._suspects.now
+        )
 
     def _mark(self, user: bytes, password: bytes) -> bytes:
         return hmac.new(self._key, user + b"\0" + password, hashlib.sha256).digest()
@@ -213,6 +224,7 @@ class BasicAuth:
         if entry.result is None:  # displaced while it waited for a thread
             return None
         passed = entry.result and hashed is not None
+        self._suspects.record(client, failed=not passed)
         remembered = self._passed if passed else self._failed
         remembered[mark] = None
         if len(remembered) > MAX_REMEMBERED:
@@ -264,19 +276,57 @@ class _CheckQueue:
             del self._by_client[entry.client]
         self.total -= 1
 
-    def displace(self, *, more_than: int) -> bool:
-        """Cancel the newest waiting request of the client holding the most places among
-        those holding more than `more_than` with a request still waiting (a running check
-        is never cut short); True when a place was freed."""
-        for held in sorted(self._by_client.values(), key=len, reverse=True):
-            if len(held) <= more_than:
-                return False
-            for entry in reversed(held):
+    def displace(self, *, suspect: bool, held: int, is_suspect: Callable[[str], bool]) -> bool:
+        """For a request of a client that is `suspect` or not and holds `held` places: cancel
+        the newest waiting request (a running check is never cut short) of the lowest-ranked
+        client ranked below it (a suspect below one that is not; then the most places below
+        fewer, by more than one). True when a place was freed."""
+        ranked = sorted(
+            (
+                (is_suspect(client), len(entries), entries)
+                for client, entries in self._by_client.items()
+            ),
+            key=lambda r: (r[0], r[1]),
+            reverse=True,
+        )
+        for victim_suspect, victim_held, entries in ranked:
+            below = (victim_suspect and not suspect) or (
+                victim_suspect == suspect and victim_held > held + 1
+            )
+            if not below:
+                continue
+            for entry in reversed(entries):
                 if not entry.started:
                     entry.scope.cancel()
                     self.leave(entry)  # its place is free now; the cancelled wait ends soon
                     return True
         return False
+
+
+class _Suspects:
+    """Clients whose last check failed, for `SUSPECT_SECONDS` (event loop only; at most
+    `MAX_SUSPECTS`, the oldest forgotten first). A check that passes clears its client."""
+
+    def __init__(self) -> None:
+        self._since: OrderedDict[str, float] = OrderedDict()
+
+    def record(self, client: str, *, failed: bool) -> None:
+        if not failed:
+            self._since.pop(client, None)
+            return
+        self._since[client] = time.monotonic()
+        self._since.move_to_end(client)
+        if len(self._since) > MAX_SUSPECTS:
+            self._since.popitem(last=False)
+
+    def now(self, client: str) -> bool:
+        since = self._since.get(client)
+        if since is None:
+            return False
+        if time.monotonic() - since > SUSPECT_SECONDS:
+            del self._since[client]
+            return False
+        return True
 
 
 def _client(scope: Any) -> str:

@@ -313,3 +313,58 @@ def test_a_password_flood_from_a_few_addresses_leaves_room_for_a_new_credential(
         assert all(d.get("401", 0) > 0 and d.get("503", 0) > 0 for d in during), during
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_a_password_flood_from_many_addresses_that_failed_leaves_room_for_a_new_credential(
+    tmp_path,
+):
+    """The hole the test above leaves: sixteen addresses (127.0.0.10-25), one connection
+    each, so none holds more places than a newcomer may take from, flood new wrong
+    passwords and keep the check queue (10 places) full. Before, a credential not seen
+    before got 503 for as long as the flood lasted; now a client whose last check failed
+    is a suspect and ranks below one that is not: each of three credentials not seen
+    before, from an address that has not failed (127.0.0.40), is checked and let in."""
+    from tests.floods import WrongPasswords, raw_get
+
+    fresh = {f"restarted{i}": f"new password {i}" for i in range(3)}
+    users = {name: basicauth.hash_password(pw, rounds=10) for name, pw in fresh.items()}
+    web = tls.web_config(
+        tmp_path / "web.yml",
+        {"basic_auth_users": {"prometheus": basicauth.hash_password(PASSWORD, rounds=10), **users}},
+    )
+    log = tmp_path / "serve.log"
+    args = [
+        *("--port", "0", "--no-demo", "--snapshot-dir", str(tmp_path / "snap")),
+        *("--web.config.file", str(web), "--log-interval", "3600"),
+        *("--max-connections", "128", "--request-timeout", "5"),
+    ]
+    with open(log, "wb") as err, ServeProcess(args, stderr=err) as serve:
+        host, port = serve.url.removeprefix("http://").rsplit(":", 1)
+        addr = (host, int(port))
+        scraper = raw_get(addr, auth=f"prometheus:{PASSWORD}")
+        wait_until(lambda: scraper("/healthz") == 200, 20, "serving")
+        with contextlib.ExitStack() as floods:
+            attacks = [
+                floods.enter_context(WrongPasswords(addr, 1, "prometheus", source=f"127.0.0.{i}"))
+                for i in range(10, 26)
+            ]
+            wait_until(
+                lambda: (
+                    all(a.statuses.get("401", 0) >= 1 for a in attacks)
+                    and sum(a.statuses.get("503", 0) for a in attacks) >= 20
+                ),
+                30,
+                "every address failed once and the queue is full",
+            )
+            got = {}
+            for name, password in fresh.items():
+                t0 = time.monotonic()
+                status = raw_get(addr, auth=f"{name}:{password}", source="127.0.0.40")("/metrics")
+                got[name] = (status, round(time.monotonic() - t0, 3))
+            during = [dict(a.statuses) for a in attacks]
+        print(f"fresh credentials during the flood: {got}; flood {during}")
+        assert all(status == 200 for status, _ in got.values()), (got, during)
+        assert all(seconds < 5 for _, seconds in got.values()), got
+        assert sum(d.get("503", 0) for d in during) > 0, during
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text, text[-3000:]

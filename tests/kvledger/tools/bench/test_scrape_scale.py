@@ -7,13 +7,7 @@ from kvledger.tools.bench.scrape_scale import fit_line, report_scale
 
 
 def _departed(afters: list[float], peaks: list[float]) -> dict:
-    server = {
-        "base_mib": 60.0,
-        "peak_mib": peaks[0],
-        "after_mib": afters[0],
-        "peaks_mib": peaks,
-        "afters_mib": afters,
-    }
+    server = {"base_mib": 60.0, "peaks_mib": peaks, "afters_mib": afters}
     return {"sources": 1000, "cycles": len(afters), "servers": {"this tree": server}}
 
 

@@ -102,10 +102,21 @@ class ModelReader:
 
 
 def model_reader(bridge: Any, device: HostDevice, log: WaitLog | None = None) -> ModelReader:
-    """Give a host-backend bridge `ModelReader` (its policy's and journal's reader)."""
+    """Give a host-backend bridge `ModelReader` (its policy's and journal's reader), and make
+    its page store's device drain (`Backend.synchronize`, which host memory never needs: the
+    store calls it at close, before unmapping) a modelled wait for every forward launched,
+    as CUDA's is."""
     reader = ModelReader(device, log)
     bridge.policy.reader = reader
     bridge.policy.journal.reader = reader
+    backend = bridge.store.pages.backend
+    drain = backend.synchronize
+
+    def synchronize() -> None:
+        reader.block("device drain", device.launched)
+        drain()
+
+    backend.synchronize = synchronize  # this bridge's own backend, closed with it
     return reader
 
 

@@ -64,3 +64,20 @@ def test_the_control_runs_native_twice_and_reports_its_spread() -> None:
     assert cc["n"] == 2 and cc["low"] <= cc["median"] <= cc["high"]
     assert run["control"]["host_us"]["n"] == 2 * 15
     assert any("control native/native" in x for x in serving.report(r))
+
+
+@pytest.mark.sglang
+def test_the_host_proof_finds_no_wait_but_detach_s_drain(capsys: pytest.CaptureFixture) -> None:
+    """The proof on the host model (a forward held in flight until each path ends): every
+    bridged path but detach waits for nothing; detach waits once, for the page store's
+    drain before it unmaps (by design), and says so instead of "ok"; exit 0."""
+    from kvledger.tools.bench import sglang_proof as proof
+
+    r = proof.sync_proof("cpu", 20.0)
+    for path in proof.PROOF_PATHS:
+        if path not in proof.WAITS_BY_DESIGN:
+            assert r["bridged"][path] == "ok", (path, r)
+        assert r["native"][path] in ("ok", "n/a"), (path, r)
+    assert r["bridged"]["detach"] == "1 waits ({'device drain': 1})", r
+    assert proof.main(["proof"]) == 0
+    assert "waits by design" in capsys.readouterr().out

@@ -159,3 +159,14 @@ def test_a_compaction_step_with_nothing_in_flight_waits_for_nothing(rig: Rig) ->
 
     assert rig.waits_of(step) == 0
     assert moved > 0
+
+
+def test_detach_waits_for_the_device_drain_and_says_so(rig: Rig) -> None:
+    """Detach waits by design (it unmaps, so every access queued before must be done): the
+    page store's drain, a no-op in host memory, is a modelled wait for the forward in
+    flight, as on CUDA, so the host proof does not read detach as free."""
+    _fragment(rig)
+    rig.log.kinds.clear()
+    rig.in_flight()
+    assert rig.waits_of(rig.bridge.detach) == 1
+    assert dict(rig.log.kinds) == {"device drain": 1}, dict(rig.log.kinds)

@@ -270,6 +270,9 @@ class Sources:
         # What the HTTP server closed, by reason (`kvledger serve` sets it to its
         # `exporter.server.connections.ConnectionGuard`'s counts); read with each scan.
         self.connection_counts: Callable[[], Mapping[str, int]] | None = None
+        # True when many client connections have gone since the last time (the server's
+        # guard): their freed heap is given back as after many files
+        self.connections_gone: Callable[[], bool] | None = None
         self._forgotten_trimmed = 0
         self._trims_due = 0
         self._failures = SourceFailures(("snapshot",), log)
@@ -346,13 +349,15 @@ class Sources:
         return Scan(tuple(views), files, source_errors, closed)
 
     def _release_memory(self) -> None:
-        """After many files are gone (TRIM_AFTER_FILES forgotten since the last time), give
-        the freed heap back to the OS, at this read and the next (by then a render has
-        dropped its own caches of them), so RSS does not stay at its peak."""
-        if self.files is None:
-            return
-        if self.files.forgotten - self._forgotten_trimmed >= TRIM_AFTER_FILES:
-            self._forgotten_trimmed = self.files.forgotten
+        """After many files are gone (TRIM_AFTER_FILES forgotten since the last time), or
+        many client connections (`connections_gone`), give the freed heap back to the OS, at
+        this read and the next (by then a render has dropped its own caches of them), so RSS
+        does not stay at its peak."""
+        if self.connections_gone is not None and self.connections_gone():
+            self._trims_due = 2
+        files = self.files
+        if files is not None and files.forgotten - self._forgotten_trimmed >= TRIM_AFTER_FILES:
+            self._forgotten_trimmed = files.forgotten
             self._trims_due = 2
         if self._trims_due:
             self._trims_due -= 1

@@ -32,7 +32,9 @@ uvicorn's h11 protocol, the one foreign API this module speaks):
 
 `ConnectionGuard` counts what it closed, by reason (`CLOSE_REASONS`; `bad_request`: a
 malformed request or a head over the size cap, answered 400 by uvicorn), for
-`kvledger_connections_closed_total`.
+`kvledger_connections_closed_total`. It also says when a crowd of connections has gone
+(`connections_gone`): what they held (TLS state, buffers) was freed, but glibc keeps the
+freed heap, and the directory scan then gives it back (`exporter.memory`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ SEND_BUFFER = 128 << 10
 # request a read brings; each waits as a request object). Prometheus pipelines none.
 MAX_PIPELINED = 16
 LOG_EVERY_S = 60.0
+# Connections closed since the most held at once, and the share of that peak still open at
+# most, before the heap they freed is given back (`ConnectionGuard.connections_gone`).
+RELEASE_AFTER_CLOSED = 256
+RELEASE_BELOW_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -182,8 +188,20 @@ class ConnectionGuard:
         self.unread_budget = UNREAD_BUDGET
         self.closed: dict[str, int] = dict.fromkeys(CLOSE_REASONS, 0)
         self.open = 0
+        self.peak = 0  # the most connections held at once since the last release
         self._clock = clock
         self._logged = -LOG_EVERY_S
+
+    def connections_gone(self) -> bool:
+        """True (once) when at least `RELEASE_AFTER_CLOSED` connections have closed since
+        the most held at once, and at most `RELEASE_BELOW_SHARE` of that peak are still
+        open: a flood has ended, and the memory its connections held is free to give back.
+        Read from the directory scan's thread (two ints: a stale read delays it a scan)."""
+        open_now, peak = self.open, self.peak
+        if peak - open_now >= RELEASE_AFTER_CLOSED and open_now <= peak * RELEASE_BELOW_SHARE:
+            self.peak = open_now
+            return True
+        return False
 
     def count(self, reason: str) -> None:
         """Count a connection closed for `reason`; one log line per LOG_EVERY_S at most."""
@@ -233,6 +251,8 @@ class _Watch:
         guard = self.guard
         self.transport = transport
         guard.open += 1
+        if guard.open > guard.peak:
+            guard.peak = guard.open
         self.arm()
         if guard.open > guard.limits.max_connections:
             victim = next((w for w in guard.waiting if w is not self), None)

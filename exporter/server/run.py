@@ -59,6 +59,7 @@ def serve(
     # TLS is the guard's (its handshake counted and timed from the TCP accept), not uvicorn's.
     guard = conn.ConnectionGuard(settings.limits, tls=web.tls)
     sources.connection_counts = guard.closed.copy
+    sources.connections_gone = guard.connections_gone
     config = uvicorn.Config(
         app,
         log_level="warning",

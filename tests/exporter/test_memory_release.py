@@ -70,3 +70,24 @@ def test_objects_of_1000_departed_sources_are_released(tmp_path):
     # Before, the label sets of the departed sources stayed memoised (~5 MB of strings and
     # tuples, up to 65,536 label sets) and kept the heap from shrinking.
     assert after - base < 1 << 20, (base, peak, after)
+
+
+def test_a_crowd_of_connections_gone_has_the_scan_give_the_heap_back(tmp_path, monkeypatch):
+    """The server's guard says when a crowd of client connections has gone
+    (`Sources.connections_gone`, set by `kvledger serve`); the scan then gives the freed
+    heap back (`release_free_memory`) at that read and the next, and not at reads after."""
+    import exporter.sources as sources_mod
+
+    trims: list[int] = []
+    monkeypatch.setattr(sources_mod, "release_free_memory", lambda: trims.append(1) or True)
+    gone = [False]
+    with Sources(tmp_path / "snap", create=True) as sources:
+        sources.connections_gone = lambda: gone[0]
+        sources.read()
+        assert trims == []
+        gone[0] = True
+        sources.read()
+        gone[0] = False
+        sources.read()
+        sources.read()
+    assert trims == [1, 1]

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
+from exporter.server import connections
 from exporter.server.connections import (
     ConnectionGuard,
     Limits,
@@ -320,3 +321,26 @@ def test_too_many_header_fields_get_431_alone_and_nothing_after_it(protocol):
         assert server.guard.closed["too_many_headers"] == 1
         assert server.guard.closed["bad_request"] == 0
         s.close()
+
+
+def test_a_crowd_of_connections_gone_is_said_once(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`connections_gone` (what has the directory scan give the freed heap back): True once
+    enough connections have closed since the most held at once and at most half of that
+    peak is still open; then not again until a new crowd comes and goes."""
+    monkeypatch.setattr(connections, "RELEASE_AFTER_CLOSED", 3)
+    guard = server.guard
+    socks = [server.connect() for _ in range(4)]  # the cap is 4: none evicted
+    wait_until(lambda: guard.open == 4, 5, "4 connections held")
+    assert guard.peak == 4 and not guard.connections_gone()
+    for s in socks[:2]:
+        s.close()
+    wait_until(lambda: guard.open == 2, 5, "2 closed")
+    assert not guard.connections_gone()  # 2 closed since the peak: fewer than 3
+    socks[2].close()
+    wait_until(lambda: guard.open == 1, 5, "3 closed")
+    assert guard.connections_gone()
+    assert not guard.connections_gone()  # said once: the peak is now what is open
+    assert guard.peak == 1
+    socks[3].close()

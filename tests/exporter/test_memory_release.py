@@ -79,7 +79,12 @@ def test_a_crowd_of_connections_gone_has_the_scan_give_the_heap_back(tmp_path, m
     import exporter.sources as sources_mod
 
     trims: list[int] = []
-    monkeypatch.setattr(sources_mod, "release_free_memory", lambda: trims.append(1) or True)
+
+    def release() -> bool:
+        trims.append(1)
+        return True
+
+    monkeypatch.setattr(sources_mod, "release_free_memory", release)
     gone = [False]
     with Sources(tmp_path / "snap", create=True) as sources:
         sources.connections_gone = lambda: gone[0]

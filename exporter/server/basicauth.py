@@ -175,9 +175,7 @@ class BasicAuth:
             return False
         if q.total < self._max_checking:
             return True
-        return q.displace(
-            suspect=self._suspects.now(client), held=held, is_suspect=self._suspects.now
-        )
+        return q.displace(client, is_suspect=self._suspects.now)
 
     def _mark(self, user: bytes, password: bytes) -> bytes:
         return hmac.new(self._key, user + b"\0" + password, hashlib.sha256).digest()
@@ -276,11 +274,12 @@ class _CheckQueue:
             del self._by_client[entry.client]
         self.total -= 1
 
-    def displace(self, *, suspect: bool, held: int, is_suspect: Callable[[str], bool]) -> bool:
-        """For a request of a client that is `suspect` or not and holds `held` places: cancel
-        the newest waiting request (a running check is never cut short) of the lowest-ranked
-        client ranked below it (a suspect below one that is not; then the most places below
-        fewer, by more than one). True when a place was freed."""
+    def displace(self, client: str, *, is_suspect: Callable[[str], bool]) -> bool:
+        """For a request of `client`: cancel the newest waiting request (a running check is
+        never cut short) of the lowest-ranked client ranked below it (a suspect below one
+        that is not; then the most places below fewer, by more than one). True when a place
+        was freed."""
+        suspect, held = is_suspect(client), self.held(client)
         ranked = sorted(
             (
                 (is_suspect(client), len(entries), entries)

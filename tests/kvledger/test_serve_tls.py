@@ -324,13 +324,15 @@ def test_a_flood_of_wrong_passwords_does_not_crowd_out_the_scraper(tmp_path, fd_
     assert "Traceback" not in text, text[-3000:]
 
 
-def test_a_password_flood_from_a_few_addresses_leaves_room_for_a_new_credential(tmp_path):
-    """Issue 43, the rest of finding 3: three addresses (127.0.0.2-4) flood new wrong
-    passwords, 24 connections each, so the check queue is always full. Before, a credential
-    not seen before got 503 for as long as the flood lasted; now one address holds at most 4
-    places and a request from an address holding fewer takes the place of the biggest
-    holder's newest waiting request: each of three credentials not seen before, from a
-    fourth address (127.0.0.5), is checked and let in during the flood."""
+def _new_credentials_during_a_flood(
+    tmp_path: Path, attackers: dict[str, int], newcomer: str, ready: str
+) -> tuple[dict[str, tuple[int, float]], list[dict[str, int]]]:
+    """`kvledger serve` with basic auth (bcrypt cost 10, `--max-connections 128`); from each
+    address of `attackers`, that many connections flood new wrong passwords; once `ready`
+    holds ("queue full": each address answered 503 ten times; "failed and full": each
+    failed a check and 20 answers were 503), three credentials never seen before are sent
+    one after another from `newcomer`. Returns (user -> (status, seconds)) and the flood's
+    answers by status, per address; no traceback in the server's log."""
     from tests.floods import WrongPasswords, raw_get
 
     fresh = {f"restarted{i}": f"new password {i}" for i in range(3)}
@@ -345,6 +347,13 @@ def test_a_password_flood_from_a_few_addresses_leaves_room_for_a_new_credential(
         *("--web.config.file", str(web), "--log-interval", "3600"),
         *("--max-connections", "128", "--request-timeout", "5"),
     ]
+    conditions = {
+        "queue full": lambda attacks: all(a.statuses.get("503", 0) >= 10 for a in attacks),
+        "failed and full": lambda attacks: (
+            all(a.statuses.get("401", 0) >= 1 for a in attacks)
+            and sum(a.statuses.get("503", 0) for a in attacks) >= 20
+        ),
+    }
     with open(log, "wb") as err, ServeProcess(args, stderr=err) as serve:
         host, port = serve.url.removeprefix("http://").rsplit(":", 1)
         addr = (host, int(port))
@@ -352,24 +361,35 @@ def test_a_password_flood_from_a_few_addresses_leaves_room_for_a_new_credential(
         wait_until(lambda: scraper("/healthz") == 200, 20, "serving")
         with contextlib.ExitStack() as floods:
             attacks = [
-                floods.enter_context(WrongPasswords(addr, 24, "prometheus", source=f"127.0.0.{i}"))
-                for i in (2, 3, 4)
+                floods.enter_context(WrongPasswords(addr, n, "prometheus", source=source))
+                for source, n in attackers.items()
             ]
-            wait_until(
-                lambda: all(a.statuses.get("503", 0) >= 10 for a in attacks), 20, "queue full"
-            )
+            wait_until(lambda: conditions[ready](attacks), 30, ready)
             got = {}
             for name, password in fresh.items():
                 t0 = time.monotonic()
-                status = raw_get(addr, auth=f"{name}:{password}", source="127.0.0.5")("/metrics")
+                status = raw_get(addr, auth=f"{name}:{password}", source=newcomer)("/metrics")
                 got[name] = (status, round(time.monotonic() - t0, 3))
             during = [dict(a.statuses) for a in attacks]
         print(f"fresh credentials during the flood: {got}; flood {during}")
-        assert all(status == 200 for status, _ in got.values()), (got, during)
-        assert all(seconds < 5 for _, seconds in got.values()), got
-        assert all(d.get("401", 0) > 0 and d.get("503", 0) > 0 for d in during), during
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
+    return got, during
+
+
+def test_a_password_flood_from_a_few_addresses_leaves_room_for_a_new_credential(tmp_path):
+    """Issue 43, the rest of finding 3: three addresses (127.0.0.2-4) flood new wrong
+    passwords, 24 connections each, so the check queue is always full. Before, a credential
+    not seen before got 503 for as long as the flood lasted; now one address holds at most 4
+    places and a request from an address holding fewer takes the place of the biggest
+    holder's newest waiting request: each of three credentials not seen before, from a
+    fourth address (127.0.0.5), is checked and let in during the flood."""
+    got, during = _new_credentials_during_a_flood(
+        tmp_path, {f"127.0.0.{i}": 24 for i in (2, 3, 4)}, "127.0.0.5", "queue full"
+    )
+    assert all(status == 200 for status, _ in got.values()), (got, during)
+    assert all(seconds < 5 for _, seconds in got.values()), got
+    assert all(d.get("401", 0) > 0 and d.get("503", 0) > 0 for d in during), during
 
 
 def test_a_password_flood_from_many_addresses_that_failed_leaves_room_for_a_new_credential(
@@ -381,47 +401,9 @@ def test_a_password_flood_from_many_addresses_that_failed_leaves_room_for_a_new_
     before got 503 for as long as the flood lasted; now a client whose last check failed
     is a suspect and ranks below one that is not: each of three credentials not seen
     before, from an address that has not failed (127.0.0.40), is checked and let in."""
-    from tests.floods import WrongPasswords, raw_get
-
-    fresh = {f"restarted{i}": f"new password {i}" for i in range(3)}
-    users = {name: basicauth.hash_password(pw, rounds=10) for name, pw in fresh.items()}
-    web = tls.web_config(
-        tmp_path / "web.yml",
-        {"basic_auth_users": {"prometheus": basicauth.hash_password(PASSWORD, rounds=10), **users}},
+    got, during = _new_credentials_during_a_flood(
+        tmp_path, {f"127.0.0.{i}": 1 for i in range(10, 26)}, "127.0.0.40", "failed and full"
     )
-    log = tmp_path / "serve.log"
-    args = [
-        *("--port", "0", "--no-demo", "--snapshot-dir", str(tmp_path / "snap")),
-        *("--web.config.file", str(web), "--log-interval", "3600"),
-        *("--max-connections", "128", "--request-timeout", "5"),
-    ]
-    with open(log, "wb") as err, ServeProcess(args, stderr=err) as serve:
-        host, port = serve.url.removeprefix("http://").rsplit(":", 1)
-        addr = (host, int(port))
-        scraper = raw_get(addr, auth=f"prometheus:{PASSWORD}")
-        wait_until(lambda: scraper("/healthz") == 200, 20, "serving")
-        with contextlib.ExitStack() as floods:
-            attacks = [
-                floods.enter_context(WrongPasswords(addr, 1, "prometheus", source=f"127.0.0.{i}"))
-                for i in range(10, 26)
-            ]
-            wait_until(
-                lambda: (
-                    all(a.statuses.get("401", 0) >= 1 for a in attacks)
-                    and sum(a.statuses.get("503", 0) for a in attacks) >= 20
-                ),
-                30,
-                "every address failed once and the queue is full",
-            )
-            got = {}
-            for name, password in fresh.items():
-                t0 = time.monotonic()
-                status = raw_get(addr, auth=f"{name}:{password}", source="127.0.0.40")("/metrics")
-                got[name] = (status, round(time.monotonic() - t0, 3))
-            during = [dict(a.statuses) for a in attacks]
-        print(f"fresh credentials during the flood: {got}; flood {during}")
-        assert all(status == 200 for status, _ in got.values()), (got, during)
-        assert all(seconds < 5 for _, seconds in got.values()), got
-        assert sum(d.get("503", 0) for d in during) > 0, during
-    text = log.read_text(errors="replace")
-    assert "Traceback" not in text, text[-3000:]
+    assert all(status == 200 for status, _ in got.values()), (got, during)
+    assert all(seconds < 5 for _, seconds in got.values()), got
+    assert sum(d.get("503", 0) for d in during) > 0, during

@@ -17,7 +17,18 @@ def test_the_newest_waiting_request_of_the_biggest_holder_gives_up_its_place():
 
 
 def _displace(q: basicauth._CheckQueue, *, held: int, suspect: bool = False, suspects=()) -> bool:
-    return q.displace(suspect=suspect, held=held, is_suspect=lambda c: c in suspects)
+    """A request of a newcomer holding `held` places (entered here, taken out after)."""
+    newcomer = "192.0.2.1"
+    entries = [q.enter(newcomer) for _ in range(held)]
+    for e in entries:
+        e.started = True  # (never a victim of its own request)
+    try:
+        return q.displace(
+            newcomer, is_suspect=lambda c: c in suspects or (c == newcomer and suspect)
+        )
+    finally:
+        for e in entries:
+            q.leave(e)
 
 
 async def _biggest_holder_gives_up() -> None:
